@@ -1,0 +1,106 @@
+"""ckptstore's Python client: save and load PyTorch checkpoints with correct placement.
+
+    import client
+    client.save("my-run", model, optim, step=100)
+    client.load("my-run", model=model, optim=optim, device="cuda")
+
+The module-level functions use a client built from ``CKPTSTORE_URL`` / ``CKPTSTORE_HOME``
+as they are when the function is called; build a :class:`Client` to choose explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from client.api import Client
+from client.results import LoadResult, SaveResult
+from service.errors import (
+    CheckpointError,
+    ConflictError,
+    IntegrityError,
+    InvalidInputError,
+    InvalidManifestError,
+    InvalidNameError,
+    InvalidShardError,
+    MissingTensorsError,
+    NotFoundError,
+    StateEncodingError,
+    StateMismatchError,
+    StorageError,
+)
+from service.records import RunInfo, VersionInfo
+
+__all__ = [
+    "CheckpointError",
+    "Client",
+    "ConflictError",
+    "IntegrityError",
+    "InvalidInputError",
+    "InvalidManifestError",
+    "InvalidNameError",
+    "InvalidShardError",
+    "LoadResult",
+    "MissingTensorsError",
+    "NotFoundError",
+    "RunInfo",
+    "SaveResult",
+    "StateEncodingError",
+    "StateMismatchError",
+    "StorageError",
+    "VersionInfo",
+    "default_client",
+    "load",
+    "runs",
+    "save",
+    "versions",
+]
+
+_clients: dict[tuple[str | None, str | None, str | None], Client] = {}
+_clients_lock = threading.Lock()
+
+
+def default_client() -> Client:
+    """The client for the current ``CKPTSTORE_URL`` / ``CKPTSTORE_HOME`` / ``CKPTSTORE_TOKEN``.
+
+    Read at every call; one client is kept per distinct setting so the digest cache of
+    frozen tensors survives between saves.
+    """
+    settings = (
+        os.environ.get("CKPTSTORE_URL") or None,
+        os.environ.get("CKPTSTORE_HOME") or None,
+        os.environ.get("CKPTSTORE_TOKEN") or None,
+    )
+    with _clients_lock:
+        if settings not in _clients:
+            url, home, token = settings
+            _clients[settings] = Client(url, home=home, token=token)
+        return _clients[settings]
+
+
+def save(
+    run_id: str,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    **options: Any,
+) -> SaveResult:
+    """Save with the default client; see :meth:`Client.save`."""
+    return default_client().save(run_id, model, optim, **options)
+
+
+def load(run_id: str, version: int | str = "latest", **options: Any) -> LoadResult:
+    """Load with the default client; see :meth:`Client.load`."""
+    return default_client().load(run_id, version, **options)
+
+
+def versions(run_id: str) -> list[VersionInfo]:
+    """Versions of a run, from the default client's store."""
+    return default_client().versions(run_id)
+
+
+def runs() -> list[RunInfo]:
+    """Runs in the default client's store."""
+    return default_client().runs()

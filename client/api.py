@@ -1,0 +1,243 @@
+"""The Client: save and load checkpoints through one transport."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client import restore
+from client.hashing import DigestCache, digest_all
+from client.progress import byte_bar
+from client.reader import TensorReader
+from client.results import LoadResult, SaveResult
+from client.shards import write_shard
+from client.state import FlatState, TensorRecord, flatten
+from client.tensors import dtype_name
+from client.transport import Transport
+from service import __version__
+from service.errors import InvalidInputError, StateMismatchError
+from service.format.dtypes import dtype_class
+from service.format.manifest import ManifestBody, TensorEntry
+from service.format.names import validate_run_id, validate_tag
+from service.format.sharding import DEFAULT_SHARD_BYTES, plan_shards
+from service.records import RunInfo, VersionInfo
+from service.store import Store
+
+DEFAULT_HOME = "~/.ckptstore"
+
+
+def default_home() -> Path:
+    """``$CKPTSTORE_HOME`` or ``~/.ckptstore``, read now."""
+    return Path(os.environ.get("CKPTSTORE_HOME") or DEFAULT_HOME).expanduser()
+
+
+def open_transport(url: str | None, home: Path | str | None, token: str | None) -> Transport:
+    """An embedded store in ``home``, or a server at ``url``."""
+    if url:
+        raise InvalidInputError(
+            f"cannot reach {url!r}: this installation has only the embedded store; "
+            "unset CKPTSTORE_URL to use it"
+        )
+    return Store.open_home(Path(home) if home is not None else default_home())
+
+
+class Client:
+    """A connection to one checkpoint store.
+
+    Args:
+        url: a ckptstore server; None for the embedded store.
+        home: the embedded store's folder (default ``$CKPTSTORE_HOME`` or ``~/.ckptstore``).
+        token: bearer token for a server.
+        shard_bytes: target size of each shard written.
+        hash_cache: reuse digests of frozen tensors that did not change since this client
+            last hashed them.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        home: Path | str | None = None,
+        token: str | None = None,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        hash_cache: bool = True,
+    ) -> None:
+        self.transport = open_transport(url, home, token)
+        self.shard_bytes = shard_bytes
+        self.digest_cache = DigestCache() if hash_cache else None
+
+    def close(self) -> None:
+        """Release the store's resources."""
+        self.transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        run_id: str,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+    ) -> SaveResult:
+        """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``.
+
+        Only tensors the store lacks are written; the version becomes visible once all of
+        its bytes are stored.
+        """
+        started = time.perf_counter()
+        validate_run_id(run_id)
+        tags = [validate_tag(t) for t in tags]
+        flat = flatten(model, optim, scheduler, extra)
+        digests = digest_all([(r.key, r.tensor) for r in flat.records], self.digest_cache)
+        entries = [_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)]
+        body = ManifestBody(
+            tensors=entries,
+            state=flat.state,
+            step=step,
+            metrics=dict(metrics or {}),
+            library={"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        )
+        sizes = {e.digest: e.nbytes for e in entries if e.digest is not None and e.nbytes > 0}
+        missing = set(self.transport.missing(list(sizes)))
+        stored, shards = self._upload(flat, digests, missing, sizes)
+        info = self.transport.commit(run_id, body, tags=tags)
+        return SaveResult(
+            run_id=run_id,
+            version=info.version,
+            bytes_total=info.bytes_total,
+            bytes_new=sum(sizes[d] for d in missing),
+            bytes_stored=stored,
+            tensors_total=len(entries),
+            tensors_new=len(missing),
+            shards=shards,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _upload(
+        self, flat: FlatState, digests: list[str], missing: set[str], sizes: dict[str, int]
+    ) -> tuple[int, int]:
+        first: dict[str, tuple[str, torch.Tensor]] = {}
+        for record, digest in zip(flat.records, digests, strict=True):
+            if digest in missing and digest not in first:
+                first[digest] = (record.key, record.tensor)
+        plan = plan_shards([(d, sizes[d]) for d in first], self.shard_bytes)
+        stored = 0
+        with byte_bar(sum(sizes[d] for d in first), "save") as bar:
+            for group in plan:
+                path = self.transport.staging_path()
+                try:
+                    stored += write_shard(path, [(d, *first[d]) for d in group], bar.update)
+                    self.transport.ingest_file(path)
+                finally:
+                    path.unlink(missing_ok=True)
+        return stored, len(plan)
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load(
+        self,
+        run_id: str,
+        version: int | str = "latest",
+        *,
+        model: torch.nn.Module | None = None,
+        optim: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        strict: bool = True,
+    ) -> LoadResult:
+        """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict).
+
+        Model tensors are copied into the model's own parameters (moved to ``device`` if
+        given); optimizer state lands on each parameter's device with its saved dtype;
+        ``dtype`` casts floating model tensors only. Strict by default: missing or
+        unexpected model keys raise StateMismatchError before anything is written.
+        """
+        started = time.perf_counter()
+        if optim is not None and model is None:
+            raise InvalidInputError("loading optimizer state needs the model too: state is keyed by parameter name")
+        if dtype is not None and not dtype.is_floating_point:
+            raise InvalidInputError(f"dtype must be a floating dtype, not {dtype}")
+        target = torch.device(device) if device is not None else None
+        manifest = self.transport.manifest(validate_run_id(run_id), version)
+        with byte_bar(sum(e.nbytes for e in manifest.tensors), "load") as bar:
+            reader = TensorReader(self.transport, manifest, on_bytes=bar.update)
+            result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
+            if model is None:
+                result.state_dict, result.casts = restore.materialize_model(reader, target or torch.device("cpu"), dtype)
+            else:
+                stored = restore.model_keys(reader)
+                expected = set(model.state_dict().keys())
+                result.missing_keys, result.unexpected_keys = restore.compare_keys(set(stored), expected)
+                if strict and (result.missing_keys or result.unexpected_keys):
+                    raise restore.mismatch_error(manifest.version, result.missing_keys, result.unexpected_keys)
+                common = sorted(set(stored) & expected)
+                forget = self.digest_cache.forget if self.digest_cache is not None else (lambda tensor: None)
+                result.casts = restore.load_into_model(reader, model, common, target, dtype, forget)
+            host_or_target = target or torch.device("cpu")
+            if optim is not None:
+                assert model is not None
+                restore.restore_optimizer(reader, optim, model, host_or_target)
+            if scheduler is not None:
+                if "scheduler" not in manifest.state:
+                    raise StateMismatchError(f"version {manifest.version} holds no scheduler state")
+                scheduler.load_state_dict(restore.restore_section(reader, "scheduler", host_or_target))
+            result.extra = restore.restore_section(reader, "extra", host_or_target)
+        result.bytes_read = reader.bytes_read
+        result.seconds = time.perf_counter() - started
+        return result
+
+    # -- browsing ------------------------------------------------------------------------
+
+    def runs(self) -> list[RunInfo]:
+        """Every run in the store, most recently updated first."""
+        return self.transport.runs()
+
+    def versions(self, run_id: str) -> list[VersionInfo]:
+        """Every version of ``run_id``, oldest first."""
+        return self.transport.versions(run_id)
+
+    def tag(self, run_id: str, version: int | str, name: str) -> int:
+        """Point tag ``name`` at a version; returns the version number."""
+        return self.transport.tag(run_id, version, name)
+
+    def untag(self, run_id: str, name: str) -> None:
+        """Remove a tag."""
+        self.transport.untag(run_id, name)
+
+    def delete(self, run_id: str, version: int | str) -> int:
+        """Delete one version; returns its number. Stored bytes are reclaimed by garbage collection."""
+        return self.transport.delete_version(run_id, version)
+
+
+def _entry(record: TensorRecord, digest: str) -> TensorEntry:
+    tensor = record.tensor
+    name = dtype_name(tensor, record.key)
+    shape = list(tensor.shape)
+    return TensorEntry(
+        key=record.key,
+        dtype=name,
+        shape=shape,
+        dtype_class=dtype_class(name),
+        digest=digest,
+        placement=record.placement,  # type: ignore[arg-type]
+        param=record.param,
+        device_type=tensor.device.type,
+        trainable=record.trainable,
+    )

@@ -1,0 +1,117 @@
+"""Tensor digests on the client, with a cache for tensors that did not change.
+
+Frozen weights (the base model under a LoRA adapter) are hashed once per process: the
+cache remembers a tensor object by weak reference together with its storage pointer,
+layout and autograd version counter, which every in-place operation bumps. Only tensors
+that do not require grad are cached: trainable tensors change every step anyway, and a
+write through ``.data`` does not bump the counter of the tensor it came from.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from client.tensors import byte_view, dtype_name, host_contiguous
+from service.format.digest import tensor_digest
+
+_Fingerprint = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, str, int]
+
+
+def _fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
+    try:
+        version = tensor._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+        str(tensor.device),
+        version,
+    )
+
+
+@dataclass
+class _Entry:
+    ref: weakref.ref[torch.Tensor]
+    fingerprint: _Fingerprint
+    digest: str
+
+
+class DigestCache:
+    """Remembers digests of unchanged, non-trainable tensors for the life of the process."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, tensor: torch.Tensor) -> str | None:
+        """The cached digest of ``tensor`` if it is the same object, unchanged since hashing."""
+        if tensor.requires_grad:
+            return None
+        with self._lock:
+            entry = self._entries.get(id(tensor))
+        if entry is None or entry.ref() is not tensor or entry.fingerprint != _fingerprint(tensor):
+            return None
+        self.hits += 1
+        return entry.digest
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Drop ``tensor``'s entry (and with it the weak reference that blocks swap_tensors)."""
+        with self._lock:
+            entry = self._entries.get(id(tensor))
+            if entry is not None and entry.ref() is tensor:
+                del self._entries[id(tensor)]
+
+    def put(self, tensor: torch.Tensor, digest: str) -> None:
+        """Remember ``digest`` for ``tensor`` (ignored for tensors that require grad)."""
+        fingerprint = _fingerprint(tensor)
+        if tensor.requires_grad or fingerprint is None:
+            return
+        key = id(tensor)
+
+        def forget(_ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.ref is _ref:
+                    del self._entries[key]
+
+        with self._lock:
+            self._entries[key] = _Entry(weakref.ref(tensor, forget), fingerprint, digest)
+
+
+def digest_of(tensor: torch.Tensor, key: str) -> str:
+    """The digest of one tensor's dtype, shape and bytes."""
+    host = host_contiguous(tensor, key)
+    return tensor_digest(dtype_name(host, key), list(host.shape), byte_view(host))
+
+
+def digest_all(
+    tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | None, threads: int = 2
+) -> list[str]:
+    """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe."""
+    results: list[str | None] = [cache.get(t) if cache else None for _, t in tensors]
+    todo = [i for i, r in enumerate(results) if r is None]
+
+    def work(index: int) -> None:
+        key, tensor = tensors[index]
+        digest = digest_of(tensor, key)
+        results[index] = digest
+        if cache is not None:
+            cache.put(tensor, digest)
+
+    if len(todo) > 1 and threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, todo))
+    else:
+        for index in todo:
+            work(index)
+    return [r for r in results if r is not None]

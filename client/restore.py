@@ -1,0 +1,206 @@
+"""Putting loaded tensors where they belong: model parameters, optimizer state, scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from client import jsonstate, keys
+from client.placement import device_for
+from client.reader import TensorReader
+from client.state import parameter_names
+from service.errors import StateMismatchError, format_list
+
+
+def model_keys(reader: TensorReader) -> dict[str, str]:
+    """``state_dict name -> manifest key`` for every model tensor of the version."""
+    return {keys.model_name(k): k for k in reader.entries if k.startswith("model/")}
+
+
+def compare_keys(stored: set[str], expected: set[str]) -> tuple[list[str], list[str]]:
+    """(missing, unexpected): names the target expects but the checkpoint lacks, and the reverse."""
+    return sorted(expected - stored), sorted(stored - expected)
+
+
+def mismatch_error(version: int, missing: list[str], unexpected: list[str]) -> StateMismatchError:
+    """The strict-load error, naming every missing and unexpected key (up to a limit)."""
+    parts = []
+    if missing:
+        parts.append(f"missing keys ({len(missing)}): {format_list(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys ({len(unexpected)}): {format_list(unexpected)}")
+    return StateMismatchError(
+        f"version {version} does not match the model: " + "; ".join(parts) + ". Pass strict=False to load the rest",
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+    )
+
+
+def _wanted_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+def _reallocate(target: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """Give ``target`` new storage of ``dtype`` on ``device`` while keeping the object itself."""
+    fresh = torch.empty(target.shape, dtype=dtype, device=device)
+    if torch._has_compatible_shallow_copy_type(target, fresh):
+        target.data = fresh
+        return
+    if isinstance(target, torch.nn.Parameter):
+        fresh = torch.nn.Parameter(fresh, requires_grad=target.requires_grad)
+    try:
+        torch.utils.swap_tensors(target, fresh)
+    except RuntimeError as exc:
+        raise StateMismatchError(
+            f"cannot move a model tensor to {device} in place ({exc}); move the model with "
+            "model.to(device) before building the optimizer, then load without device="
+        ) from exc
+
+
+def load_into_model(
+    reader: TensorReader,
+    model: torch.nn.Module,
+    names: list[str],
+    device: torch.device | None,
+    dtype: torch.dtype | None,
+    before_reallocate: Callable[[torch.Tensor], object] = lambda tensor: None,
+) -> list[str]:
+    """Copy the named tensors into ``model``'s own parameters and buffers; returns casts made.
+
+    Shapes are all checked before anything is written. A tensor is re-allocated only when
+    ``device`` or ``dtype`` asks for a change, and keeps its identity, so an optimizer that
+    holds it stays valid.
+    """
+    targets = model.state_dict(keep_vars=True)
+    by_key = model_keys(reader)
+    wrong = [
+        f"{name}: checkpoint {list(reader.entries[by_key[name]].shape)}, model {list(targets[name].shape)}"
+        for name in names
+        if list(reader.entries[by_key[name]].shape) != list(targets[name].shape)
+    ]
+    if wrong:
+        raise StateMismatchError(f"shape mismatch for {len(wrong)} tensors: {format_list(wrong, 5)}")
+    for name in names:
+        target = targets[name]
+        want_dtype = _wanted_dtype(target.dtype, dtype)
+        want_device = device if device is not None else target.device
+        if target.dtype != want_dtype or target.device != want_device:
+            before_reallocate(target)
+            _reallocate(target, want_dtype, want_device)
+    casts = []
+    for key in reader.ordered(by_key[name] for name in names):
+        target = targets[keys.model_name(key)]
+        source = reader.read(key)
+        with torch.no_grad():
+            target.copy_(source)
+        if source.dtype != target.dtype:
+            casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
+    return casts
+
+
+def materialize_model(
+    reader: TensorReader, device: torch.device, dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A new state_dict of every model tensor on ``device``; returns it and the casts made."""
+    result: dict[str, torch.Tensor] = {}
+    casts = []
+    for key in reader.ordered(model_keys(reader).values()):
+        tensor = reader.read(key)
+        want = _wanted_dtype(tensor.dtype, dtype)
+        if want != tensor.dtype:
+            casts.append(f"{key}: {tensor.dtype} -> {want}".replace("torch.", ""))
+        result[keys.model_name(key)] = tensor.to(device=device, dtype=want)
+    return result, casts
+
+
+def _placed_reader(reader: TensorReader, param_devices: dict[str, torch.device], target: torch.device) -> Any:
+    def tensor_for(key: str) -> torch.Tensor:
+        if key not in reader.entries:
+            raise StateMismatchError(f"stored state refers to tensor {key!r}, which the version does not hold")
+        # Optimizer tensors keep their saved dtype: no silent upcast of bf16 state.
+        return reader.read(key).to(device_for(reader.entries[key], param_devices, target))
+
+    return tensor_for
+
+
+def _current_groups(optim: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
+    groups = []
+    for index, group in enumerate(optim.param_groups):
+        try:
+            groups.append([names[id(p)] for p in group["params"]])
+        except KeyError:
+            raise StateMismatchError(
+                f"optimizer param group {index} holds a parameter that is not in the model passed to load()"
+            ) from None
+    return groups
+
+
+def _check_groups(saved_groups: list[dict[str, Any]], current: list[list[str]]) -> None:
+    if len(saved_groups) != len(current):
+        raise StateMismatchError(
+            f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one has {len(current)}"
+        )
+    for index, (saved, names) in enumerate(zip(saved_groups, current, strict=True)):
+        missing, unexpected = compare_keys(set(saved["params"]), set(names))
+        if missing or unexpected:
+            raise StateMismatchError(
+                f"optimizer param group {index} differs from the checkpoint's: "
+                f"not in checkpoint: {format_list(missing) or 'none'}; not in optimizer: {format_list(unexpected) or 'none'}",
+                missing_keys=missing,
+                unexpected_keys=unexpected,
+            )
+
+
+def _prefer_ours(holder: dict[Any, Any], ours: dict[Any, Any]) -> None:
+    """Undo casts or moves an optimizer's load_state_dict applied to tensors we placed."""
+    for name, value in ours.items():
+        theirs = holder.get(name)
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(theirs, torch.Tensor)
+            and theirs.shape == value.shape
+            and (theirs.dtype != value.dtype or theirs.device != value.device)
+        ):
+            holder[name] = value
+
+
+def restore_optimizer(
+    reader: TensorReader, optim: torch.optim.Optimizer, model: torch.nn.Module, target: torch.device
+) -> None:
+    """Load the version's optimizer state into ``optim``, placing every tensor by the rules."""
+    saved = reader.manifest.state.get("optim")
+    if not isinstance(saved, dict):
+        raise StateMismatchError(f"version {reader.manifest.version} holds no optimizer state")
+    names = parameter_names(model)
+    params = {name: p for name, p in model.named_parameters()}
+    current = _current_groups(optim, names)
+    _check_groups(saved["param_groups"], current)
+    tensor_for = _placed_reader(reader, {n: p.device for n, p in params.items()}, target)
+    order = {name: index for index, name in enumerate(n for group in current for n in group)}
+    state: dict[int, Any] = {}
+    for name, encoded in saved["state"].items():
+        if name not in order:
+            raise StateMismatchError(f"the checkpoint has optimizer state for {name!r}, which this optimizer lacks")
+        state[order[name]] = jsonstate.decode(encoded, tensor_for)
+    groups = []
+    for saved_group, group_names in zip(saved["param_groups"], current, strict=True):
+        hyper = jsonstate.decode({k: v for k, v in saved_group.items() if k != "params"}, tensor_for)
+        hyper["params"] = [order[n] for n in group_names]
+        groups.append(hyper)
+    optim.load_state_dict({"state": state, "param_groups": groups})
+    ordered_params = [params[n] for group in current for n in group]
+    for index, ours in state.items():
+        theirs = optim.state.get(ordered_params[index])
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            _prefer_ours(theirs, ours)
+    for group, ours in zip(optim.param_groups, groups, strict=True):
+        _prefer_ours(group, {k: v for k, v in ours.items() if k != "params"})
+
+
+def restore_section(reader: TensorReader, section: str, target: torch.device) -> Any:
+    """Decode a scheduler or extra section, placing its tensors."""
+    if section not in reader.manifest.state:
+        return None
+    return jsonstate.decode(reader.manifest.state[section], _placed_reader(reader, {}, target))

@@ -1,0 +1,147 @@
+"""Flattening a model, an optimizer, a scheduler and user extras into keyed tensors + JSON.
+
+Every tensor becomes a :class:`TensorRecord` with its manifest key and placement; every
+other value goes into a JSON tree that refers to tensors by key. Optimizer state is keyed by
+the **parameter's name** in the model, so it loads into a freshly built optimizer whatever
+order its parameters were passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from client import jsonstate, keys
+from client.placement import group_places_step_on_device
+from service.errors import StateEncodingError, StateMismatchError
+
+
+@dataclass
+class TensorRecord:
+    """One tensor to store: its key, the tensor, and how load must place it."""
+
+    key: str
+    tensor: torch.Tensor
+    placement: str
+    param: str | None = None
+    trainable: bool | None = None
+
+
+@dataclass
+class FlatState:
+    """Everything a save stores: tensors by key and the JSON sections referring to them."""
+
+    records: list[TensorRecord] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)
+    _keys: set[str] = field(default_factory=set)
+
+    def add(self, record: TensorRecord) -> str:
+        """Add a record, refusing a key twice; returns the key."""
+        if record.key in self._keys:
+            raise StateEncodingError(f"two tensors map to the key {record.key!r}")
+        self._keys.add(record.key)
+        self.records.append(record)
+        return record.key
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` for every parameter of ``model`` (first name for tied ones)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _host_or_target(tensor: torch.Tensor) -> str:
+    return "host" if tensor.device.type == "cpu" else "target"
+
+
+def flatten_model(flat: FlatState, model: torch.nn.Module) -> None:
+    """Add every tensor of ``model.state_dict()`` under ``model/<name>``."""
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise StateEncodingError(
+                f"model/{name}: the model's state_dict holds a {type(value).__name__}, not a tensor "
+                "(custom extra state); save it through extra= instead"
+            )
+        flat.add(
+            TensorRecord(keys.model_key(name), value, "target", trainable=bool(value.requires_grad))
+        )
+
+
+def _optimizer_param_names(optim: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
+    groups: list[list[str]] = []
+    for group_index, group in enumerate(optim.param_groups):
+        group_names = []
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None:
+                raise StateMismatchError(
+                    f"optimizer param group {group_index} holds a parameter of shape {tuple(param.shape)} "
+                    "that is not a parameter of the model passed to save(); optimizer state is keyed by "
+                    "parameter name, so pass the model that owns every optimized parameter"
+                )
+            group_names.append(name)
+        groups.append(group_names)
+    return groups
+
+
+def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Add optimizer state keyed by parameter name, plus any tensors inside param_groups."""
+    group_names = _optimizer_param_names(optim, parameter_names(model))
+    saved = optim.state_dict()
+    index_names = [name for names in group_names for name in names]
+    group_of = [g for g, names in enumerate(group_names) for _ in names]
+    state_json: dict[str, Any] = {}
+    for index, param_state in saved["state"].items():
+        name = index_names[index]
+        group = saved["param_groups"][group_of[index]]
+        prefix = keys.join("optim", "state", name)
+
+        def store(tensor: torch.Tensor, path: str, name: str = name, prefix: str = prefix, group: Any = group) -> str:
+            on_host = path == f"{prefix}/step" and not group_places_step_on_device(group)
+            placement = "host" if on_host else "param"
+            return flat.add(TensorRecord(path, tensor, placement, None if on_host else name))
+
+        state_json[name] = jsonstate.encode(param_state, prefix, store)
+    groups_json = []
+    for group_index, (group, names) in enumerate(zip(saved["param_groups"], group_names, strict=True)):
+        owner = names[0] if names else None
+
+        def store_group(tensor: torch.Tensor, path: str, owner: str | None = owner) -> str:
+            placement = "param" if owner is not None else "target"
+            return flat.add(TensorRecord(path, tensor, placement, owner))
+
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        encoded = jsonstate.encode(hyper, keys.join("optim", "param_groups", group_index), store_group)
+        encoded["params"] = names
+        groups_json.append(encoded)
+    flat.state["optim"] = {"state": state_json, "param_groups": groups_json}
+
+
+def flatten_other(flat: FlatState, section: str, value: Any) -> None:
+    """Add a scheduler's state_dict or user extras under ``section``."""
+
+    def store(tensor: torch.Tensor, path: str) -> str:
+        return flat.add(TensorRecord(path, tensor, _host_or_target(tensor)))
+
+    flat.state[section] = jsonstate.encode(value, section, store)
+
+
+def flatten(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> FlatState:
+    """Flatten everything a save stores."""
+    flat = FlatState()
+    flatten_model(flat, model)
+    if optim is not None:
+        flatten_optimizer(flat, optim, model)
+    if scheduler is not None:
+        flatten_other(flat, "scheduler", scheduler.state_dict())
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise StateEncodingError(f"extra must be a dict, not {type(extra).__name__}")
+        flatten_other(flat, "extra", extra)
+    return flat

@@ -1,0 +1,67 @@
+"""The BlobStore interface every backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+from service.format.digest import is_digest
+
+READ_CHUNK_BYTES = 4 << 20
+
+
+class BlobStore(ABC):
+    """Write-once storage of shard files, keyed by shard id (a validated digest).
+
+    The store calls the methods in this order over a blob's life: :meth:`put_file` once the
+    shard has been validated; :meth:`size` to check presence; :meth:`read_into` (or
+    :meth:`iter_range`) for every read; :meth:`delete` only from garbage collection.
+    :meth:`list_ids` serves scrubbing and collection. Keys are shard ids only, never
+    names from a request, so no backend ever builds a path or URL from user input.
+    """
+
+    @abstractmethod
+    def put_file(self, blob_id: str, path: Path) -> None:
+        """Store the file at ``path`` under ``blob_id`` atomically; the file may be moved away.
+
+        Idempotent: if the blob exists, the existing one is kept. Either the whole blob
+        becomes visible or nothing does.
+        """
+
+    @abstractmethod
+    def size(self, blob_id: str) -> int | None:
+        """Size in bytes of the blob, or None if it is absent."""
+
+    @abstractmethod
+    def read_into(self, blob_id: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the blob's bytes starting at ``offset``.
+
+        Raises:
+            NotFoundError: the blob is absent.
+            IntegrityError: the blob ends before the buffer is full.
+        """
+
+    @abstractmethod
+    def delete(self, blob_id: str) -> None:
+        """Remove the blob if present."""
+
+    @abstractmethod
+    def list_ids(self) -> Iterator[str]:
+        """Every stored blob id."""
+
+    def iter_range(self, blob_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+        """Yield ``length`` bytes of the blob from ``offset`` in pieces of ``chunk_bytes``."""
+        end = offset + length
+        while offset < end:
+            piece = bytearray(min(chunk_bytes, end - offset))
+            self.read_into(blob_id, offset, memoryview(piece))
+            offset += len(piece)
+            yield bytes(piece)
+
+
+def check_blob_id(blob_id: str) -> str:
+    """Guard against any non-digest reaching a backend (a programming error, not user input)."""
+    if not is_digest(blob_id):
+        raise ValueError(f"blob id {blob_id[:80]!r} is not a digest")
+    return blob_id

@@ -1,0 +1,108 @@
+"""A BlobStore in a local folder: ``<root>/<ab>/<shard id>``, write-once, crash-safe."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from service.blobs.base import BlobStore, check_blob_id
+from service.errors import IntegrityError, NotFoundError, StorageError
+from service.format.digest import is_digest
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename or file creation inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBlobStore(BlobStore):
+    """Blobs as files fanned out by the first two hex characters of their id.
+
+    A blob is moved in with ``os.replace`` after its bytes are fsynced, and the directory is
+    fsynced after, so a crash leaves either no blob or the whole blob under its name.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._incoming = self.root / ".incoming"
+        self._incoming.mkdir(exist_ok=True)
+
+    def _path(self, blob_id: str) -> Path:
+        check_blob_id(blob_id)
+        return self.root / blob_id[:2] / blob_id
+
+    def put_file(self, blob_id: str, path: Path) -> None:
+        """Move (or, across file systems, copy) ``path`` into place under ``blob_id``."""
+        target = self._path(blob_id)
+        if target.exists():
+            return
+        try:
+            target.parent.mkdir(exist_ok=True)
+            with open(path, "rb+") as handle:
+                os.fsync(handle.fileno())
+            try:
+                os.replace(path, target)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                self._copy_in(Path(path), target)
+            fsync_directory(target.parent)
+        except OSError as exc:
+            raise StorageError(f"could not store blob {blob_id} in {self.root}: {exc.strerror or exc}") from exc
+
+    def _copy_in(self, source: Path, target: Path) -> None:
+        temporary = self._incoming / f"{target.name}.{uuid.uuid4().hex}.incomplete"
+        try:
+            with open(source, "rb") as src, open(temporary, "wb") as dst:
+                shutil.copyfileobj(src, dst, 4 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    def size(self, blob_id: str) -> int | None:
+        """Size of the blob's file, or None."""
+        try:
+            return self._path(blob_id).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def read_into(self, blob_id: str, offset: int, buffer: memoryview) -> None:
+        """Read the range with positional reads into ``buffer``."""
+        try:
+            fd = os.open(self._path(blob_id), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"blob {blob_id} is missing from {self.root}") from exc
+        try:
+            done = 0
+            while done < len(buffer):
+                count = os.preadv(fd, [buffer[done:]], offset + done)
+                if count == 0:
+                    raise IntegrityError(
+                        f"blob {blob_id} ends before byte {offset + len(buffer)}; it was truncated"
+                    )
+                done += count
+        finally:
+            os.close(fd)
+
+    def delete(self, blob_id: str) -> None:
+        """Remove the blob's file."""
+        self._path(blob_id).unlink(missing_ok=True)
+
+    def list_ids(self) -> Iterator[str]:
+        """Every blob file under the fan-out folders."""
+        for folder in sorted(self.root.iterdir()):
+            if folder.is_dir() and len(folder.name) == 2:
+                for entry in sorted(folder.iterdir()):
+                    if is_digest(entry.name) and entry.name[:2] == folder.name:
+                        yield entry.name

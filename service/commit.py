@@ -1,0 +1,142 @@
+"""Committing a version inside one transaction: checks, numbering, figures, references."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.db.models import Run, Tag, Tensor, Version, VersionRef, utcnow
+from service.errors import InvalidManifestError, MissingTensorsError, format_list
+from service.format.digest import tensor_digest
+from service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json
+from service.records import VersionInfo
+
+BATCH = 500
+
+
+def _lock_run(session: Session, run_id: str) -> Run:
+    """The run's row, locked for this transaction (created on first commit)."""
+    run = session.get(Run, run_id, with_for_update=True)
+    if run is None:
+        run = Run(id=run_id, version_counter=0)
+        session.add(run)
+        session.flush()
+    return run
+
+
+def _stored_tensors(session: Session, digests: list[str]) -> dict[str, Tensor]:
+    found: dict[str, Tensor] = {}
+    for start in range(0, len(digests), BATCH):
+        batch = digests[start : start + BATCH]
+        found.update((t.digest, t) for t in session.scalars(select(Tensor).where(Tensor.digest.in_(batch))))
+    return found
+
+
+def _referenced_before(session: Session, digests: list[str]) -> set[str]:
+    seen: set[str] = set()
+    for start in range(0, len(digests), BATCH):
+        batch = digests[start : start + BATCH]
+        seen.update(session.scalars(select(VersionRef.digest).where(VersionRef.digest.in_(batch)).distinct()))
+    return seen
+
+
+def _pieces(entry: TensorEntry) -> list[tuple[str, list[int]]]:
+    if entry.digest is not None:
+        return [(entry.digest, list(entry.shape))]
+    return [(c.digest, list(c.shape)) for c in entry.chunks or ()]
+
+
+def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
+    """Check every digest is stored with the dtype and shape the manifest claims.
+
+    Returns the byte size of every distinct stored digest. Empty pieces need no storage;
+    their digest must be the digest of no bytes.
+    """
+    expected: dict[str, tuple[str, list[int], str]] = {}
+    sizes: dict[str, int] = {}
+    for entry in body.tensors:
+        for digest, shape in _pieces(entry):
+            if 0 in shape:
+                if digest != tensor_digest(entry.dtype, shape, b""):
+                    raise InvalidManifestError(f"{entry.key}: empty tensor has a digest that is not of no bytes")
+                sizes[digest] = 0
+                continue
+            expected.setdefault(digest, (entry.dtype, shape, entry.key))
+    stored = _stored_tensors(session, list(expected))
+    absent = [d for d in expected if d not in stored]
+    if absent:
+        raise MissingTensorsError(
+            f"{len(absent)} tensors referenced by the manifest are not stored: {format_list(absent, 5)}; "
+            "upload their shards first",
+            absent,
+        )
+    for digest, (dtype, shape, key) in expected.items():
+        row = stored[digest]
+        if row.dtype != dtype or list(row.shape) != shape:
+            raise InvalidManifestError(
+                f"{key}: manifest says {dtype}{shape} but digest {digest[:16]}… is stored as {row.dtype}{row.shape}"
+            )
+        sizes[digest] = row.nbytes
+    return sizes
+
+
+def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequence[str]) -> VersionInfo:
+    """Commit ``body`` as the next version of ``run_id`` within ``session``'s transaction."""
+    sizes = check_references(session, body)
+    run = _lock_run(session, run_id)
+    parent = session.scalar(
+        select(Version.version).where(Version.run_id == run_id).order_by(Version.version.desc()).limit(1)
+    )
+    run.version_counter += 1
+    number = run.version_counter
+    now = utcnow()
+    run.updated_at = now
+    seen_before = _referenced_before(session, list(sizes))
+    new_digests = [d for d in sizes if d not in seen_before]
+    manifest = Manifest(
+        **body.model_dump(exclude={"format", "digest_algorithm"}),
+        run_id=run_id,
+        version=number,
+        parent=parent,
+        created_at=now,
+    )
+    row = Version(
+        run_id=run_id,
+        version=number,
+        parent=parent,
+        created_at=now,
+        step=body.step,
+        metrics=dict(body.metrics),
+        tensors_total=len(body.tensors),
+        tensors_new=len(new_digests),
+        bytes_total=sum(e.nbytes for e in body.tensors),
+        bytes_new=sum(sizes[d] for d in new_digests),
+        bytes_trainable=sum(e.nbytes for e in body.tensors if e.trainable),
+        manifest=manifest_to_json(manifest),
+    )
+    session.add(row)
+    session.flush()
+    session.add_all(VersionRef(run_id=run_id, version=number, digest=d) for d in sizes)
+    for name in dict.fromkeys(tags):
+        existing = session.get(Tag, (run_id, name))
+        if existing is None:
+            session.add(Tag(run_id=run_id, name=name, version=number))
+        else:
+            existing.version = number
+    session.flush()
+    return VersionInfo(
+        run_id=run_id,
+        version=number,
+        parent=parent,
+        created_at=now,
+        tags=sorted(dict.fromkeys(tags)),
+        step=row.step,
+        metrics=row.metrics,
+        tensors_total=row.tensors_total,
+        tensors_new=row.tensors_new,
+        bytes_total=row.bytes_total,
+        bytes_new=row.bytes_new,
+        bytes_trainable=row.bytes_trainable,
+    )

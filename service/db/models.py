@@ -1,0 +1,110 @@
+"""SQLAlchemy 2.0 models of the metadata: shards, tensors, runs, versions, references, tags."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, ForeignKey, ForeignKeyConstraint, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored as UTC and always read back timezone-aware (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("timestamps must be timezone-aware")
+        return value.astimezone(timezone.utc) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every table."""
+
+
+class Shard(Base):
+    """A stored safetensors shard, named by its id."""
+
+    __tablename__ = "shards"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Tensor(Base):
+    """Where the bytes of one tensor digest live: a shard and an absolute byte range."""
+
+    __tablename__ = "tensors"
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    shard_id: Mapped[str] = mapped_column(ForeignKey("shards.id"), index=True)
+    dtype: Mapped[str] = mapped_column(String(16))
+    shape: Mapped[list[int]] = mapped_column(JSON)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class Run(Base):
+    """A training run; ``version_counter`` hands out version numbers under a row lock."""
+
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    version_counter: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Version(Base):
+    """A committed, immutable checkpoint version and its summary figures."""
+
+    __tablename__ = "versions"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    parent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    tensors_total: Mapped[int] = mapped_column(Integer)
+    tensors_new: Mapped[int] = mapped_column(Integer)
+    bytes_total: Mapped[int] = mapped_column(BigInteger)
+    bytes_new: Mapped[int] = mapped_column(BigInteger)
+    bytes_trainable: Mapped[int] = mapped_column(BigInteger)
+    manifest: Mapped[str] = mapped_column(Text)
+
+
+class VersionRef(Base):
+    """One tensor digest a version references (for dedup figures and garbage collection)."""
+
+    __tablename__ = "version_refs"
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    __table_args__ = (
+        ForeignKeyConstraint(["run_id", "version"], ["versions.run_id", "versions.version"], ondelete="CASCADE"),
+        Index("ix_version_refs_digest", "digest"),
+    )
+
+
+class Tag(Base):
+    """A name pointing at one version of a run."""
+
+    __tablename__ = "tags"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    __table_args__ = (
+        ForeignKeyConstraint(["run_id", "version"], ["versions.run_id", "versions.version"], ondelete="CASCADE"),
+    )

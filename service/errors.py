@@ -1,0 +1,150 @@
+"""The one exception tree shared by the service and the client.
+
+    CheckpointError                      code              HTTP
+    ├── InvalidInputError (ValueError)   invalid_input     400
+    │   ├── InvalidNameError             invalid_name      400
+    │   ├── InvalidShardError            invalid_shard     400
+    │   ├── InvalidManifestError         invalid_manifest  422
+    │   └── StateEncodingError (TypeError) state_encoding  400
+    ├── NotFoundError (LookupError)      not_found         404
+    ├── ConflictError                    conflict          409
+    │   └── MissingTensorsError          missing_tensors   409
+    ├── IntegrityError                   integrity         400 on upload, 500 on read
+    ├── StateMismatchError               state_mismatch    (client side only)
+    └── StorageError (OSError)           storage           503
+
+Every class carries a stable ``code`` string. The HTTP face sends it as the
+``X-Error-Code`` header and the client maps it back with :func:`error_class_for_code`,
+so an error raised in the engine reaches user code as the same class in embedded and
+HTTP mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+
+class CheckpointError(Exception):
+    """Root of every error ckptstore raises on purpose."""
+
+    code: ClassVar[str] = "checkpoint_error"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInputError(CheckpointError, ValueError):
+    """Something a caller sent is malformed; the message names the field and the fix."""
+
+    code = "invalid_input"
+    http_status = 400
+
+
+class InvalidNameError(InvalidInputError):
+    """A run id, tag or version reference does not match its strict pattern."""
+
+    code = "invalid_name"
+
+
+class InvalidShardError(InvalidInputError):
+    """A shard is not a well-formed ckptstore safetensors file."""
+
+    code = "invalid_shard"
+
+
+class InvalidManifestError(InvalidInputError):
+    """A manifest or commit request breaks the format's rules."""
+
+    code = "invalid_manifest"
+    http_status = 422
+
+
+class StateEncodingError(InvalidInputError, TypeError):
+    """A value in optimizer, scheduler or extra state cannot be stored as JSON or tensor."""
+
+    code = "state_encoding"
+
+
+class NotFoundError(CheckpointError, LookupError):
+    """A run, version, tag, tensor or blob does not exist."""
+
+    code = "not_found"
+    http_status = 404
+
+
+class ConflictError(CheckpointError):
+    """The request clashes with the store's current state."""
+
+    code = "conflict"
+    http_status = 409
+
+
+class MissingTensorsError(ConflictError):
+    """A commit references tensors the store does not hold; ``digests`` lists them."""
+
+    code = "missing_tensors"
+
+    def __init__(self, message: str, digests: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.digests = list(digests)
+
+
+class IntegrityError(CheckpointError):
+    """Bytes do not match the digest they were stored or announced under."""
+
+    code = "integrity"
+    http_status = 400
+
+
+class StateMismatchError(CheckpointError):
+    """A checkpoint does not fit the model or optimizer it is loaded into.
+
+    ``missing_keys`` are expected by the target but absent from the checkpoint;
+    ``unexpected_keys`` are in the checkpoint but unknown to the target.
+    """
+
+    code = "state_mismatch"
+    http_status = 409
+
+    def __init__(
+        self,
+        message: str,
+        missing_keys: Sequence[str] = (),
+        unexpected_keys: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing_keys = list(missing_keys)
+        self.unexpected_keys = list(unexpected_keys)
+
+
+class StorageError(CheckpointError, OSError):
+    """The metadata database or blob store failed; the operation left no partial state."""
+
+    code = "storage"
+    http_status = 503
+
+
+def _all_subclasses(cls: type[CheckpointError]) -> list[type[CheckpointError]]:
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+def error_class_for_code(code: str) -> type[CheckpointError]:
+    """Return the exception class registered for ``code`` (the root class if unknown)."""
+    for cls in _all_subclasses(CheckpointError):
+        if cls.code == code:
+            return cls
+    return CheckpointError
+
+
+def format_list(items: Sequence[str], limit: int = 10) -> str:
+    """Render up to ``limit`` items for an error message, saying how many were left out."""
+    shown = ", ".join(items[:limit])
+    if len(items) > limit:
+        shown += f" … and {len(items) - limit} more"
+    return shown

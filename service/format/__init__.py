@@ -1,0 +1,1 @@
+"""Format v1: tensor digests, shard headers, shard planning and the manifest."""

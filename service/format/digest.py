@@ -1,0 +1,60 @@
+"""Tensor and shard digests (BLAKE3, 64 lowercase hex characters).
+
+A tensor's digest covers its dtype, its shape and its raw little-endian bytes:
+
+    BLAKE3( ascii("<DTYPE>[<d0>,<d1>,...]\\n") || bytes )
+
+so two tensors with equal bytes but different shapes or dtypes never share a digest.
+A shard's id is the BLAKE3 of its header (the 8-byte length prefix and the JSON text);
+the header names every tensor by its digest and the ingest check hashes each tensor's
+bytes, so together they pin every byte of the file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import blake3
+
+ALGORITHM = "blake3"
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+_DIGEST_RE = re.compile(DIGEST_PATTERN)
+
+
+def is_digest(value: object) -> bool:
+    """True if ``value`` is a well-formed digest string (64 lowercase hex characters)."""
+    return isinstance(value, str) and len(value) == 64 and _DIGEST_RE.match(value) is not None
+
+
+def tensor_preamble(dtype: str, shape: Sequence[int]) -> bytes:
+    """The bytes hashed before a tensor's data: its dtype name and shape."""
+    return f"{dtype}[{','.join(str(int(d)) for d in shape)}]\n".encode("ascii")
+
+
+class TensorHasher:
+    """Incremental digest of one tensor; feed its bytes in order with :meth:`update`."""
+
+    def __init__(self, dtype: str, shape: Sequence[int]) -> None:
+        # BLAKE3 only spreads an update over threads when the piece is large enough.
+        self._hasher = blake3.blake3(tensor_preamble(dtype, shape), max_threads=blake3.blake3.AUTO)
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Add the next piece of the tensor's raw bytes."""
+        self._hasher.update(data)
+
+    def hexdigest(self) -> str:
+        """The digest of everything fed so far."""
+        return self._hasher.hexdigest()
+
+
+def tensor_digest(dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview) -> str:
+    """Digest of a whole tensor held in ``data``, using every core for large tensors."""
+    hasher = TensorHasher(dtype, shape)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def shard_id(header_bytes: bytes | memoryview) -> str:
+    """Content address of a shard: the digest of its length prefix and header text."""
+    return blake3.blake3(header_bytes).hexdigest()

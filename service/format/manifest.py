@@ -1,0 +1,223 @@
+"""The manifest: a JSON document describing one complete checkpoint version.
+
+``ManifestBody`` is what a client sends to commit; the store adds the run id, version
+number, parent and creation time to make the stored, immutable ``Manifest``. Every model is
+strict: unknown fields, wrong types ("1" or 1.0 for an int), NaN/Infinity and oversized
+integers are rejected. ``docs/manifest.schema.json`` is generated from these classes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
+
+from service.errors import InvalidManifestError
+from service.format.digest import ALGORITHM, DIGEST_PATTERN
+from service.format.dtypes import DTYPES, byte_length, dtype_class, element_count
+from service.format.names import MetricName, RunId
+
+FORMAT_VERSION = "ckptstore.manifest/1"
+TENSOR_REF = "__tensor__"
+MAX_TENSORS = 1_000_000
+MAX_CHUNKS = 4096
+MAX_JSON_DEPTH = 64
+INT64_MAX = 2**63 - 1
+
+Digest = Annotated[str, StringConstraints(pattern=DIGEST_PATTERN)]
+Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Shape = Annotated[list[Dim], Field(max_length=64)]
+TensorKey = Annotated[str, StringConstraints(pattern=r"^(model|optim|scheduler|extra)/[^\x00-\x1f\x7f]{1,1000}$")]
+ParamName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,1000}$")]
+DeviceType = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+DTypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+Placement = Literal["param", "host", "target"]
+StateSection = Literal["optim", "scheduler", "extra"]
+ShortText = Annotated[str, StringConstraints(max_length=200)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class Chunk(_Strict):
+    """A piece of a tensor: where it sits in the global shape and the digest of its bytes."""
+
+    offsets: Shape
+    shape: Shape
+    digest: Digest
+
+
+class TensorEntry(_Strict):
+    """One tensor of a checkpoint.
+
+    ``placement`` says where load puts it: ``param`` = the device of parameter ``param``,
+    ``host`` = always the CPU, ``target`` = the device asked for at load time.
+    A tensor is stored whole (``digest``) or as ``chunks`` tiling its shape, never both.
+    """
+
+    key: TensorKey
+    dtype: DTypeName
+    shape: Shape
+    dtype_class: Literal["floating", "integer", "bool", "complex"]
+    digest: Digest | None = None
+    chunks: Annotated[list[Chunk], Field(min_length=1, max_length=MAX_CHUNKS)] | None = None
+    placement: Placement
+    param: ParamName | None = None
+    device_type: DeviceType
+    trainable: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TensorEntry:
+        if self.dtype_class != dtype_class(self.dtype):
+            raise ValueError(f"{self.key}: dtype_class {self.dtype_class} does not match dtype {self.dtype}")
+        if (self.digest is None) == (self.chunks is None):
+            raise ValueError(f"{self.key}: give exactly one of digest and chunks")
+        if byte_length(self.dtype, self.shape) > INT64_MAX:
+            raise ValueError(f"{self.key}: shape {self.shape} is too large")
+        if (self.placement == "param") != (self.param is not None):
+            raise ValueError(f"{self.key}: 'param' is required with placement 'param' and only then")
+        if self.key.startswith("model/") != (self.trainable is not None):
+            raise ValueError(f"{self.key}: 'trainable' is required for model tensors and only for them")
+        if self.chunks is not None:
+            _check_tiling(self.key, self.shape, self.chunks)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return byte_length(self.dtype, self.shape)
+
+    def digests(self) -> list[str]:
+        """Every stored piece's digest (one unless chunked)."""
+        return [self.digest] if self.digest is not None else [c.digest for c in self.chunks or ()]
+
+
+def _check_tiling(key: str, shape: list[int], chunks: list[Chunk]) -> None:
+    boxes = []
+    for chunk in chunks:
+        if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
+            raise ValueError(f"{key}: a chunk's offsets and shape must have {len(shape)} dimensions")
+        if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.shape, shape, strict=True)):
+            raise ValueError(f"{key}: chunk at {chunk.offsets} reaches outside shape {shape}")
+        if element_count(chunk.shape) == 0 and element_count(shape) > 0:
+            raise ValueError(f"{key}: chunk at {chunk.offsets} is empty")
+        boxes.append([(o, o + s) for o, s in zip(chunk.offsets, chunk.shape, strict=True)])
+    if sum(element_count(c.shape) for c in chunks) != element_count(shape):
+        raise ValueError(f"{key}: chunks do not cover shape {shape} exactly")
+    for i, first in enumerate(boxes):
+        for second in boxes[i + 1 :]:
+            if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(first, second, strict=True)):
+                raise ValueError(f"{key}: two chunks overlap")
+
+
+class ManifestBody(_Strict):
+    """What a client commits: every tensor, the JSON state tree, step and metrics."""
+
+    format: Literal["ckptstore.manifest/1"] = FORMAT_VERSION
+    digest_algorithm: Literal["blake3"] = ALGORITHM
+    tensors: Annotated[list[TensorEntry], Field(max_length=MAX_TENSORS)]
+    state: dict[StateSection, JsonValue] = Field(default_factory=dict)
+    step: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    metrics: Annotated[dict[MetricName, float], Field(max_length=256)] = Field(default_factory=dict)
+    library: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32)] = (
+        Field(default_factory=dict)
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ManifestBody:
+        keys: set[str] = set()
+        for entry in self.tensors:
+            if entry.key in keys:
+                raise ValueError(f"tensor key {entry.key!r} appears twice")
+            keys.add(entry.key)
+        for section, tree in self.state.items():
+            for ref in _check_json_tree(tree, section, 0):
+                if ref not in keys:
+                    raise ValueError(f"state/{section} refers to tensor {ref!r}, which the manifest does not list")
+        return self
+
+    def digests(self) -> set[str]:
+        """Every digest the manifest references."""
+        return {d for entry in self.tensors for d in entry.digests()}
+
+
+def _check_json_tree(value: Any, path: str, depth: int) -> list[str]:
+    """Reject deep nesting, non-finite floats and out-of-range ints; return tensor references."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, int):
+        if not -(2**63) <= value <= INT64_MAX:
+            raise ValueError(f"{path}: integer {value} does not fit in 64 bits")
+        return []
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: {value} is not a finite number")
+        return []
+    refs: list[str] = []
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            refs += _check_json_tree(item, f"{path}/{index}", depth + 1)
+        return refs
+    if isinstance(value, dict):
+        if set(value) == {TENSOR_REF} and isinstance(value[TENSOR_REF], str):
+            return [value[TENSOR_REF]]
+        for name, item in value.items():
+            refs += _check_json_tree(item, f"{path}/{name}", depth + 1)
+        return refs
+    raise ValueError(f"{path}: {type(value).__name__} is not a JSON value")
+
+
+class Manifest(ManifestBody):
+    """A committed, immutable version: the body plus its identity in the store."""
+
+    run_id: RunId
+    version: Annotated[int, Field(ge=1, le=INT64_MAX)]
+    parent: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    created_at: datetime
+
+
+def _raise_invalid(exc: ValidationError, what: str) -> InvalidManifestError:
+    problems = "; ".join(
+        f"{'/'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()[:10]
+    )
+    return InvalidManifestError(f"invalid {what}: {problems}")
+
+
+def validate_body(data: Any) -> ManifestBody:
+    """Validate a parsed JSON object as a ManifestBody, raising InvalidManifestError."""
+    try:
+        return ManifestBody.model_validate(data, strict=True)
+    except ValidationError as exc:
+        raise _raise_invalid(exc, "manifest") from exc
+
+
+def manifest_from_json(text: str | bytes) -> Manifest:
+    """Parse a stored manifest's JSON text."""
+    try:
+        return Manifest.model_validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise _raise_invalid(exc, "stored manifest") from exc
+
+
+def manifest_to_json(manifest: Manifest) -> str:
+    """Serialize a manifest compactly, leaving out absent optional fields."""
+    return manifest.model_dump_json(exclude_none=True)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a stored manifest (written to docs/manifest.schema.json)."""
+    schema = Manifest.model_json_schema()
+    schema["$id"] = "https://ckptstore.invalid/schemas/manifest-1.json"
+    schema["title"] = FORMAT_VERSION
+    return schema
+
+
+def schema_text() -> str:
+    """The JSON Schema as the text stored in the docs folder."""
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"

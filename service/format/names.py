@@ -1,0 +1,76 @@
+"""Strict patterns for every name a caller chooses: run ids, tags, metric names, refs.
+
+Names never become paths (storage keys derive from digests only), but they are shown in
+pages, logs and URLs, so they are kept to a small, printable alphabet.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import StringConstraints
+
+from service.errors import InvalidNameError
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Tags start with a letter so they can never be read as a version number.
+TAG_PATTERN = r"^[A-Za-z][A-Za-z0-9._-]{0,63}$"
+METRIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_./:-]{0,127}$"
+LATEST = "latest"
+
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+TagName = Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
+MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
+
+_RUN_ID_RE = re.compile(RUN_ID_PATTERN)
+_TAG_RE = re.compile(TAG_PATTERN)
+_VERSION_RE = re.compile(r"^[1-9][0-9]{0,17}$")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate_run_id(run_id: object) -> str:
+    """Return ``run_id`` if it matches the run id pattern, else raise InvalidNameError."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or ".." in run_id:
+        raise InvalidNameError(
+            f"invalid run id {_shown(run_id)}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit, with no '..'"
+        )
+    return run_id
+
+
+def validate_tag(tag: object) -> str:
+    """Return ``tag`` if it is a valid tag name (and not the reserved 'latest')."""
+    if not isinstance(tag, str) or not _TAG_RE.match(tag) or tag == LATEST:
+        raise InvalidNameError(
+            f"invalid tag {_shown(tag)}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting "
+            "with a letter; 'latest' is reserved"
+        )
+    return tag
+
+
+def parse_ref(ref: object) -> int | str:
+    """Parse a version reference: a version number, ``"latest"`` or a tag name.
+
+    Returns the version as an int, or the string ``"latest"`` or the tag.
+    """
+    if isinstance(ref, bool):
+        raise InvalidNameError(f"invalid version reference {ref!r}")
+    if isinstance(ref, int):
+        if ref < 1:
+            raise InvalidNameError(f"invalid version number {ref}: versions start at 1")
+        return ref
+    if isinstance(ref, str):
+        if _VERSION_RE.match(ref):
+            return int(ref)
+        if ref == LATEST:
+            return LATEST
+        if _TAG_RE.match(ref):
+            return ref
+    raise InvalidNameError(
+        f"invalid version reference {_shown(ref)}: use a version number (1, 2, …), 'latest' or a tag"
+    )

@@ -1,0 +1,251 @@
+"""A strict reader and writer for the safetensors header of a ckptstore shard.
+
+A shard is a plain safetensors file: an 8-byte little-endian header length N, N bytes of
+JSON, then the tensor data. We accept only the subset ckptstore writes, which the reference
+library also reads:
+
+- N is at least 2 and at most the header cap, and 8 + N fits in the file;
+- the header is UTF-8 JSON with no BOM and no leading whitespace; only spaces may pad it;
+- it is an object; ``__metadata__`` (optional, once) maps strings to strings;
+- every other key is a tensor digest (64 lowercase hex), at most once, holding exactly
+  ``dtype`` (a known name), ``shape`` (non-negative ints) and ``data_offsets`` ([begin, end]);
+- entries appear in offset order, the first starts at 0, each starts where the previous
+  ended, none is empty, each spans exactly itemsize × elements bytes, and the last ends at
+  the end of the file: no holes, overlaps, zero-size aliases or trailing bytes.
+
+The reference library accepts several of these violations (duplicate names, unknown fields,
+unsorted offsets, leading whitespace, an empty header); a content-addressed store cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from service.errors import InvalidShardError
+from service.format.digest import is_digest, shard_id
+from service.format.dtypes import DTYPES, byte_length
+
+PREFIX_BYTES = 8
+#: Default cap on the JSON header; about 80,000 tensors per shard.
+MAX_HEADER_BYTES = 16 << 20
+MAX_DIMS = 64
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a shard: its digest name, dtype, shape and byte range within the data."""
+
+    digest: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Length of the tensor's bytes."""
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A validated shard header; ``data_start`` is the file offset of the first data byte."""
+
+    header_bytes: bytes
+    entries: tuple[HeaderEntry, ...]
+    metadata: Mapping[str, str]
+
+    @property
+    def shard_id(self) -> str:
+        """The shard's content address: the digest of its header bytes."""
+        return shard_id(self.header_bytes)
+
+    @property
+    def data_start(self) -> int:
+        """File offset where tensor data begins."""
+        return len(self.header_bytes)
+
+    @property
+    def data_length(self) -> int:
+        """Total bytes of tensor data."""
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def file_size(self) -> int:
+        """Exact size the whole shard file must have."""
+        return self.data_start + self.data_length
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise InvalidShardError(f"shard header names {key!r} twice")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidShardError(f"shard header contains {name}, which is not valid JSON here")
+
+
+def _reject_float(text: str) -> Any:
+    raise InvalidShardError(f"shard header contains the number {text}; only integers are allowed")
+
+
+def _parse_json(text: str) -> Any:
+    decoder = json.JSONDecoder(
+        object_pairs_hook=_reject_duplicates,
+        parse_constant=_reject_constant,
+        parse_float=_reject_float,
+    )
+    try:
+        value, end = decoder.raw_decode(text, 0)
+    except json.JSONDecodeError as exc:
+        raise InvalidShardError(f"shard header is not valid JSON: {exc.msg} at {exc.pos}") from exc
+    except RecursionError as exc:
+        raise InvalidShardError("shard header nests too deeply") from exc
+    if text[end:].strip(" "):
+        raise InvalidShardError("shard header has text after its JSON object (only space padding is allowed)")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # bool is an int subclass and must not pass
+
+
+def _parse_metadata(value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise InvalidShardError("shard __metadata__ must be an object of strings")
+    if len(value) > MAX_METADATA_ENTRIES:
+        raise InvalidShardError(f"shard __metadata__ has {len(value)} entries; the limit is {MAX_METADATA_ENTRIES}")
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise InvalidShardError(f"shard __metadata__ value for {key!r} is not a string")
+        if len(key) + len(item) > MAX_METADATA_CHARS:
+            raise InvalidShardError(f"shard __metadata__ entry {key[:40]!r} is too long")
+    return dict(value)
+
+
+def _parse_entry(name: str, value: object) -> HeaderEntry:
+    if not is_digest(name):
+        raise InvalidShardError(
+            f"shard tensor name {name[:80]!r} is not a tensor digest (64 lowercase hex characters)"
+        )
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+        fields = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise InvalidShardError(
+            f"shard tensor {name[:16]}… must have exactly dtype, shape and data_offsets, not {fields}"
+        )
+    dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidShardError(f"shard tensor {name[:16]}… has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise InvalidShardError(f"shard tensor {name[:16]}… has an invalid shape {str(shape)[:80]}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
+        raise InvalidShardError(f"shard tensor {name[:16]}… has invalid data_offsets {str(offsets)[:80]}")
+    begin, end = offsets
+    if end < begin:
+        raise InvalidShardError(f"shard tensor {name[:16]}… ends before it begins ({begin}, {end})")
+    expected = byte_length(dtype, shape)
+    if end - begin != expected:
+        raise InvalidShardError(
+            f"shard tensor {name[:16]}… spans {end - begin} bytes but {dtype}{shape} needs {expected}"
+        )
+    if expected == 0:
+        raise InvalidShardError(f"shard tensor {name[:16]}… is empty; empty tensors live only in manifests")
+    return HeaderEntry(digest=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+
+
+def parse_header(header_bytes: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES) -> ShardHeader:
+    """Validate the prefix and JSON header of a shard (``header_bytes`` = the first 8 + N bytes).
+
+    Raises:
+        InvalidShardError: naming the first rule the header breaks.
+    """
+    if len(header_bytes) < PREFIX_BYTES:
+        raise InvalidShardError(f"shard is {len(header_bytes)} bytes; a safetensors file has at least 8")
+    (length,) = struct.unpack("<Q", header_bytes[:PREFIX_BYTES])
+    if length < 2:
+        raise InvalidShardError(f"shard header length is {length}; it must be at least 2")
+    if length > max_header_bytes:
+        raise InvalidShardError(f"shard header is {length} bytes; the limit is {max_header_bytes}")
+    if len(header_bytes) != PREFIX_BYTES + length:
+        raise InvalidShardError(
+            f"shard header announces {length} bytes but {len(header_bytes) - PREFIX_BYTES} follow the prefix"
+        )
+    raw = header_bytes[PREFIX_BYTES:]
+    if raw[:1] != b"{":
+        raise InvalidShardError("shard header must start with '{' (no BOM, no leading whitespace)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidShardError(f"shard header is not UTF-8 (byte {exc.start})") from exc
+    document = _parse_json(text)
+    if not isinstance(document, dict):
+        raise InvalidShardError("shard header must be a JSON object")
+    metadata: dict[str, str] = {}
+    entries: list[HeaderEntry] = []
+    position = 0
+    for name, value in document.items():
+        if name == "__metadata__":
+            metadata = _parse_metadata(value)
+            continue
+        entry = _parse_entry(name, value)
+        if entry.begin != position:
+            raise InvalidShardError(
+                f"shard tensor {name[:16]}… starts at byte {entry.begin}, expected {position}: "
+                "entries must be listed in offset order with no holes or overlaps"
+            )
+        entries.append(entry)
+        position = entry.end
+    if not entries:
+        raise InvalidShardError("shard holds no tensors")
+    return ShardHeader(header_bytes=bytes(header_bytes), entries=tuple(entries), metadata=metadata)
+
+
+def read_header(stream: BinaryIO, file_size: int, *, max_header_bytes: int = MAX_HEADER_BYTES) -> ShardHeader:
+    """Read and validate the header at the start of ``stream`` and check the file's total size."""
+    prefix = stream.read(PREFIX_BYTES)
+    if len(prefix) < PREFIX_BYTES:
+        raise InvalidShardError(f"shard is {len(prefix)} bytes; a safetensors file has at least 8")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > max_header_bytes:
+        raise InvalidShardError(f"shard header is {length} bytes; the limit is {max_header_bytes}")
+    if PREFIX_BYTES + length > file_size:
+        raise InvalidShardError(f"shard header announces {length} bytes but the file has only {file_size}")
+    header = parse_header(prefix + stream.read(length), max_header_bytes=max_header_bytes)
+    if header.file_size != file_size:
+        difference = file_size - header.file_size
+        what = f"{difference} trailing bytes" if difference > 0 else f"{-difference} bytes too few"
+        raise InvalidShardError(f"shard file has {what} for the tensors its header lists")
+    return header
+
+
+def encode_header(
+    tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[HeaderEntry]]:
+    """Build the header for tensors ``(digest, dtype, shape)`` laid out in the order given.
+
+    Returns the header bytes (prefix + JSON padded with spaces to a multiple of 8, so the
+    data stays aligned) and the entries with their offsets relative to the data start.
+    """
+    document: dict[str, Any] = {}
+    if metadata:
+        document["__metadata__"] = dict(metadata)
+    entries: list[HeaderEntry] = []
+    position = 0
+    for digest, dtype, shape in tensors:
+        end = position + byte_length(dtype, shape)
+        document[digest] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, end]}
+        entries.append(HeaderEntry(digest, dtype, tuple(shape), position, end))
+        position = end
+    text = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text += b" " * (-(PREFIX_BYTES + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, entries

@@ -1,0 +1,312 @@
+"""The engine: the operations embedded clients call in-process and the HTTP face serves.
+
+Write path: :meth:`Store.missing` → :meth:`Store.ingest_file` per shard → :meth:`Store.commit`.
+Blobs are stored first and the version row last, in one transaction, so a version becomes
+visible only once every byte it references is stored and verified.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.blobs import BlobStore, LocalBlobStore
+from service.commit import commit_version
+from service.db import Database
+from service.db.models import Run, Shard, Tag, Tensor, Version
+from service.errors import InvalidInputError, NotFoundError
+from service.format.digest import is_digest
+from service.format.manifest import Manifest, ManifestBody, manifest_from_json
+from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
+from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
+from service.ingest import verify_shard_file
+from service.records import RunInfo, ShardReceipt, TensorLocation, VersionInfo
+
+QUERY_BATCH = 500
+MAX_DIGESTS_PER_QUERY = 100_000
+
+
+def _batches(items: Sequence[str], size: int = QUERY_BATCH) -> Iterable[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _check_digests(digests: Iterable[str]) -> list[str]:
+    unique = list(dict.fromkeys(digests))
+    if len(unique) > MAX_DIGESTS_PER_QUERY:
+        raise InvalidInputError(f"{len(unique)} digests in one request; the limit is {MAX_DIGESTS_PER_QUERY}")
+    for digest in unique:
+        if not is_digest(digest):
+            raise InvalidInputError(f"{str(digest)[:80]!r} is not a digest (64 lowercase hex characters)")
+    return unique
+
+
+class Store:
+    """A checkpoint store over one metadata database and one blob store.
+
+    Args:
+        db: the metadata database.
+        blobs: where shard files live.
+        staging_dir: a local folder for shards being received or written.
+        max_header_bytes: cap on a shard's JSON header.
+    """
+
+    def __init__(
+        self, db: Database, blobs: BlobStore, staging_dir: Path, *, max_header_bytes: int = MAX_HEADER_BYTES
+    ) -> None:
+        self.db = db
+        self.blobs = blobs
+        self.staging_dir = Path(staging_dir)
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.max_header_bytes = max_header_bytes
+
+    @classmethod
+    def open_home(cls, home: Path | str) -> Store:
+        """The embedded store in folder ``home``: ``metadata.db``, ``blobs/`` and ``staging/``."""
+        home = Path(home).expanduser()
+        home.mkdir(parents=True, exist_ok=True)
+        return cls(Database.sqlite_file(home / "metadata.db"), LocalBlobStore(home / "blobs"), home / "staging")
+
+    def close(self) -> None:
+        """Release database connections."""
+        self.db.dispose()
+
+    # -- writing -------------------------------------------------------------------------
+
+    def staging_path(self) -> Path:
+        """A fresh path in the staging folder for a shard being written or received."""
+        return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
+
+    def missing(self, digests: Iterable[str]) -> list[str]:
+        """The digests among ``digests`` whose tensors the store does not hold, in input order."""
+        wanted = _check_digests(digests)
+        present: set[str] = set()
+        with self.db.transaction() as session:
+            for batch in _batches(wanted):
+                present.update(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch))))
+        return [d for d in wanted if d not in present]
+
+    def ingest_file(self, path: Path) -> ShardReceipt:
+        """Validate the shard at ``path``, store it and record its tensors; idempotent.
+
+        The file is consumed (moved into the blob store or deleted) whatever the outcome.
+
+        Raises:
+            InvalidShardError: the file is not a valid shard.
+            IntegrityError: a tensor's bytes do not match its digest name.
+        """
+        path = Path(path)
+        try:
+            header = verify_shard_file(path, max_header_bytes=self.max_header_bytes)
+            shard_id = header.shard_id
+            with self.db.transaction() as session:
+                known = session.get(Shard, shard_id) is not None
+            if not known:
+                self.blobs.put_file(shard_id, path)
+                self._record_shard(shard_id, header.file_size, header)
+            return ShardReceipt(
+                shard_id=shard_id, size=header.file_size, tensors=len(header.entries), created=not known
+            )
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _record_shard(self, shard_id: str, size: int, header: ShardHeader) -> None:
+        with self.db.transaction() as session:
+            if session.get(Shard, shard_id) is not None:
+                return
+            session.add(Shard(id=shard_id, size=size))
+            digests = [e.digest for e in header.entries]
+            present: set[str] = set()
+            for batch in _batches(digests):
+                present.update(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch))))
+            session.flush()
+            for entry in header.entries:
+                if entry.digest in present:
+                    continue
+                present.add(entry.digest)
+                session.add(
+                    Tensor(
+                        digest=entry.digest,
+                        shard_id=shard_id,
+                        dtype=entry.dtype,
+                        shape=list(entry.shape),
+                        offset=header.data_start + entry.begin,
+                        nbytes=entry.nbytes,
+                    )
+                )
+
+    def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
+        """Commit ``body`` as the next version of ``run_id`` (created if new).
+
+        Raises:
+            MissingTensorsError: the body references digests the store lacks (listed).
+            InvalidManifestError: a digest's dtype or shape disagrees with the stored tensor.
+        """
+        validate_run_id(run_id)
+        tags = [validate_tag(t) for t in tags]
+        with self.db.transaction() as session:
+            return commit_version(session, run_id, body, tags)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def resolve(self, run_id: str, ref: int | str = LATEST) -> int:
+        """The version number that ``ref`` (a number, 'latest' or a tag) names in ``run_id``."""
+        with self.db.transaction() as session:
+            return _resolve(session, validate_run_id(run_id), ref)
+
+    def manifest(self, run_id: str, ref: int | str = LATEST) -> Manifest:
+        """The manifest of the version ``ref`` names."""
+        with self.db.transaction() as session:
+            version = _resolve(session, validate_run_id(run_id), ref)
+            row = session.get(Version, (run_id, version))
+            assert row is not None
+            return manifest_from_json(row.manifest)
+
+    def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
+        """Where each digest's bytes live; NotFoundError names any the store lacks."""
+        wanted = _check_digests(digests)
+        found: dict[str, TensorLocation] = {}
+        with self.db.transaction() as session:
+            for batch in _batches(wanted):
+                for row in session.scalars(select(Tensor).where(Tensor.digest.in_(batch))):
+                    found[row.digest] = TensorLocation(
+                        digest=row.digest,
+                        shard_id=row.shard_id,
+                        offset=row.offset,
+                        nbytes=row.nbytes,
+                        dtype=row.dtype,
+                        shape=list(row.shape),
+                    )
+        absent = [d for d in wanted if d not in found]
+        if absent:
+            raise NotFoundError(f"{len(absent)} tensors are not in the store, e.g. {absent[0]}")
+        return found
+
+    def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` from shard ``shard_id`` starting at byte ``offset``."""
+        if not is_digest(shard_id):
+            raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
+        self.blobs.read_into(shard_id, offset, buffer)
+
+    def runs(self) -> list[RunInfo]:
+        """Every run with its totals, most recently updated first."""
+        with self.db.transaction() as session:
+            totals = {
+                run_id: (count, latest, total, new)
+                for run_id, count, latest, total, new in session.execute(
+                    select(
+                        Version.run_id,
+                        func.count(),
+                        func.max(Version.version),
+                        func.coalesce(func.sum(Version.bytes_total), 0),
+                        func.coalesce(func.sum(Version.bytes_new), 0),
+                    ).group_by(Version.run_id)
+                )
+            }
+            result = []
+            for run in session.scalars(select(Run).order_by(Run.updated_at.desc(), Run.id)):
+                count, latest, total, new = totals.get(run.id, (0, None, 0, 0))
+                result.append(
+                    RunInfo(
+                        run_id=run.id,
+                        created_at=run.created_at,
+                        updated_at=run.updated_at,
+                        versions=count,
+                        latest_version=latest,
+                        bytes_total=int(total),
+                        bytes_new=int(new),
+                    )
+                )
+            return result
+
+    def versions(self, run_id: str) -> list[VersionInfo]:
+        """Every version of ``run_id``, oldest first."""
+        with self.db.transaction() as session:
+            _require_run(session, validate_run_id(run_id))
+            tags: dict[int, list[str]] = {}
+            for tag in session.scalars(select(Tag).where(Tag.run_id == run_id).order_by(Tag.name)):
+                tags.setdefault(tag.version, []).append(tag.name)
+            rows = session.scalars(select(Version).where(Version.run_id == run_id).order_by(Version.version))
+            return [version_info(row, tags.get(row.version, [])) for row in rows]
+
+    # -- tags and deletion ---------------------------------------------------------------
+
+    def tag(self, run_id: str, ref: int | str, name: str) -> int:
+        """Point tag ``name`` at the version ``ref`` names (moving it if it exists)."""
+        validate_tag(name)
+        with self.db.transaction() as session:
+            version = _resolve(session, validate_run_id(run_id), ref)
+            existing = session.get(Tag, (run_id, name))
+            if existing is None:
+                session.add(Tag(run_id=run_id, name=name, version=version))
+            else:
+                existing.version = version
+            return version
+
+    def untag(self, run_id: str, name: str) -> None:
+        """Remove tag ``name`` from ``run_id``."""
+        validate_tag(name)
+        with self.db.transaction() as session:
+            existing = session.get(Tag, (validate_run_id(run_id), name))
+            if existing is None:
+                raise NotFoundError(f"run {run_id!r} has no tag {name!r}")
+            session.delete(existing)
+
+    def delete_version(self, run_id: str, ref: int | str) -> int:
+        """Delete one version (its tags go with it); its blobs stay until garbage collection."""
+        with self.db.transaction() as session:
+            version = _resolve(session, validate_run_id(run_id), ref)
+            session.query(Tag).filter_by(run_id=run_id, version=version).delete()
+            row = session.get(Version, (run_id, version))
+            session.delete(row)
+            return version
+
+
+def version_info(row: Version, tags: list[str]) -> VersionInfo:
+    """Build the public record of a version row."""
+    return VersionInfo(
+        run_id=row.run_id,
+        version=row.version,
+        parent=row.parent,
+        created_at=row.created_at,
+        tags=tags,
+        step=row.step,
+        metrics=row.metrics or {},
+        tensors_total=row.tensors_total,
+        tensors_new=row.tensors_new,
+        bytes_total=row.bytes_total,
+        bytes_new=row.bytes_new,
+        bytes_trainable=row.bytes_trainable,
+    )
+
+
+def _require_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFoundError(f"run {run_id!r} does not exist")
+    return run
+
+
+def _resolve(session: Session, run_id: str, ref: int | str) -> int:
+    parsed = parse_ref(ref)
+    _require_run(session, run_id)
+    if parsed == LATEST:
+        latest = session.scalar(select(func.max(Version.version)).where(Version.run_id == run_id))
+        if latest is None:
+            raise NotFoundError(f"run {run_id!r} has no versions")
+        return int(latest)
+    if isinstance(parsed, int):
+        if session.get(Version, (run_id, parsed)) is None:
+            raise NotFoundError(f"run {run_id!r} has no version {parsed}")
+        return parsed
+    tag = session.get(Tag, (run_id, parsed))
+    if tag is None:
+        raise NotFoundError(f"run {run_id!r} has no tag {parsed!r}")
+    return tag.version
+
+
+__all__ = ["Store", "version_info"]
