@@ -6,7 +6,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,8 +40,7 @@ def open_transport(url: str | None, home: Path | str | None, token: str | None) 
     """An embedded store in ``home``, or a server at ``url``."""
     if url:
         raise InvalidInputError(
-            f"cannot reach {url!r}: this installation has only the embedded store; "
-            "unset CKPTSTORE_URL to use it"
+            f"cannot reach {url!r}: this installation has only the embedded store; unset CKPTSTORE_URL to use it"
         )
     return Store.open_home(Path(home) if home is not None else default_home())
 
@@ -108,7 +107,7 @@ class Client:
         entries = [_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)]
         body = ManifestBody(
             tensors=entries,
-            state=flat.state,
+            state=cast(dict[Any, Any], flat.state),
             step=step,
             metrics=dict(metrics or {}),
             library={"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()},
@@ -129,9 +128,7 @@ class Client:
             seconds=time.perf_counter() - started,
         )
 
-    def _upload(
-        self, flat: FlatState, digests: list[str], missing: set[str], sizes: dict[str, int]
-    ) -> tuple[int, int]:
+    def _upload(self, flat: FlatState, digests: list[str], missing: set[str], sizes: dict[str, int]) -> tuple[int, int]:
         first: dict[str, tuple[str, torch.Tensor]] = {}
         for record, digest in zip(flat.records, digests, strict=True):
             if digest in missing and digest not in first:
@@ -180,7 +177,9 @@ class Client:
             reader = TensorReader(self.transport, manifest, on_bytes=bar.update)
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
             if model is None:
-                result.state_dict, result.casts = restore.materialize_model(reader, target or torch.device("cpu"), dtype)
+                result.state_dict, result.casts = restore.materialize_model(
+                    reader, target or torch.device("cpu"), dtype
+                )
             else:
                 stored = restore.model_keys(reader)
                 expected = set(model.state_dict().keys())
@@ -236,7 +235,7 @@ def _entry(record: TensorRecord, digest: str) -> TensorEntry:
         shape=shape,
         dtype_class=dtype_class(name),
         digest=digest,
-        placement=record.placement,  # type: ignore[arg-type]
+        placement=record.placement,
         param=record.param,
         device_type=tensor.device.type,
         trainable=record.trainable,

@@ -29,7 +29,7 @@ def _fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
         return None
     return (
         tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
+        int(tensor.storage_offset()),
         tuple(tensor.shape),
         tuple(tensor.stride()),
         tensor.dtype,
@@ -94,9 +94,7 @@ def digest_of(tensor: torch.Tensor, key: str) -> str:
     return tensor_digest(dtype_name(host, key), list(host.shape), byte_view(host))
 
 
-def digest_all(
-    tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | None, threads: int = 2
-) -> list[str]:
+def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | None, threads: int = 2) -> list[str]:
     """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe."""
     results: list[str | None] = [cache.get(t) if cache else None for _, t in tensors]
     todo = [i for i, r in enumerate(results) if r is None]

@@ -76,7 +76,7 @@ def decode(value: Any, tensor_for: TensorSource) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (marker, inner), = value.items()
+        ((marker, inner),) = value.items()
         if marker == TENSOR_REF:
             return tensor_for(inner)
         if marker == TUPLE:

@@ -41,4 +41,3 @@ def device_for(entry: TensorEntry, param_devices: Mapping[str, torch.device], ta
             f"{entry.key} belongs to parameter {entry.param!r}, which the model does not have",
             unexpected_keys=[entry.key],
         ) from None
-

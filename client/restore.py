@@ -147,17 +147,25 @@ def _check_groups(saved_groups: list[dict[str, Any]], current: list[list[str]]) 
         if missing or unexpected:
             raise StateMismatchError(
                 f"optimizer param group {index} differs from the checkpoint's: "
-                f"not in checkpoint: {format_list(missing) or 'none'}; not in optimizer: {format_list(unexpected) or 'none'}",
+                f"not in checkpoint: {format_list(missing) or 'none'}; "
+                f"not in optimizer: {format_list(unexpected) or 'none'}",
                 missing_keys=missing,
                 unexpected_keys=unexpected,
             )
 
 
-def _prefer_ours(holder: dict[Any, Any], ours: dict[Any, Any]) -> None:
-    """Undo casts or moves an optimizer's load_state_dict applied to tensors we placed."""
+def _prefer_ours(holder: dict[Any, Any], ours: dict[Any, Any], everything: bool) -> None:
+    """Undo what an optimizer's load_state_dict did to values we decoded and placed.
+
+    PyTorch's stock ``Optimizer.load_state_dict`` casts floating state to the parameter's
+    dtype, moves nested tensors and even turns strings into generator reprs, so after it
+    every decoded value is put back (``everything``). An optimizer with its own
+    load_state_dict may transform state on purpose; then only tensors whose dtype or device
+    alone changed are put back.
+    """
     for name, value in ours.items():
         theirs = holder.get(name)
-        if (
+        if everything or (
             isinstance(value, torch.Tensor)
             and isinstance(theirs, torch.Tensor)
             and theirs.shape == value.shape
@@ -170,7 +178,7 @@ def restore_optimizer(
     reader: TensorReader, optim: torch.optim.Optimizer, model: torch.nn.Module, target: torch.device
 ) -> None:
     """Load the version's optimizer state into ``optim``, placing every tensor by the rules."""
-    saved = reader.manifest.state.get("optim")
+    saved: Any = reader.manifest.state.get("optim")
     if not isinstance(saved, dict):
         raise StateMismatchError(f"version {reader.manifest.version} holds no optimizer state")
     names = parameter_names(model)
@@ -190,13 +198,14 @@ def restore_optimizer(
         hyper["params"] = [order[n] for n in group_names]
         groups.append(hyper)
     optim.load_state_dict({"state": state, "param_groups": groups})
+    stock = type(optim).load_state_dict is torch.optim.Optimizer.load_state_dict
     ordered_params = [params[n] for group in current for n in group]
     for index, ours in state.items():
         theirs = optim.state.get(ordered_params[index])
         if isinstance(ours, dict) and isinstance(theirs, dict):
-            _prefer_ours(theirs, ours)
+            _prefer_ours(theirs, ours, stock)
     for group, ours in zip(optim.param_groups, groups, strict=True):
-        _prefer_ours(group, {k: v for k, v in ours.items() if k != "params"})
+        _prefer_ours(group, {k: v for k, v in ours.items() if k != "params"}, stock)
 
 
 def restore_section(reader: TensorReader, section: str, target: torch.device) -> Any:

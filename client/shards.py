@@ -27,9 +27,7 @@ def write_shard(
     """
     hosts = [(digest, host_contiguous(tensor, key)) for digest, key, tensor in tensors]
     hosts.sort(key=lambda item: -itemsize(dtype_name(item[1], item[0])))
-    header, _ = encode_header(
-        [(digest, dtype_name(t, digest), list(t.shape)) for digest, t in hosts], SHARD_METADATA
-    )
+    header, _ = encode_header([(digest, dtype_name(t, digest), list(t.shape)) for digest, t in hosts], SHARD_METADATA)
     size = len(header)
     with open(path, "wb") as handle:
         handle.write(header)

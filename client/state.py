@@ -16,6 +16,7 @@ import torch
 from client import jsonstate, keys
 from client.placement import group_places_step_on_device
 from service.errors import StateEncodingError, StateMismatchError
+from service.format.manifest import Placement
 
 
 @dataclass
@@ -24,7 +25,7 @@ class TensorRecord:
 
     key: str
     tensor: torch.Tensor
-    placement: str
+    placement: Placement
     param: str | None = None
     trainable: bool | None = None
 
@@ -51,7 +52,7 @@ def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _host_or_target(tensor: torch.Tensor) -> str:
+def _host_or_target(tensor: torch.Tensor) -> Placement:
     return "host" if tensor.device.type == "cpu" else "target"
 
 
@@ -63,9 +64,7 @@ def flatten_model(flat: FlatState, model: torch.nn.Module) -> None:
                 f"model/{name}: the model's state_dict holds a {type(value).__name__}, not a tensor "
                 "(custom extra state); save it through extra= instead"
             )
-        flat.add(
-            TensorRecord(keys.model_key(name), value, "target", trainable=bool(value.requires_grad))
-        )
+        flat.add(TensorRecord(keys.model_key(name), value, "target", trainable=bool(value.requires_grad)))
 
 
 def _optimizer_param_names(optim: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
@@ -98,9 +97,9 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
         prefix = keys.join("optim", "state", name)
 
         def store(tensor: torch.Tensor, path: str, name: str = name, prefix: str = prefix, group: Any = group) -> str:
-            on_host = path == f"{prefix}/step" and not group_places_step_on_device(group)
-            placement = "host" if on_host else "param"
-            return flat.add(TensorRecord(path, tensor, placement, None if on_host else name))
+            if path == f"{prefix}/step" and not group_places_step_on_device(group):
+                return flat.add(TensorRecord(path, tensor, "host"))
+            return flat.add(TensorRecord(path, tensor, "param", name))
 
         state_json[name] = jsonstate.encode(param_state, prefix, store)
     groups_json = []
@@ -108,8 +107,9 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
         owner = names[0] if names else None
 
         def store_group(tensor: torch.Tensor, path: str, owner: str | None = owner) -> str:
-            placement = "param" if owner is not None else "target"
-            return flat.add(TensorRecord(path, tensor, placement, owner))
+            if owner is None:
+                return flat.add(TensorRecord(path, tensor, "target"))
+            return flat.add(TensorRecord(path, tensor, "param", owner))
 
         hyper = {k: v for k, v in group.items() if k != "params"}
         encoded = jsonstate.encode(hyper, keys.join("optim", "param_groups", group_index), store_group)

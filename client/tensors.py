@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from service.errors import StateEncodingError
+from service.format.manifest import DTypeName
 
-TORCH_TO_NAME: dict[torch.dtype, str] = {
+TORCH_TO_NAME: dict[torch.dtype, DTypeName] = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
     torch.int8: "I8",
@@ -29,13 +30,13 @@ TORCH_TO_NAME: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.complex64: "C64",
 }
-NAME_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_NAME.items()}
+NAME_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in TORCH_TO_NAME.items()}
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptstore stores little-endian bytes and needs a little-endian machine")
 
 
-def dtype_name(tensor: torch.Tensor, key: str) -> str:
+def dtype_name(tensor: torch.Tensor, key: str) -> DTypeName:
     """The safetensors dtype name of ``tensor``, or a StateEncodingError naming ``key``."""
     try:
         return TORCH_TO_NAME[tensor.dtype]
@@ -65,7 +66,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def tensor_from_buffer(buffer: memoryview | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:

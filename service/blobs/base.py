@@ -50,7 +50,9 @@ class BlobStore(ABC):
     def list_ids(self) -> Iterator[str]:
         """Every stored blob id."""
 
-    def iter_range(self, blob_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+    def iter_range(
+        self, blob_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES
+    ) -> Iterator[bytes]:
         """Yield ``length`` bytes of the blob from ``offset`` in pieces of ``chunk_bytes``."""
         end = offset + length
         while offset < end:

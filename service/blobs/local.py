@@ -88,9 +88,7 @@ class LocalBlobStore(BlobStore):
             while done < len(buffer):
                 count = os.preadv(fd, [buffer[done:]], offset + done)
                 if count == 0:
-                    raise IntegrityError(
-                        f"blob {blob_id} ends before byte {offset + len(buffer)}; it was truncated"
-                    )
+                    raise IntegrityError(f"blob {blob_id} ends before byte {offset + len(buffer)}; it was truncated")
                 done += count
         finally:
             os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 DTypeClass = Literal["floating", "integer", "bool", "complex"]
@@ -39,7 +40,7 @@ def dtype_class(dtype: str) -> DTypeClass:
     return DTYPES[dtype][1]
 
 
-def element_count(shape: tuple[int, ...] | list[int]) -> int:
+def element_count(shape: Sequence[int]) -> int:
     """Number of elements of ``shape`` (1 for a scalar), exact for any size."""
     count = 1
     for dim in shape:
@@ -47,6 +48,6 @@ def element_count(shape: tuple[int, ...] | list[int]) -> int:
     return count
 
 
-def byte_length(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+def byte_length(dtype: str, shape: Sequence[int]) -> int:
     """Bytes a tensor of ``dtype`` and ``shape`` occupies."""
     return itemsize(dtype) * element_count(shape)

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
 
 from service.errors import InvalidManifestError
-from service.format.digest import ALGORITHM, DIGEST_PATTERN
-from service.format.dtypes import DTYPES, byte_length, dtype_class, element_count
+from service.format.digest import DIGEST_PATTERN
+from service.format.dtypes import byte_length, dtype_class, element_count
 from service.format.names import MetricName, RunId
 
 FORMAT_VERSION = "ckptstore.manifest/1"
@@ -33,7 +33,10 @@ Shape = Annotated[list[Dim], Field(max_length=64)]
 TensorKey = Annotated[str, StringConstraints(pattern=r"^(model|optim|scheduler|extra)/[^\x00-\x1f\x7f]{1,1000}$")]
 ParamName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,1000}$")]
 DeviceType = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
-DTypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+DTypeName = Literal[
+    "BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64",
+    "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F16", "BF16", "F32", "F64", "C64",
+]  # fmt: skip
 Placement = Literal["param", "host", "target"]
 StateSection = Literal["optim", "scheduler", "extra"]
 ShortText = Annotated[str, StringConstraints(max_length=200)]
@@ -117,14 +120,14 @@ def _check_tiling(key: str, shape: list[int], chunks: list[Chunk]) -> None:
 class ManifestBody(_Strict):
     """What a client commits: every tensor, the JSON state tree, step and metrics."""
 
-    format: Literal["ckptstore.manifest/1"] = FORMAT_VERSION
-    digest_algorithm: Literal["blake3"] = ALGORITHM
+    format: Literal["ckptstore.manifest/1"] = "ckptstore.manifest/1"
+    digest_algorithm: Literal["blake3"] = "blake3"
     tensors: Annotated[list[TensorEntry], Field(max_length=MAX_TENSORS)]
     state: dict[StateSection, JsonValue] = Field(default_factory=dict)
     step: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     metrics: Annotated[dict[MetricName, float], Field(max_length=256)] = Field(default_factory=dict)
-    library: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32)] = (
-        Field(default_factory=dict)
+    library: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32)] = Field(
+        default_factory=dict
     )
 
     @model_validator(mode="after")

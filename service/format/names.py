@@ -26,6 +26,7 @@ MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
 _RUN_ID_RE = re.compile(RUN_ID_PATTERN)
 _TAG_RE = re.compile(TAG_PATTERN)
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,17}$")
+_MAX_VERSION = 2**63 - 1
 
 
 def _shown(value: object) -> str:
@@ -35,7 +36,7 @@ def _shown(value: object) -> str:
 
 def validate_run_id(run_id: object) -> str:
     """Return ``run_id`` if it matches the run id pattern, else raise InvalidNameError."""
-    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or ".." in run_id:
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
         raise InvalidNameError(
             f"invalid run id {_shown(run_id)}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
             "starting with a letter or digit, with no '..'"
@@ -45,7 +46,7 @@ def validate_run_id(run_id: object) -> str:
 
 def validate_tag(tag: object) -> str:
     """Return ``tag`` if it is a valid tag name (and not the reserved 'latest')."""
-    if not isinstance(tag, str) or not _TAG_RE.match(tag) or tag == LATEST:
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag == LATEST:
         raise InvalidNameError(
             f"invalid tag {_shown(tag)}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting "
             "with a letter; 'latest' is reserved"
@@ -61,15 +62,16 @@ def parse_ref(ref: object) -> int | str:
     if isinstance(ref, bool):
         raise InvalidNameError(f"invalid version reference {ref!r}")
     if isinstance(ref, int):
-        if ref < 1:
-            raise InvalidNameError(f"invalid version number {ref}: versions start at 1")
+        if not 1 <= ref <= _MAX_VERSION:
+            shown = ref if abs(ref) <= _MAX_VERSION else "out of range"  # str() refuses ints over 4300 digits
+            raise InvalidNameError(f"invalid version number {shown}: versions run from 1 to 2**63-1")
         return ref
     if isinstance(ref, str):
-        if _VERSION_RE.match(ref):
+        if _VERSION_RE.fullmatch(ref):
             return int(ref)
         if ref == LATEST:
             return LATEST
-        if _TAG_RE.match(ref):
+        if _TAG_RE.fullmatch(ref):
             return ref
     raise InvalidNameError(
         f"invalid version reference {_shown(ref)}: use a version number (1, 2, …), 'latest' or a tag"

@@ -107,8 +107,12 @@ def _parse_json(text: str) -> Any:
     )
     try:
         value, end = decoder.raw_decode(text, 0)
+    except InvalidShardError:
+        raise
     except json.JSONDecodeError as exc:
         raise InvalidShardError(f"shard header is not valid JSON: {exc.msg} at {exc.pos}") from exc
+    except ValueError as exc:  # int() refuses numbers over sys.get_int_max_str_digits() digits
+        raise InvalidShardError(f"shard header has a number too long to be an offset or a dimension: {exc}") from exc
     except RecursionError as exc:
         raise InvalidShardError("shard header nests too deeply") from exc
     if text[end:].strip(" "):
@@ -135,9 +139,7 @@ def _parse_metadata(value: object) -> dict[str, str]:
 
 def _parse_entry(name: str, value: object) -> HeaderEntry:
     if not is_digest(name):
-        raise InvalidShardError(
-            f"shard tensor name {name[:80]!r} is not a tensor digest (64 lowercase hex characters)"
-        )
+        raise InvalidShardError(f"shard tensor name {name[:80]!r} is not a tensor digest (64 lowercase hex characters)")
     if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
         fields = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise InvalidShardError(

@@ -1,0 +1,907 @@
+"""Compare ckptstore's embedded store with safetensors, torch.save and torch.distributed.checkpoint.
+
+Every method saves and loads the same transformer-shaped state in the same run. Saves are
+durable (file and directory fsynced), loads are cold (page cache dropped before each one)
+where the machine allows it, and each figure is the median of ``--repeats`` runs. Peak RSS of
+every load is measured in a child process (this script re-invoked with ``--child``).
+
+    .venv/bin/python bench/compare.py --quick
+    .venv/bin/python bench/compare.py --size-gib 1 --json bench/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from client import Client
+
+# The client reads this at every save/load, so setting it after the import is enough.
+os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
+
+# DCP warns that it assumes a single process when torch.distributed is not initialised.
+warnings.filterwarnings("ignore", message=".*single process.*")
+
+RUN_ID = "bench"
+PAGE = 4096
+MIB = 1 << 20
+GIB = 1 << 30
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LORA_RANK = 8
+PROJECTIONS = ("q", "k", "v", "o")
+LOAD = "load"
+LOAD_INTO = "load_into_model"
+
+# --------------------------------------------------------------------------------------
+# The state being saved
+# --------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """One transformer block's parameters: attention projections, an MLP, two layernorms."""
+
+    def __init__(self, d: int, **factory: Any) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d, **factory)
+        self.q = nn.Linear(d, d, **factory)
+        self.k = nn.Linear(d, d, **factory)
+        self.v = nn.Linear(d, d, **factory)
+        self.o = nn.Linear(d, d, **factory)
+        self.ln2 = nn.LayerNorm(d, **factory)
+        self.up = nn.Linear(d, 4 * d, **factory)
+        self.down = nn.Linear(4 * d, d, **factory)
+
+
+class Transformer(nn.Module):
+    """An embedding, ``layers`` blocks and a final layernorm (state only: no forward needed)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, **factory: Any) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d, **factory)
+        self.blocks = nn.ModuleList(Block(d, **factory) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d, **factory)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's dimensions and dtype."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    dtype: str
+    with_optimizer: bool
+
+    def child_args(self) -> list[str]:
+        """Command-line arguments that rebuild this shape in a child process."""
+        args = ["--vocab", str(self.vocab), "--hidden", str(self.hidden), "--layers", str(self.layers)]
+        args += ["--dtype", self.dtype]
+        return args + (["--with-optimizer"] if self.with_optimizer else [])
+
+
+def layers_for(size_bytes: float, vocab: int, d: int, dtype: torch.dtype) -> int:
+    """The number of blocks that brings the model closest to ``size_bytes``."""
+    item = torch.empty((), dtype=dtype).element_size()
+    block = (4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 4 * d) * item
+    fixed = (vocab * d + 2 * d) * item
+    return max(1, round((size_bytes - fixed) / block))
+
+
+def build_model(shape: Shape, fill: str) -> Transformer:
+    """The model with memory allocated and written: ``fill`` is 'random' or 'zeros'."""
+    with torch.device("meta"):
+        model = Transformer(shape.vocab, shape.hidden, shape.layers, dtype=DTYPES[shape.dtype])
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if fill == "random":
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.zero_()
+    return model
+
+
+def fake_step(
+    optim: torch.optim.Optimizer, params: Iterable[nn.Parameter], generator: torch.Generator | None = None
+) -> None:
+    """One optimizer step, so its state exists (or changes).
+
+    With ``generator`` the gradients are random, so no two state tensors are equal and nothing
+    deduplicates by accident; without, they are an expanded constant that allocates nothing
+    (for load targets, whose values do not matter).
+    """
+    params = list(params)
+    for param in params:
+        if generator is None:
+            param.grad = torch.full((), 1e-3, dtype=param.dtype).expand_as(param)
+        else:
+            param.grad = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+    optim.step()
+    for param in params:
+        param.grad = None
+
+
+def build_optimizer(
+    model: nn.Module, shape: Shape, generator: torch.Generator | None = None
+) -> torch.optim.Optimizer | None:
+    """AdamW over the model after one step (see :func:`fake_step`), or None without ``--with-optimizer``."""
+    if not shape.with_optimizer:
+        return None
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fake_step(optim, model.parameters(), generator)
+    return optim
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Total bytes of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optim_tensors(optim: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor of the optimizer's per-parameter state."""
+    if optim is None:
+        return []
+    return [v for state in optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def state_tensors(model: nn.Module, optim: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor a full checkpoint of ``model`` and ``optim`` holds."""
+    return list(model.state_dict().values()) + optim_tensors(optim)
+
+
+def touch(tensors: Iterable[torch.Tensor]) -> int:
+    """Read one byte of every 4 KiB page of each tensor; returns a checksum of those bytes.
+
+    Applied to the result of *every* load method alike. For loaders that map the file
+    (safetensors.load_file, torch.load(mmap=True)) this is what actually reads the data from
+    disk; for loaders that already copied into memory (ckptstore, DCP) it costs about a
+    millisecond per GiB. So every timed load means "all bytes are in memory".
+    """
+    total = 0
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        total += int(flat[::PAGE].sum()) + int(flat[-1])
+    return total
+
+
+def same_state(
+    model: nn.Module, optim: torch.optim.Optimizer | None, ref: nn.Module, ref_optim: torch.optim.Optimizer | None
+) -> bool:
+    """True when ``model`` (and ``optim``) hold exactly the reference values."""
+    if not same_tensors(model.state_dict(), ref):
+        return False
+    if optim is None or ref_optim is None:
+        return optim is ref_optim
+    for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+        ours, theirs = optim.state[param], ref_optim.state[ref_param]
+        if ours.keys() != theirs.keys() or not all(torch.equal(ours[k], theirs[k]) for k in ours):
+            return False
+    return True
+
+
+def same_tensors(loaded: dict[str, torch.Tensor], ref: nn.Module) -> bool:
+    """True when a loaded state_dict equals the reference model's."""
+    expected = ref.state_dict()
+    return loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in loaded)
+
+
+# --------------------------------------------------------------------------------------
+# Files: durability and cold reads
+# --------------------------------------------------------------------------------------
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (directories after their contents)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(folder, name))
+        fsync_path(Path(folder))
+
+
+def files_under(root: Path) -> list[Path]:
+    """Every regular file under ``root``."""
+    return [Path(folder, name) for folder, _, files in os.walk(root) for name in files]
+
+
+def can_drop_caches() -> bool:
+    """True when this process may write to /proc/sys/vm/drop_caches."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class CacheDropper:
+    """Makes the next read of some files come from disk: drop_caches if allowed, else fadvise."""
+
+    def __init__(self) -> None:
+        self.method = "drop_caches" if can_drop_caches() else "fadvise(DONTNEED)"
+
+    def __call__(self, root: Path) -> None:
+        """Evict ``root``'s files (or the whole page cache) after writing back dirty pages."""
+        os.sync()
+        if self.method == "drop_caches":
+            with open("/proc/sys/vm/drop_caches", "w") as handle:
+                handle.write("3\n")
+            return
+        for path in files_under(root):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def check_real_disk(path: Path) -> None:
+    """Refuse a scratch folder on tmpfs/ramfs, where 'disk' numbers would be memory numbers."""
+    best, fstype = "", ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            mount_point, kind = line.split()[1:3]
+            if str(path).startswith(mount_point.rstrip("/") + "/") and len(mount_point) > len(best):
+                best, fstype = mount_point, kind
+    if fstype in {"tmpfs", "ramfs"}:
+        raise SystemExit(f"{path} is on {fstype}; pass --workdir on a real disk")
+
+
+# --------------------------------------------------------------------------------------
+# The methods compared
+# --------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds taken by ``fn()`` and its result."""
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+class Method:
+    """A checkpoint format: durable save, load as a new state_dict, load into a model."""
+
+    name = ""
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> float:
+        """Save durably into the empty folder ``path``; returns the seconds taken."""
+        raise NotImplementedError
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        """The model's tensors as a new state_dict, every page read."""
+        raise NotImplementedError
+
+    def load_into(self, path: Path, model: nn.Module, optim: torch.optim.Optimizer | None) -> None:
+        """Load into an existing model (and optimizer), every page read."""
+        raise NotImplementedError
+
+
+class Ckptstore(Method):
+    """ckptstore's embedded store (SQLite + a local folder) through the public Client.
+
+    A save is timed as a training loop pays it: ``client.save`` on an already open client
+    (the store's folder and SQLite schema are created before the clock starts). A load is
+    timed as a resumed process pays it: opening the client, then ``client.load``.
+    """
+
+    name = "ckptstore"
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> float:
+        with Client(home=path) as client:
+            seconds, _ = timed(lambda: client.save(RUN_ID, model, optim))
+        return seconds
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        with Client(home=path) as client:
+            state = client.load(RUN_ID).state_dict
+        assert state is not None
+        touch(state.values())
+        return state
+
+    def load_into(self, path: Path, model: nn.Module, optim: torch.optim.Optimizer | None) -> None:
+        with Client(home=path) as client:
+            client.load(RUN_ID, model=model, optim=optim)
+        touch(state_tensors(model, optim))
+
+
+class Safetensors(Method):
+    """safetensors.torch.save_file / load_file; optimizer tensors as ``optim.<index>.<name>``."""
+
+    name = "safetensors"
+
+    @staticmethod
+    def _file(path: Path) -> Path:
+        return path / "model.safetensors"
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> float:
+        def work() -> None:
+            tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+            metadata = {}
+            if optim is not None:
+                saved = optim.state_dict()
+                for index, state in saved["state"].items():
+                    tensors.update({f"optim.{index}.{k}": v for k, v in state.items()})
+                metadata["param_groups"] = json.dumps(saved["param_groups"])
+            safetensors.torch.save_file(tensors, self._file(path), metadata=metadata)
+            fsync_path(self._file(path))
+            fsync_path(path)
+
+        return timed(work)[0]
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        with safetensors.safe_open(self._file(path), framework="pt") as handle:
+            keys = [k for k in handle.keys() if k.startswith("model.")]
+            everything = len(keys) == len(handle.keys())
+        if everything:
+            loaded = safetensors.torch.load_file(self._file(path))
+        else:  # load_file's own loop, restricted to the model's tensors
+            with safetensors.safe_open(self._file(path), framework="pt") as handle:
+                loaded = {k: handle.get_tensor(k) for k in keys}
+        state = {k.removeprefix("model."): v for k, v in loaded.items()}
+        touch(state.values())
+        return state
+
+    def load_into(self, path: Path, model: nn.Module, optim: torch.optim.Optimizer | None) -> None:
+        loaded = safetensors.torch.load_file(self._file(path))
+        model.load_state_dict({k.removeprefix("model."): v for k, v in loaded.items() if k.startswith("model.")})
+        if optim is not None:
+            with safetensors.safe_open(self._file(path), framework="pt") as handle:
+                groups = json.loads(handle.metadata()["param_groups"])
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in loaded.items():
+                if key.startswith("optim."):
+                    _, index, name = key.split(".", 2)
+                    state.setdefault(int(index), {})[name] = value
+            optim.load_state_dict({"state": state, "param_groups": groups})
+        touch(state_tensors(model, optim))
+
+
+class TorchSave(Method):
+    """torch.save into an fsynced file / torch.load(mmap=True, weights_only=True)."""
+
+    name = "torch.save"
+
+    @staticmethod
+    def _file(path: Path) -> Path:
+        return path / "checkpoint.pt"
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> float:
+        def work() -> None:
+            payload: dict[str, Any] = {"model": model.state_dict()}
+            if optim is not None:
+                payload["optim"] = optim.state_dict()
+            with open(self._file(path), "wb") as handle:
+                torch.save(payload, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            fsync_path(path)
+
+        return timed(work)[0]
+
+    def _open(self, path: Path) -> dict[str, Any]:
+        return torch.load(self._file(path), mmap=True, weights_only=True)
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        state = self._open(path)["model"]
+        touch(state.values())
+        return state
+
+    def load_into(self, path: Path, model: nn.Module, optim: torch.optim.Optimizer | None) -> None:
+        payload = self._open(path)
+        model.load_state_dict(payload["model"])
+        if optim is not None:
+            optim.load_state_dict(payload["optim"])
+        touch(state_tensors(model, optim))
+
+
+class DistributedCheckpoint(Method):
+    """torch.distributed.checkpoint FileSystemWriter/Reader in single-process mode.
+
+    DCP loads in place, so ``load`` first allocates empty tensors from DCP's metadata.
+    """
+
+    name = "dcp"
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> float:
+        def work() -> None:
+            state: dict[str, Any] = {"model": model.state_dict()}
+            if optim is not None:
+                state["optim"] = optim.state_dict()
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+            fsync_tree(path)  # the writer fsyncs its data files; make metadata and folder durable too
+
+        return timed(work)[0]
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state = {
+            key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in metadata.items()
+            if key.startswith("model.")
+        }
+        dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(path))
+        touch(state.values())
+        return state
+
+    def load_into(self, path: Path, model: nn.Module, optim: torch.optim.Optimizer | None) -> None:
+        state: dict[str, Any] = {"model": model.state_dict()}
+        if optim is not None:
+            state["optim"] = optim.state_dict()
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        if optim is not None:
+            optim.load_state_dict(state["optim"])
+        touch(state_tensors(model, optim))
+
+
+METHODS: list[Method] = [Safetensors(), Ckptstore(), TorchSave(), DistributedCheckpoint()]
+BY_NAME = {m.name: m for m in METHODS}
+
+
+# --------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of the results table."""
+
+    method: str
+    operation: str
+    seconds: list[float]
+    nbytes: int
+    peak_rss_mib: float | None = None
+    ratio: float | None = None
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        """Median of the timed runs."""
+        return statistics.median(self.seconds)
+
+    @property
+    def gbps(self) -> float:
+        """Logical bytes moved per second, in GB/s (10^9 bytes)."""
+        return self.nbytes / self.median / 1e9
+
+
+@dataclass
+class Bench:
+    """Everything one benchmark run needs and produces."""
+
+    shape: Shape
+    repeats: int
+    workdir: Path
+    model: nn.Module
+    optim: torch.optim.Optimizer | None
+    target: nn.Module
+    target_optim: torch.optim.Optimizer | None
+    dropper: CacheDropper
+    model_bytes: int = 0
+    total_bytes: int = 0
+    rows: list[Row] = field(default_factory=list)
+    lora: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Fixed now: the LoRA step adds adapters to the model later.
+        self.model_bytes = tensor_bytes(self.model.state_dict().values())
+        self.total_bytes = tensor_bytes(state_tensors(self.model, self.optim))
+
+    def folder(self, method: Method) -> Path:
+        """Where ``method`` keeps its checkpoint."""
+        return self.workdir / method.name
+
+
+def fresh_folder(path: Path) -> Path:
+    """An empty folder at ``path`` (removing what was there)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def time_saves(bench: Bench) -> None:
+    """Median durable-save time per method; repeats interleave the methods."""
+    seconds: dict[str, list[float]] = {m.name: [] for m in METHODS}
+    for _ in range(bench.repeats):
+        for method in METHODS:
+            path = fresh_folder(bench.folder(method))
+            os.sync()
+            seconds[method.name].append(method.save(bench.model, bench.optim, path))
+    for method in METHODS:
+        bench.rows.append(Row(method.name, "save", seconds[method.name], bench.total_bytes))
+
+
+def time_loads(bench: Bench) -> None:
+    """Median cold-load time per method and operation, checking every result."""
+    seconds: dict[tuple[str, str], list[float]] = {}
+    for _ in range(bench.repeats):
+        for method in METHODS:
+            for operation in (LOAD, LOAD_INTO):
+                elapsed = cold_load(bench, method, operation)
+                seconds.setdefault((method.name, operation), []).append(elapsed)
+    for (name, operation), values in seconds.items():
+        nbytes = bench.model_bytes if operation == LOAD else bench.total_bytes
+        bench.rows.append(Row(name, operation, values, nbytes))
+
+
+def cold_load(bench: Bench, method: Method, operation: str) -> float:
+    """Seconds of one cold load by ``method``; exits if the loaded values are wrong."""
+    path = bench.folder(method)
+    if operation == LOAD:
+        bench.dropper(path)
+        elapsed, state = timed(lambda: method.load(path))
+        correct = same_tensors(state, bench.model)
+    else:
+        zero_target(bench)
+        bench.dropper(path)
+        elapsed, _ = timed(lambda: method.load_into(path, bench.target, bench.target_optim))
+        correct = same_state(bench.target, bench.target_optim, bench.model, bench.optim)
+    if not correct:
+        raise SystemExit(f"{method.name} {operation}: the loaded values differ from the saved ones")
+    return elapsed
+
+
+def zero_target(bench: Bench) -> None:
+    """Overwrite the load target with zeros so a failed load cannot pass the check."""
+    with torch.no_grad():
+        for tensor in state_tensors(bench.target, bench.target_optim):
+            tensor.zero_()
+
+
+def child_peak_rss(bench: Bench, method: Method, operation: str) -> float:
+    """Peak RSS above baseline (MiB) of one load, run in a fresh process."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", f"{method.name}:{operation}"]
+    command += ["--child-path", str(bench.folder(method)), *bench.shape.child_args()]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"child {method.name}:{operation} failed:\n{done.stderr}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return (report["peak_kib"] - report["baseline_kib"]) / 1024
+
+
+def measure_rss(bench: Bench) -> None:
+    """Fill in the peak RSS column of every load row."""
+    for row in bench.rows:
+        if row.operation in (LOAD, LOAD_INTO):
+            row.peak_rss_mib = child_peak_rss(bench, BY_NAME[row.method], row.operation)
+
+
+# --------------------------------------------------------------------------------------
+# LoRA-style second version
+# --------------------------------------------------------------------------------------
+
+
+def add_adapters(model: Transformer, rank: int) -> list[nn.Parameter]:
+    """Freeze the model and give every attention projection a trainable rank-``rank`` A/B pair."""
+    model.requires_grad_(False)
+    adapters = []
+    for block in model.blocks:
+        for name in PROJECTIONS:
+            weight = getattr(block, name).weight
+            a = nn.Parameter(torch.randn(rank, weight.shape[1], dtype=weight.dtype) * 0.01)
+            b = nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype))
+            block.register_parameter(f"{name}_lora_A", a)
+            block.register_parameter(f"{name}_lora_B", b)
+            adapters += [a, b]
+    return adapters
+
+
+LORA_SAVES = {
+    "save_lora_v2": "LoRA v2, same client (digest cache)",
+    "save_lora_v2_new_client": "LoRA v2, new client (re-hashes the base)",
+}
+
+
+def lora_round(bench: Bench, adapters: list[nn.Parameter], optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """One fresh store: v1, then v2 from the same client, then v3 from a new client; (seconds, result) each."""
+    generator = torch.Generator().manual_seed(1)
+    home = fresh_folder(bench.workdir / "lora")
+    outcome = {}
+    with Client(home=home) as client:
+        for name in ("save_lora_v1", "save_lora_v2"):
+            fake_step(optim, adapters, generator)
+            os.sync()
+            outcome[name] = timed(lambda: client.save(RUN_ID, bench.model, optim))
+    fake_step(optim, adapters, generator)
+    os.sync()
+    with Client(home=home) as client:
+        outcome["save_lora_v2_new_client"] = timed(lambda: client.save(RUN_ID, bench.model, optim))
+    return outcome
+
+
+def time_lora(bench: Bench) -> None:
+    """Freeze the base, add adapters, save (v1), change only the adapters, save again.
+
+    The second save comes once from the same client, whose digest cache skips re-hashing the
+    frozen base, and once from a new client (as a resumed process would), which re-hashes the
+    base but still writes only what changed. The adapters' AdamW state is saved with them.
+    """
+    adapters = add_adapters(bench.model, LORA_RANK)
+    optim = torch.optim.AdamW(adapters, lr=1e-4)
+    rounds = [lora_round(bench, adapters, optim) for _ in range(bench.repeats)]
+    last = rounds[-1]
+    total = last["save_lora_v1"][1].bytes_total
+    bench.lora = {"adapter_bytes": tensor_bytes(adapters), "bytes_total": total}
+    for name in last:
+        bench.lora[name] = {"seconds": [r[name][0] for r in rounds], "bytes_new": last[name][1].bytes_new}
+    for name, note in LORA_SAVES.items():
+        bench.rows.append(Row("ckptstore", name, bench.lora[name]["seconds"], total, note=note))
+
+
+# --------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """Each row's median time over safetensors' for the same operation (LoRA saves: vs full save)."""
+    base = {row.operation: row.median for row in rows if row.method == "safetensors"}
+    for row in rows:
+        reference = base.get(row.operation) or base.get("save" if row.operation.startswith("save") else "")
+        row.ratio = row.median / reference if reference else None
+
+
+def run_text(command: list[str]) -> str:
+    """A command's stripped output, or '' if it fails."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, memory, library versions and the repository's commit."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    commit = run_text(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"])
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "commit": commit or "unknown",
+    }
+
+
+def format_table(rows: list[Row]) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        "| method | operation | seconds (median) | GB/s | vs safetensors | peak RSS MiB | note |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
+        rss = f"{row.peak_rss_mib:.0f}" if row.peak_rss_mib is not None else "-"
+        lines.append(
+            f"| {row.method} | {row.operation} | {row.median:.3f} | {row.gbps:.2f} | {ratio} | {rss} | {row.note} |"
+        )
+    return "\n".join(lines)
+
+
+def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
+    """Machine, state size, cache-drop method and the LoRA summary."""
+    shape, lora = bench.shape, bench.lora
+    full = next(r.median for r in bench.rows if r.method == "ckptstore" and r.operation == "save")
+    v2, fresh = lora["save_lora_v2"], lora["save_lora_v2_new_client"]
+    return "\n".join(
+        [
+            f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB RAM; "
+            f"torch {machine['torch']}, safetensors {machine['safetensors']}, python {machine['python']}; "
+            f"commit {machine['commit']}",
+            f"state: model {bench.model_bytes / GIB:.3f} GiB ({shape.layers} layers, d={shape.hidden}, "
+            f"vocab={shape.vocab}, {shape.dtype}), optimizer {(bench.total_bytes - bench.model_bytes) / GIB:.3f} GiB; "
+            f"median of {bench.repeats}; cold reads via {bench.dropper.method}; GB/s = logical bytes / 1e9 / s",
+            f"LoRA: adapters {lora['adapter_bytes'] / MIB:.2f} MiB + AdamW state; "
+            f"v2 wrote {v2['bytes_new'] / MIB:.2f} MiB of {lora['bytes_total'] / GIB:.3f} GiB and took "
+            f"{statistics.median(v2['seconds']) / full:.3f}x the time of the first full save "
+            f"({statistics.median(fresh['seconds']) / full:.3f}x from a new client)",
+        ]
+    )
+
+
+def write_json(path: Path, bench: Bench, machine: dict[str, Any]) -> None:
+    """The results as JSON for tracking over time."""
+    rows = [{**asdict(row), "median": row.median, "gbps": row.gbps} for row in bench.rows]
+    document = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine,
+        "shape": asdict(bench.shape),
+        "model_bytes": bench.model_bytes,
+        "total_bytes": bench.total_bytes,
+        "repeats": bench.repeats,
+        "cache_drop": bench.dropper.method,
+        "rows": rows,
+        "lora": bench.lora,
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------
+# Child process: one load, peak RSS
+# --------------------------------------------------------------------------------------
+
+
+def status_kib(field_name: str) -> int:
+    """A ``kB`` field of /proc/self/status."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux clear_refs); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(args: argparse.Namespace, shape: Shape) -> None:
+    """Perform one load and print its peak and baseline RSS as JSON.
+
+    The baseline is taken after imports and, for loads into a model, after building and
+    writing the model (and optimizer) that the load fills.
+    """
+    name, operation = args.child.split(":")
+    method, path = BY_NAME[name], Path(args.child_path)
+    target = optim = None
+    if operation == LOAD_INTO:
+        target = build_model(shape, "zeros")
+        optim = build_optimizer(target, shape)
+    reset = reset_peak_rss()
+    baseline = status_kib("VmRSS")
+    if operation == LOAD_INTO:
+        assert target is not None
+        method.load_into(path, target, optim)
+    else:
+        method.load(path)
+    peak = status_kib("VmHWM") if reset else max(status_kib("VmHWM"), baseline)
+    print(json.dumps({"peak_kib": peak, "baseline_kib": baseline, "hwm_reset": reset}))
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=None, help="model size (default 1.0; 1/16 with --quick)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size d (default 1024; 512 with --quick)")
+    parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 32000; 8192 with --quick)")
+    parser.add_argument("--layers", type=int, default=None, help="number of blocks (default: picked from --size-gib)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--with-optimizer", action="store_true", help="also save/load AdamW state after one step")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a small smoke run: 64 MiB, d=512, one repeat")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="scratch folder parent (default: a temp dir on /work)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-path", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.size_gib = args.size_gib if args.size_gib is not None else (1 / 16 if quick else 1.0)
+    args.hidden = args.hidden or (512 if quick else 1024)
+    args.vocab = args.vocab or (8192 if quick else 32000)
+    args.repeats = args.repeats or (1 if quick else 3)
+    return args
+
+
+def shape_from(args: argparse.Namespace) -> Shape:
+    """The model shape the options describe."""
+    dtype = DTYPES[args.dtype]
+    layers = args.layers or layers_for(args.size_gib * GIB, args.vocab, args.hidden, dtype)
+    return Shape(args.vocab, args.hidden, layers, args.dtype, args.with_optimizer)
+
+
+def scratch_dir(parent: Path | None) -> Path:
+    """A new scratch folder on a real disk: under ``parent``, else /work, else the temp dir."""
+    if parent is None:
+        parent = Path("/work") if os.access("/work", os.W_OK) else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="ckptstore-bench-", dir=parent)).resolve()
+    check_real_disk(path)
+    return path
+
+
+def row_order(row: Row) -> tuple[int, str, int]:
+    """Table order: operations in a fixed order, safetensors first, then the METHODS order."""
+    operations = ["save", LOAD, LOAD_INTO]
+    rank = operations.index(row.operation) if row.operation in operations else len(operations)
+    return (rank, row.operation, [m.name for m in METHODS].index(row.method))
+
+
+def run_bench(args: argparse.Namespace, shape: Shape) -> Bench:
+    """Build the state, time every method, measure RSS and the LoRA version; cleans up."""
+    model = build_model(shape, "random")
+    target = build_model(shape, "zeros")
+    workdir = scratch_dir(args.workdir)
+    bench = Bench(
+        shape=shape,
+        repeats=args.repeats,
+        workdir=workdir,
+        model=model,
+        optim=build_optimizer(model, shape, torch.Generator().manual_seed(0)),
+        target=target,
+        target_optim=build_optimizer(target, shape),
+        dropper=CacheDropper(),
+    )
+    try:
+        print(
+            f"state {bench.total_bytes / GIB:.3f} GiB in {workdir}; cold reads via {bench.dropper.method}",
+            file=sys.stderr,
+        )
+        time_saves(bench)
+        time_loads(bench)
+        measure_rss(bench)
+        time_lora(bench)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    bench.rows.sort(key=row_order)
+    add_ratios(bench.rows)
+    return bench
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the comparison (or, with --child, one measured load)."""
+    args = parse_args(argv)
+    shape = shape_from(args)
+    if args.child:
+        run_child(args, shape)
+        return
+    bench = run_bench(args, shape)
+    machine = machine_info()
+    print(format_table(bench.rows))
+    print()
+    print(format_footer(bench, machine))
+    if args.json is not None:
+        write_json(args.json, bench, machine)
+
+
+if __name__ == "__main__":
+    main()

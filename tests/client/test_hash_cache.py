@@ -1,0 +1,70 @@
+"""Frozen tensors are hashed once per process, and any change to them is still noticed."""
+
+from __future__ import annotations
+
+import torch
+
+import client
+from client.hashing import DigestCache, digest_all
+from tests.client.models import TinyNet
+
+
+def frozen_model() -> torch.nn.Module:
+    model = TinyNet()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def test_unchanged_frozen_tensors_are_not_hashed_again() -> None:
+    model = frozen_model()
+    cache = DigestCache()
+    pairs = list(model.state_dict(keep_vars=True).items())
+    first = digest_all(pairs, cache)
+    assert cache.hits == 0
+    second = digest_all(pairs, cache)
+    assert second == first
+    assert cache.hits == len(pairs)
+
+
+def test_in_place_changes_are_noticed() -> None:
+    model = frozen_model()
+    cache = DigestCache()
+    pairs = list(model.state_dict(keep_vars=True).items())
+    first = digest_all(pairs, cache)
+    with torch.no_grad():
+        model.body[0].weight.add_(1.0)
+    second = digest_all(pairs, cache)
+    changed = [key for (key, _), a, b in zip(pairs, first, second, strict=True) if a != b]
+    assert changed == ["body.0.weight"]
+
+
+def test_trainable_tensors_are_never_cached() -> None:
+    model = TinyNet()
+    cache = DigestCache()
+    pairs = [(k, v) for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad]
+    digest_all(pairs, cache)
+    digest_all(pairs, cache)
+    assert cache.hits == 0
+
+
+def test_replaced_tensor_is_hashed_afresh() -> None:
+    model = frozen_model()
+    cache = DigestCache()
+    digest_all(list(model.state_dict(keep_vars=True).items()), cache)
+    model.norm.weight = torch.nn.Parameter(torch.full((16,), 3.0), requires_grad=False)
+    pairs = [("norm.weight", model.norm.weight)]
+    (digest,) = digest_all(pairs, cache)
+    assert cache.hits == 0
+    assert digest == digest_all(pairs, None)[0]
+
+
+def test_a_save_after_an_in_place_edit_stores_the_new_bytes(ckpt: client.Client) -> None:
+    model = frozen_model()
+    ckpt.save("run", model)
+    with torch.no_grad():
+        model.norm.weight.mul_(2.0)
+    result = ckpt.save("run", model)
+    assert result.bytes_new == model.norm.weight.numel() * 4
+    loaded = ckpt.load("run").state_dict
+    assert loaded is not None and torch.equal(loaded["norm.weight"], model.norm.weight)

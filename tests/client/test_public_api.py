@@ -1,0 +1,72 @@
+"""The public surface of ``import client`` and its environment-driven default client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import client
+from tests.client.models import TinyNet
+
+EXPECTED = {
+    "CheckpointError",
+    "Client",
+    "ConflictError",
+    "IntegrityError",
+    "InvalidInputError",
+    "InvalidManifestError",
+    "InvalidNameError",
+    "InvalidShardError",
+    "LoadResult",
+    "MissingTensorsError",
+    "NotFoundError",
+    "RunInfo",
+    "SaveResult",
+    "StateEncodingError",
+    "StateMismatchError",
+    "StorageError",
+    "VersionInfo",
+    "default_client",
+    "load",
+    "runs",
+    "save",
+    "versions",
+}
+
+
+def test_exported_names_are_exactly_the_public_api() -> None:
+    assert set(client.__all__) == EXPECTED
+    assert all(hasattr(client, name) for name in client.__all__)
+
+
+def test_errors_form_one_tree() -> None:
+    for name in EXPECTED:
+        value = getattr(client, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, client.CheckpointError)
+    assert issubclass(client.NotFoundError, LookupError)
+    assert issubclass(client.InvalidInputError, ValueError)
+
+
+def test_module_functions_read_the_environment_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTSTORE_URL", raising=False)
+    monkeypatch.setenv("CKPTSTORE_HOME", str(tmp_path / "one"))
+    client.save("run", TinyNet(), step=1)
+    monkeypatch.setenv("CKPTSTORE_HOME", str(tmp_path / "two"))
+    client.save("run", TinyNet(), step=2)
+    client.save("run", TinyNet(), step=3)
+    assert [v.step for v in client.versions("run")] == [2, 3]
+    assert [r.run_id for r in client.runs()] == ["run"]
+    assert client.load("run", 1).step == 2
+    monkeypatch.setenv("CKPTSTORE_HOME", str(tmp_path / "one"))
+    assert [v.version for v in client.versions("run")] == [1]
+    assert (tmp_path / "one" / "metadata.db").is_file()
+
+
+def test_home_defaults_to_the_user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTSTORE_HOME", raising=False)
+    monkeypatch.delenv("CKPTSTORE_URL", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    client.save("run", TinyNet())
+    assert (tmp_path / ".ckptstore" / "metadata.db").is_file()

@@ -1,0 +1,165 @@
+"""Tensor digests: the hashed preamble is frozen, and only 64 lowercase hex passes as a digest."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import blake3
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.format.digest import (
+    ALGORITHM,
+    DIGEST_PATTERN,
+    TensorHasher,
+    is_digest,
+    shard_id,
+    tensor_digest,
+    tensor_preamble,
+)
+from service.format.dtypes import DTYPES
+
+DATA = struct.pack("<2f", 1.0, 2.0)
+#: Computed once from the code and pasted here: changing it silently would orphan every stored tensor.
+GOLDEN_F32_2 = "913a5c26aff6b879d874666f3d0e66c7b88d5706b370aba59559947b495c904c"
+GOLDEN_F32_SCALAR = "bcd355015a1412a0b8d38cca72d914eacb1904a8095b5943d0db5810732ce8fa"
+
+
+def test_algorithm_is_blake3() -> None:
+    assert ALGORITHM == "blake3"
+
+
+def test_golden_digest_of_a_small_tensor() -> None:
+    expected = blake3.blake3(b"F32[2]\n" + DATA).hexdigest()
+    assert tensor_digest("F32", [2], DATA) == expected
+    assert expected == GOLDEN_F32_2
+
+
+def test_golden_digest_of_a_scalar() -> None:
+    data = struct.pack("<f", 1.0)
+    assert tensor_digest("F32", [], data) == blake3.blake3(b"F32[]\n" + data).hexdigest() == GOLDEN_F32_SCALAR
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "preamble"),
+    [
+        ("F32", [2], b"F32[2]\n"),
+        ("F32", [], b"F32[]\n"),
+        ("BF16", [2, 3, 4], b"BF16[2,3,4]\n"),
+        ("I64", (0, 7), b"I64[0,7]\n"),
+        ("U8", [2**63 - 1], b"U8[9223372036854775807]\n"),
+    ],
+)
+def test_preamble_spells_dtype_and_shape(dtype: str, shape: list[int], preamble: bytes) -> None:
+    assert tensor_preamble(dtype, shape) == preamble
+
+
+def test_digest_accepts_any_buffer_type() -> None:
+    expected = tensor_digest("F32", [2], DATA)
+    assert tensor_digest("F32", [2], bytearray(DATA)) == expected
+    assert tensor_digest("F32", [2], memoryview(DATA)) == expected
+    assert tensor_digest("F32", (2,), DATA) == expected
+
+
+@pytest.mark.parametrize("split", range(len(DATA) + 1))
+def test_incremental_hasher_equals_one_shot(split: int) -> None:
+    hasher = TensorHasher("F32", [2])
+    hasher.update(DATA[:split])
+    hasher.update(memoryview(DATA)[split:])
+    assert hasher.hexdigest() == GOLDEN_F32_2
+
+
+def test_same_bytes_with_other_shape_or_dtype_give_other_digests() -> None:
+    variants = [
+        ("F32", [2]),
+        ("F32", [1, 2]),
+        ("F32", [2, 1]),
+        ("I32", [2]),
+        ("U32", [2]),
+        ("F16", [4]),
+        ("BF16", [4]),
+        ("U8", [8]),
+        ("I64", [1]),
+        ("F64", []),
+        ("C64", [1]),
+    ]
+    digests = {tensor_digest(dtype, shape, DATA) for dtype, shape in variants}
+    assert len(digests) == len(variants)
+    assert all(is_digest(d) for d in digests)
+
+
+@given(
+    st.sampled_from(sorted(DTYPES)),
+    st.lists(st.integers(0, 10**6), max_size=5),
+    st.sampled_from(sorted(DTYPES)),
+    st.lists(st.integers(0, 10**6), max_size=5),
+    st.binary(max_size=64),
+)
+def test_distinct_descriptions_never_share_a_digest(
+    dtype_a: str, shape_a: list[int], dtype_b: str, shape_b: list[int], data: bytes
+) -> None:
+    same = (dtype_a, shape_a) == (dtype_b, shape_b)
+    assert (tensor_digest(dtype_a, shape_a, data) == tensor_digest(dtype_b, shape_b, data)) == same
+
+
+def test_shard_id_is_blake3_of_the_header_bytes() -> None:
+    header = struct.pack("<Q", 2) + b"{}"
+    assert shard_id(header) == blake3.blake3(header).hexdigest()
+    assert shard_id(memoryview(header)) == shard_id(header)
+    assert shard_id(header) != shard_id(header + b" ")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [GOLDEN_F32_2, "0" * 64, "f" * 64, "0123456789abcdef" * 4],
+)
+def test_is_digest_accepts_64_lowercase_hex(value: str) -> None:
+    assert is_digest(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        GOLDEN_F32_2.upper(),
+        "A" + GOLDEN_F32_2[1:],
+        GOLDEN_F32_2[:63],
+        GOLDEN_F32_2 + "0",
+        "sha256:" + GOLDEN_F32_2,
+        "blake3:" + GOLDEN_F32_2,
+        "sha256:" + GOLDEN_F32_2[:57],
+        "",
+        " " * 64,
+        " " + GOLDEN_F32_2[1:],
+        GOLDEN_F32_2[:63] + "\n",
+        GOLDEN_F32_2 + "\n",
+        GOLDEN_F32_2[:63] + "\x00",
+        "%00" + GOLDEN_F32_2[3:],
+        "g" * 64,
+        "٣" * 64,  # ARABIC-INDIC DIGIT THREE: a digit to str.isdigit, not to us
+        "３" * 64,  # fullwidth digit
+        "ａ" * 64,  # fullwidth letter a
+        "../" + GOLDEN_F32_2[3:],
+        None,
+        0,
+        int(GOLDEN_F32_2, 16),
+        GOLDEN_F32_2.encode(),
+        bytearray(GOLDEN_F32_2.encode()),
+        [GOLDEN_F32_2],
+    ],
+)
+def test_is_digest_rejects_everything_else(value: object) -> None:
+    assert not is_digest(value)
+
+
+@given(st.binary(min_size=32, max_size=32))
+def test_any_32_byte_hex_is_a_digest(raw: bytes) -> None:
+    assert is_digest(raw.hex())
+    assert not is_digest(raw.hex().upper()) or raw.hex() == raw.hex().upper()
+
+
+@given(st.one_of(st.text(max_size=70), st.text(alphabet="0123456789abcdefABCDEF \n٣", min_size=62, max_size=66)))
+def test_is_digest_matches_the_published_pattern_exactly(text: str) -> None:
+    assert is_digest(text) == (re.fullmatch(r"[0-9a-f]{64}", text) is not None)
+    assert re.fullmatch(r"[0-9a-f]{64}", text) is None or re.match(DIGEST_PATTERN, text) is not None

@@ -1,0 +1,105 @@
+"""Build shards and manifest bodies by hand, without torch, for the engine's tests.
+
+A tensor here is raw little-endian bytes plus a safetensors dtype name and a shape; its digest
+is computed with the format's own :func:`tensor_digest`, and a shard is the encoded header
+followed by the tensors' bytes in the order the header lists them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.format.digest import shard_id, tensor_digest
+from service.format.dtypes import byte_length, dtype_class
+from service.format.manifest import Chunk, ManifestBody, TensorEntry
+from service.format.safetensors_header import encode_header
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor as the service sees it: dtype name, shape and raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.data) != byte_length(self.dtype, list(self.shape)):
+            raise ValueError(f"{self.dtype}{list(self.shape)} needs {byte_length(self.dtype, list(self.shape))} bytes")
+
+    @property
+    def digest(self) -> str:
+        """The tensor's content digest."""
+        return tensor_digest(self.dtype, self.shape, self.data)
+
+    @property
+    def nbytes(self) -> int:
+        """Length of the tensor's bytes."""
+        return len(self.data)
+
+
+def raw(dtype: str, shape: Sequence[int], seed: int) -> RawTensor:
+    """A tensor of ``dtype`` and ``shape`` filled with bytes drawn from ``seed`` (distinct seeds differ)."""
+    size = byte_length(dtype, list(shape))
+    return RawTensor(dtype, tuple(shape), random.Random(seed).randbytes(size))
+
+
+@dataclass(frozen=True)
+class BuiltShard:
+    """The bytes of a shard, its id and where each tensor's bytes start in the file."""
+
+    data: bytes
+    shard_id: str
+    header_length: int
+    offsets: dict[str, int]
+
+    def write(self, path: Path) -> Path:
+        """Write the shard to ``path`` and return it."""
+        Path(path).write_bytes(self.data)
+        return Path(path)
+
+
+def build_shard(tensors: Sequence[RawTensor]) -> BuiltShard:
+    """A valid shard holding ``tensors`` in the order given."""
+    header, entries = encode_header([(t.digest, t.dtype, t.shape) for t in tensors])
+    data = header + b"".join(t.data for t in tensors)
+    offsets = {entry.digest: len(header) + entry.begin for entry in entries}
+    return BuiltShard(data=data, shard_id=shard_id(header), header_length=len(header), offsets=offsets)
+
+
+def entry(key: str, tensor: RawTensor, *, trainable: bool | None = None) -> TensorEntry:
+    """A manifest entry for ``tensor`` under ``key``; model tensors default to trainable."""
+    if key.startswith("model/") and trainable is None:
+        trainable = True
+    return TensorEntry(
+        key=key,
+        dtype=tensor.dtype,
+        shape=list(tensor.shape),
+        dtype_class=dtype_class(tensor.dtype),
+        digest=tensor.digest,
+        placement="target",
+        device_type="cpu",
+        trainable=trainable,
+    )
+
+
+def chunked_entry(key: str, dtype: str, shape: Sequence[int], pieces: Sequence[tuple[list[int], RawTensor]]) -> TensorEntry:
+    """A manifest entry stored as ``pieces`` of (offsets, chunk tensor) tiling ``shape``."""
+    return TensorEntry(
+        key=key,
+        dtype=dtype,
+        shape=list(shape),
+        dtype_class=dtype_class(dtype),
+        chunks=[Chunk(offsets=offsets, shape=list(t.shape), digest=t.digest) for offsets, t in pieces],
+        placement="target",
+        device_type="cpu",
+        trainable=True if key.startswith("model/") else None,
+    )
+
+
+def body(*entries: TensorEntry, step: int | None = None, **fields: object) -> ManifestBody:
+    """A manifest body listing ``entries`` (extra fields such as state or metrics pass through)."""
+    return ManifestBody(tensors=list(entries), step=step, **fields)  # type: ignore[arg-type]
