@@ -12,6 +12,7 @@ every load is measured in a child process (this script re-invoked with ``--child
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -283,7 +284,13 @@ def check_real_disk(path: Path) -> None:
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds taken by ``fn()`` and its result."""
+    """Seconds taken by ``fn()`` and its result.
+
+    A full garbage collection runs first (untimed), so no operation pays for a collection
+    triggered by garbage that earlier ones left: in a process holding torch, a gen-2 pass takes
+    0.2-0.5 s here, as long as a whole LoRA save.
+    """
+    gc.collect()
     started = time.perf_counter()
     result = fn()
     return time.perf_counter() - started, result
@@ -680,8 +687,24 @@ def run_text(command: list[str]) -> str:
         return ""
 
 
+def fill_gbps(nbytes: int = 256 * MIB, tries: int = 3) -> tuple[float, float]:
+    """Best GB/s of filling fresh memory (first touch, page faults) and of filling it again.
+
+    On some VMs (e.g. with balloon free-page reporting) first touch is many times slower
+    than memory bandwidth; every method that allocates memory or page cache pays it.
+    """
+    fresh = resident = 0.0
+    for _ in range(tries):
+        seconds, buffer = timed(lambda: torch.empty(nbytes, dtype=torch.uint8).fill_(1))
+        fresh = max(fresh, nbytes / seconds / 1e9)
+        seconds, _ = timed(lambda buffer=buffer: buffer.fill_(2))
+        resident = max(resident, nbytes / seconds / 1e9)
+        del buffer
+    return fresh, resident
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, memory, library versions and the repository's commit."""
+    """CPU model, cores, memory, library versions, the repository's commit, first-touch cost."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as handle:
@@ -690,6 +713,7 @@ def machine_info() -> dict[str, Any]:
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     commit = run_text(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"])
+    fresh, resident = fill_gbps()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -698,6 +722,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
         "commit": commit or "unknown",
+        "fill_fresh_gbps": round(fresh, 2),
+        "fill_resident_gbps": round(resident, 2),
     }
 
 
@@ -725,7 +751,8 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
         [
             f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB RAM; "
             f"torch {machine['torch']}, safetensors {machine['safetensors']}, python {machine['python']}; "
-            f"commit {machine['commit']}",
+            f"commit {machine['commit']}; memory fill {machine['fill_fresh_gbps']} GB/s fresh (page faults) "
+            f"vs {machine['fill_resident_gbps']} GB/s resident",
             f"state: model {bench.model_bytes / GIB:.3f} GiB ({shape.layers} layers, d={shape.hidden}, "
             f"vocab={shape.vocab}, {shape.dtype}), optimizer {(bench.total_bytes - bench.model_bytes) / GIB:.3f} GiB; "
             f"median of {bench.repeats}; cold reads via {bench.dropper.method}; GB/s = logical bytes / 1e9 / s",
@@ -876,10 +903,9 @@ def run_bench(args: argparse.Namespace, shape: Shape) -> Bench:
             f"state {bench.total_bytes / GIB:.3f} GiB in {workdir}; cold reads via {bench.dropper.method}",
             file=sys.stderr,
         )
-        time_saves(bench)
-        time_loads(bench)
-        measure_rss(bench)
-        time_lora(bench)
+        for phase in (time_saves, time_loads, measure_rss, time_lora):
+            print(f"{time.strftime('%H:%M:%S')} {phase.__name__}", file=sys.stderr, flush=True)
+            phase(bench)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     bench.rows.sort(key=row_order)
@@ -894,8 +920,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         run_child(args, shape)
         return
-    bench = run_bench(args, shape)
     machine = machine_info()
+    bench = run_bench(args, shape)
     print(format_table(bench.rows))
     print()
     print(format_footer(bench, machine))

@@ -97,7 +97,12 @@ def digest_of(tensor: torch.Tensor, key: str) -> str:
 def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | None, threads: int = 2) -> list[str]:
     """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe."""
     results: list[str | None] = [cache.get(t) if cache else None for _, t in tensors]
-    todo = [i for i, r in enumerate(results) if r is None]
+    # The same tensor object under several keys (tied weights) is hashed once.
+    first_index: dict[int, int] = {}
+    todo = []
+    for index, result in enumerate(results):
+        if result is None and first_index.setdefault(id(tensors[index][1]), index) == index:
+            todo.append(index)
 
     def work(index: int) -> None:
         key, tensor = tensors[index]
@@ -112,4 +117,7 @@ def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | Non
     else:
         for index in todo:
             work(index)
+    for index, result in enumerate(results):
+        if result is None:
+            results[index] = results[first_index[id(tensors[index][1])]]
     return [r for r in results if r is not None]

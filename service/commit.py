@@ -54,7 +54,8 @@ def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
     Returns the byte size of every distinct stored digest. Empty pieces need no storage;
     their digest must be the digest of no bytes.
     """
-    expected: dict[str, tuple[str, list[int], str]] = {}
+    # Every claim is kept, not only the first: two keys may share a digest and each must agree.
+    expected: dict[str, list[tuple[str, list[int], str]]] = {}
     sizes: dict[str, int] = {}
     for entry in body.tensors:
         for digest, shape in _pieces(entry):
@@ -63,7 +64,7 @@ def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
                     raise InvalidManifestError(f"{entry.key}: empty tensor has a digest that is not of no bytes")
                 sizes[digest] = 0
                 continue
-            expected.setdefault(digest, (entry.dtype, shape, entry.key))
+            expected.setdefault(digest, []).append((entry.dtype, shape, entry.key))
     stored = _stored_tensors(session, list(expected))
     absent = [d for d in expected if d not in stored]
     if absent:
@@ -72,12 +73,13 @@ def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
             "upload their shards first",
             absent,
         )
-    for digest, (dtype, shape, key) in expected.items():
+    for digest, claims in expected.items():
         row = stored[digest]
-        if row.dtype != dtype or list(row.shape) != shape:
-            raise InvalidManifestError(
-                f"{key}: manifest says {dtype}{shape} but digest {digest[:16]}… is stored as {row.dtype}{row.shape}"
-            )
+        for dtype, shape, key in claims:
+            if row.dtype != dtype or list(row.shape) != shape:
+                raise InvalidManifestError(
+                    f"{key}: manifest says {dtype}{shape} but digest {digest[:16]}… is stored as {row.dtype}{row.shape}"
+                )
         sizes[digest] = row.nbytes
     return sizes
 

@@ -134,7 +134,7 @@ class Store:
                         shard_id=shard_id,
                         dtype=entry.dtype,
                         shape=list(entry.shape),
-                        offset=entry.begin,
+                        offset=header.data_start + entry.begin,
                         nbytes=entry.nbytes,
                     )
                 )

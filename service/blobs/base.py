@@ -40,6 +40,7 @@ class BlobStore(ABC):
         Raises:
             NotFoundError: the blob is absent.
             IntegrityError: the blob ends before the buffer is full.
+            ValueError: ``offset`` is negative.
         """
 
     @abstractmethod

@@ -79,8 +79,11 @@ class LocalBlobStore(BlobStore):
 
     def read_into(self, blob_id: str, offset: int, buffer: memoryview) -> None:
         """Read the range with positional reads into ``buffer``."""
+        path = self._path(blob_id)
+        if offset < 0:
+            raise ValueError(f"offset {offset} is negative")
         try:
-            fd = os.open(self._path(blob_id), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise NotFoundError(f"blob {blob_id} is missing from {self.root}") from exc
         try:

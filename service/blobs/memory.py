@@ -32,6 +32,8 @@ class MemoryBlobStore(BlobStore):
     def read_into(self, blob_id: str, offset: int, buffer: memoryview) -> None:
         """Copy the requested range into ``buffer``."""
         blob = self._blobs.get(check_blob_id(blob_id))
+        if offset < 0:  # a negative slice start would silently read from the end of the blob
+            raise ValueError(f"offset {offset} is negative")
         if blob is None:
             raise NotFoundError(f"blob {blob_id} is not in the store")
         piece = blob[offset : offset + len(buffer)]

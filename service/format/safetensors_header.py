@@ -132,6 +132,8 @@ def _parse_metadata(value: object) -> dict[str, str]:
     for key, item in value.items():
         if not isinstance(item, str):
             raise InvalidShardError(f"shard __metadata__ value for {key!r} is not a string")
+        if not (key + item).isprintable() and any("\ud800" <= c <= "\udfff" for c in key + item):
+            raise InvalidShardError(f"shard __metadata__ entry {key[:40]!r} holds an unpaired surrogate")
         if len(key) + len(item) > MAX_METADATA_CHARS:
             raise InvalidShardError(f"shard __metadata__ entry {key[:40]!r} is too long")
     return dict(value)

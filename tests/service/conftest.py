@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from shardkit import BuiltShard, RawTensor, build_shard
+from shardkit import BuiltShard, Ingest, RawTensor, build_shard
 
 from service.records import ShardReceipt
 from service.store import Store
@@ -26,9 +26,6 @@ def store(home: Path) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
-
-
-Ingest = Callable[..., tuple[BuiltShard, ShardReceipt]]
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ followed by the tensors' bytes in the order the header lists them.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from service.format.digest import shard_id, tensor_digest
 from service.format.dtypes import byte_length, dtype_class
 from service.format.manifest import Chunk, ManifestBody, TensorEntry
 from service.format.safetensors_header import encode_header
+from service.records import ShardReceipt
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ def build_shard(tensors: Sequence[RawTensor]) -> BuiltShard:
     return BuiltShard(data=data, shard_id=shard_id(header), header_length=len(header), offsets=offsets)
 
 
+#: The ``ingest`` fixture: build a shard of the tensors given, stage it and ingest it.
+Ingest = Callable[..., tuple[BuiltShard, ShardReceipt]]
+
+
 def entry(key: str, tensor: RawTensor, *, trainable: bool | None = None) -> TensorEntry:
     """A manifest entry for ``tensor`` under ``key``; model tensors default to trainable."""
     if key.startswith("model/") and trainable is None:
@@ -86,7 +91,9 @@ def entry(key: str, tensor: RawTensor, *, trainable: bool | None = None) -> Tens
     )
 
 
-def chunked_entry(key: str, dtype: str, shape: Sequence[int], pieces: Sequence[tuple[list[int], RawTensor]]) -> TensorEntry:
+def chunked_entry(
+    key: str, dtype: str, shape: Sequence[int], pieces: Sequence[tuple[list[int], RawTensor]]
+) -> TensorEntry:
     """A manifest entry stored as ``pieces`` of (offsets, chunk tensor) tiling ``shape``."""
     return TensorEntry(
         key=key,

@@ -58,6 +58,14 @@ class BlobStoreContract:
         with pytest.raises(IntegrityError):
             blobs.read_into(blob_id(1), size + 10, memoryview(bytearray(1)))
 
+    @pytest.mark.parametrize("offset", [-1, -8])
+    def test_negative_offset_is_refused(self, blobs: BlobStore, source: Path, offset: int) -> None:
+        blobs.put_file(blob_id(1), source)
+        buffer = bytearray(b"untouched")
+        with pytest.raises(ValueError):
+            blobs.read_into(blob_id(1), offset, memoryview(buffer)[:4])
+        assert buffer == b"untouched"
+
     def test_absent_blob(self, blobs: BlobStore) -> None:
         assert blobs.size(blob_id(2)) is None
         with pytest.raises(NotFoundError, match=blob_id(2)):

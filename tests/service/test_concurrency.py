@@ -51,9 +51,7 @@ def check_history(home: Path, writers: int, commits: int, numbers: list[int]) ->
         versions = store.versions(RUN)
         assert [v.version for v in versions] == list(range(1, total + 1))
         assert [v.parent for v in versions] == [None, *range(1, total)]
-        assert sorted(v.step for v in versions) == sorted(
-            w * 1000 + i for w in range(writers) for i in range(commits)
-        )
+        assert sorted(v.step for v in versions) == sorted(w * 1000 + i for w in range(writers) for i in range(commits))
         # Each writer's own tensor is new exactly once, the shared one exactly once overall.
         assert sum(v.tensors_new for v in versions) == writers + 1
         [run] = store.runs()

@@ -6,8 +6,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import Ingest
-from shardkit import RawTensor, body, build_shard, chunked_entry, entry, raw
+from shardkit import Ingest, RawTensor, body, build_shard, chunked_entry, entry, raw
 
 from service.errors import (
     IntegrityError,
@@ -585,3 +584,14 @@ def test_chunk_disagreeing_with_the_stored_tensor_is_refused(store: Store, inges
     lying = lying.model_copy(update={"chunks": [lying.chunks[0].model_copy(update={"digest": piece.digest})]})
     with pytest.raises(InvalidManifestError, match="model/w"):
         store.commit(RUN, body(lying))
+
+
+def test_every_entry_sharing_a_digest_is_checked(store: Store, ingest: Ingest) -> None:
+    stored = raw("F32", (2, 3), 1)
+    ingest(stored)
+    honest = entry("model/embed", stored)
+    for update in ({"dtype": "I32", "dtype_class": "integer"}, {"shape": [6]}):
+        lying = entry("model/lm_head", stored).model_copy(update=update)
+        with pytest.raises(InvalidManifestError, match="model/lm_head"):
+            store.commit(RUN, body(honest, lying))
+    assert store.runs() == []
