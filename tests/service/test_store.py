@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,23 @@ def test_ingest_of_a_shard_sharing_a_stored_tensor_keeps_the_first_location(stor
     assert locations[b.digest].offset == second.offsets[b.digest]
 
 
+def test_ingest_after_a_crash_between_blob_and_record_recovers(store: Store, tensors: list[RawTensor]) -> None:
+    # The blob reached the blob store but the process died before its tensors were recorded.
+    shard = build_shard(tensors)
+    store.blobs.put_file(shard.shard_id, shard.write(store.staging_dir / "orphan"))
+    assert store.missing([t.digest for t in tensors]) == [t.digest for t in tensors]
+
+    receipt = store.ingest_file(shard.write(store.staging_path()))
+
+    assert receipt.created is True
+    assert store.missing([t.digest for t in tensors]) == []
+    assert files_under(store.staging_dir) == []
+    where = store.locate([tensors[0].digest])[tensors[0].digest]
+    buffer = bytearray(where.nbytes)
+    store.read_into(where.shard_id, where.offset, memoryview(buffer))
+    assert bytes(buffer) == tensors[0].data
+
+
 def assert_nothing_stored(store: Store, home: Path, digests: list[str]) -> None:
     assert store.missing(digests) == digests
     assert list(store.blobs.list_ids()) == []
@@ -147,10 +165,10 @@ def _named_by_path(data: bytes) -> bytes:
 
 @pytest.mark.parametrize("damage", [_truncated, _trailing, _header_length_too_big, _not_json, _named_by_path])
 def test_bad_shard_is_refused_and_nothing_stored(
-    store: Store, home: Path, tensors: list[RawTensor], damage: object
+    store: Store, home: Path, tensors: list[RawTensor], damage: Callable[[bytes], bytes]
 ) -> None:
     path = store.staging_path()
-    path.write_bytes(damage(build_shard(tensors).data))  # type: ignore[operator]
+    path.write_bytes(damage(build_shard(tensors).data))
 
     with pytest.raises(InvalidShardError):
         store.ingest_file(path)
@@ -255,6 +273,20 @@ def test_commit_tag_moves_an_existing_tag(three_versions: Store) -> None:
     store.commit(RUN, body(entry("model/w", t)), tags=["best"])
     assert store.resolve(RUN, "best") == 4
     assert {v.version: v.tags for v in store.versions(RUN)} == {1: ["first"], 2: [], 3: [], 4: ["best"]}
+
+
+def test_tags_belong_to_their_run(store: Store, ingest: Ingest) -> None:
+    t = raw("F32", (4,), 1)
+    ingest(t)
+    store.commit("a", body(entry("model/w", t)), tags=["best"])
+    store.commit("a", body(entry("model/w", t)))
+    store.commit("b", body(entry("model/w", t)), tags=["best"])
+    assert (store.resolve("a", "best"), store.resolve("b", "best")) == (1, 1)
+    store.tag("a", 2, "best")
+    store.untag("b", "best")
+    assert store.resolve("a", "best") == 2
+    with pytest.raises(NotFoundError, match="'b'"):
+        store.resolve("b", "best")
 
 
 def test_tag_and_untag(three_versions: Store) -> None:
