@@ -1,0 +1,58 @@
+"""Service settings: every option is also an environment variable ``CKPTSTORE_<NAME>``.
+
+With only ``CKPTSTORE_HOME`` set (or nothing: ``~/.ckptstore``) the store is embedded-style:
+SQLite in ``<home>/metadata.db`` and blobs in ``<home>/blobs``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path("~/.ckptstore")
+
+
+class Settings(BaseSettings):
+    """Where the store keeps metadata and blobs, and how the server behaves."""
+
+    model_config = SettingsConfigDict(env_prefix="CKPTSTORE_", extra="ignore")
+
+    home: Path = DEFAULT_HOME
+    #: SQLAlchemy URL, e.g. ``postgresql+psycopg://user@host/db``; default SQLite under home.
+    database_url: str | None = None
+    #: ``file:///path`` or ``s3://bucket/prefix``; default ``<home>/blobs``.
+    blobs: str | None = None
+    #: Comma-separated ``scope:token`` pairs (scope = read | write | admin).
+    tokens: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, le=64)
+    #: boto3 request checksum mode: ``when_required`` keeps MinIO-style stores working.
+    s3_checksum: str = "when_required"
+    s3_part_bytes: int = Field(default=64 << 20, ge=5 << 20)
+    #: Largest shard upload accepted, in bytes.
+    max_shard_bytes: int = Field(default=8 << 30, ge=1 << 20)
+    #: Largest JSON request body accepted, in bytes.
+    max_json_bytes: int = Field(default=256 << 20, ge=1 << 16)
+
+    @property
+    def home_path(self) -> Path:
+        """The home folder, user-expanded."""
+        return self.home.expanduser()
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL to use."""
+        return self.database_url or f"sqlite:///{self.home_path / 'metadata.db'}"
+
+    @property
+    def resolved_blobs(self) -> str:
+        """The blob store URL to use."""
+        return self.blobs or (self.home_path / "blobs").as_uri()
+
+    @property
+    def staging_dir(self) -> Path:
+        """Where incoming shards are written before they are verified."""
+        return self.home_path / "staging"
