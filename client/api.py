@@ -12,6 +12,7 @@ import torch
 
 from client import restore
 from client.hashing import DigestCache, digest_all
+from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
@@ -39,9 +40,9 @@ def default_home() -> Path:
 def open_transport(url: str | None, home: Path | str | None, token: str | None) -> Transport:
     """An embedded store in ``home``, or a server at ``url``."""
     if url:
-        raise InvalidInputError(
-            f"cannot reach {url!r}: this installation has only the embedded store; unset CKPTSTORE_URL to use it"
-        )
+        if not url.startswith(("http://", "https://")):
+            raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
+        return HttpTransport(url, token)
     return Store.open_home(Path(home) if home is not None else default_home())
 
 

@@ -81,5 +81,50 @@ def list_(
         _print_versions(versions)
 
 
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to bind [env CKPTSTORE_HOST; default 127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port [env CKPTSTORE_PORT; default 8000].")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes [env CKPTSTORE_WORKERS; default 1].")] = None,
+) -> None:
+    """Run the HTTP service (API, pages) on the configured store with uvicorn."""
+    import os
+
+    import uvicorn
+
+    from service.api.app import check_auth_setup
+    from service.auth import TokenSet
+    from service.errors import CheckpointError
+    from service.settings import Settings
+
+    for name, value in (("HOST", host), ("PORT", port), ("WORKERS", workers)):
+        if value is not None:
+            os.environ[f"CKPTSTORE_{name}"] = str(value)
+    try:
+        settings = Settings()
+        check_auth_setup(TokenSet.parse(settings.tokens), settings.host)
+        if settings.workers == 1:
+            from service.api.server import app_from_env
+
+            application = app_from_env()
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(
+        f"ckptstore serving {settings.resolved_database_url.split('@')[-1]} on http://{settings.host}:{settings.port}"
+    )
+    if settings.workers == 1:
+        uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+    else:
+        uvicorn.run(
+            "service.api.server:app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level="info",
+        )
+
+
 if __name__ == "__main__":
     app()

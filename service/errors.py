@@ -11,6 +11,9 @@
     │   └── MissingTensorsError          missing_tensors   409
     ├── IntegrityError                   integrity         400 on upload, 500 on read
     ├── StateMismatchError               state_mismatch    (client side only)
+    ├── PayloadTooLargeError             payload_too_large 413
+    ├── AuthenticationError              unauthorized      401
+    │   └── PermissionDeniedError        forbidden         403
     └── StorageError (OSError)           storage           503
 
 Every class carries a stable ``code`` string. The HTTP face sends it as the
@@ -118,6 +121,27 @@ class StateMismatchError(CheckpointError):
         super().__init__(message)
         self.missing_keys = list(missing_keys)
         self.unexpected_keys = list(unexpected_keys)
+
+
+class PayloadTooLargeError(CheckpointError):
+    """A request body, header or name is larger than the server accepts."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+
+class AuthenticationError(CheckpointError):
+    """No valid bearer token was presented."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class PermissionDeniedError(AuthenticationError):
+    """The token is valid but its scope does not allow the operation."""
+
+    code = "forbidden"
+    http_status = 403
 
 
 class StorageError(CheckpointError, OSError):

@@ -29,11 +29,23 @@ def open_blob_store(url: str, settings: Settings) -> BlobStore:
     raise InvalidInputError(f"CKPTSTORE_BLOBS must be file:///path or s3://bucket/prefix, not {url!r}")
 
 
-def open_store(settings: Settings | None = None) -> Store:
-    """The store the settings describe (embedded defaults under ``home``)."""
+def open_store(settings: Settings | None = None, *, require_current_schema: bool = False) -> Store:
+    """The store the settings describe (embedded defaults under ``home``).
+
+    With ``require_current_schema``, a server database that is not at the latest migration
+    raises StorageError naming ``ckptstore db upgrade``; the embedded SQLite file always
+    upgrades itself.
+    """
     settings = settings or Settings()
     home = settings.home_path
     home.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
-    database = Database.sqlite_file(home / "metadata.db") if settings.database_url is None else Database(url)
+    if settings.database_url is None:
+        database = Database.sqlite_file(home / "metadata.db")
+    else:
+        database = Database(url)
+        if require_current_schema:
+            from service.db.schema import require_current
+
+            require_current(database)
     return Store(database, open_blob_store(settings.resolved_blobs, settings), settings.staging_dir)

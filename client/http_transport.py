@@ -1,0 +1,258 @@
+"""The client's HTTP transport: the same operations as the embedded store, over the v1 API.
+
+Connections are pooled; shard uploads stream from disk; reads ask for byte ranges.
+Connection errors and 429/5xx answers are retried with exponential backoff, but only for
+requests that are safe to repeat (everything except a commit, whose outcome would be
+unknown). Error responses carry ``X-Error-Code``; :func:`raise_for_error` turns them back
+into the same exception classes the embedded store raises.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import uuid
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from service import __version__
+from service.errors import (
+    CheckpointError,
+    IntegrityError,
+    MissingTensorsError,
+    StateMismatchError,
+    StorageError,
+    error_class_for_code,
+)
+from service.format.manifest import Manifest, ManifestBody, manifest_from_json
+from service.format.names import validate_run_id
+from service.format.safetensors_header import read_header
+from service.records import RunInfo, ShardReceipt, TensorLocation, VersionInfo
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+NETWORK_ERRORS = (httpx.TransportError,)
+READ_CHUNK = 1 << 20
+
+
+def raise_for_error(response: httpx.Response) -> None:
+    """Raise the CheckpointError an error response stands for; return on success."""
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+        code, message = str(body.get("code", "")), str(body.get("message", ""))
+    except ValueError:
+        body, code, message = {}, "", response.text[:500]
+    code = code or response.headers.get("x-error-code", "")
+    cls = error_class_for_code(code)
+    text = message or f"HTTP {response.status_code} from {response.request.url}"
+    if issubclass(cls, MissingTensorsError):
+        raise cls(text, body.get("digests") or [])
+    if issubclass(cls, StateMismatchError):
+        raise cls(text)
+    if cls is CheckpointError:
+        raise (StorageError if response.status_code >= 500 else CheckpointError)(f"HTTP {response.status_code}: {text}")
+    raise cls(text)
+
+
+def _ref(ref: int | str) -> str:
+    return quote(str(ref), safe="")
+
+
+class HttpTransport:
+    """Talks to a ckptstore server at ``url`` (``http://host:port``)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        retries: int = 4,
+        backoff_seconds: float = 0.25,
+        timeout_seconds: float = 300.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        headers = {"User-Agent": f"ckptstore/{__version__}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff_seconds = backoff_seconds
+        self._http = http or httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_seconds, connect=10.0),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=16),
+        )
+        if http is not None:
+            self._http.headers.update(headers)
+        self._staging = Path(tempfile.mkdtemp(prefix="ckptstore-upload-"))
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _send(self, idempotent: bool, build: Callable[[], httpx.Response]) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries or not idempotent
+            try:
+                response = build()
+            except NETWORK_ERRORS as exc:
+                if last:
+                    what = "" if idempotent else " (a commit is not retried: list the versions to see if it landed)"
+                    raise StorageError(f"cannot reach the ckptstore server at {self.url}: {exc}{what}") from exc
+                self._pause(attempt, None)
+                continue
+            if response.status_code in RETRY_STATUSES and not last:
+                response.close()
+                self._pause(attempt, response.headers.get("retry-after"))
+                continue
+            return response
+        raise AssertionError("unreachable")
+
+    def _pause(self, attempt: int, retry_after: str | None) -> None:
+        delay = self.backoff_seconds * (2**attempt) * (0.5 + random.random())
+        if retry_after is not None and retry_after.isdigit():
+            delay = max(delay, min(float(retry_after), 30.0))
+        time.sleep(delay)
+
+    def _json(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> Any:
+        response = self._send(idempotent, lambda: self._http.request(method, path, **kwargs))
+        raise_for_error(response)
+        return response.json() if response.content else None
+
+    # -- the Transport protocol ----------------------------------------------------------
+
+    def missing(self, digests: Iterable[str]) -> list[str]:
+        """Digests the server lacks."""
+        wanted = list(dict.fromkeys(digests))
+        if not wanted:
+            return []
+        return list(self._json("POST", "/v1/tensors/missing", json={"digests": wanted})["missing"])
+
+    def staging_path(self) -> Path:
+        """A local temporary path for the next shard."""
+        return self._staging / f"{uuid.uuid4().hex}.shard"
+
+    def ingest_file(self, path: Path) -> ShardReceipt:
+        """Upload the shard at ``path`` (streamed from disk) and delete the file."""
+        path = Path(path)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as handle:
+                shard_id = read_header(handle, size).shard_id
+
+            def put() -> httpx.Response:
+                with open(path, "rb") as body:
+                    return self._http.put(
+                        f"/v1/shards/{shard_id}",
+                        content=body,
+                        headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                    )
+
+            response = self._send(True, put)
+            raise_for_error(response)
+            return ShardReceipt.model_validate(response.json())
+        finally:
+            path.unlink(missing_ok=True)
+
+    def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
+        """Commit a version (never retried: its outcome would be ambiguous)."""
+        payload = '{"manifest":' + body.model_dump_json() + ',"tags":' + json.dumps(list(tags)) + "}"
+        data = self._json(
+            "POST",
+            f"/v1/runs/{quote(validate_run_id(run_id))}/versions",
+            idempotent=False,
+            content=payload.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        return VersionInfo.model_validate(data)
+
+    def resolve(self, run_id: str, ref: int | str = "latest") -> int:
+        """The version number ``ref`` names."""
+        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/refs/{_ref(ref)}")
+        return int(data["version"])
+
+    def manifest(self, run_id: str, ref: int | str = "latest") -> Manifest:
+        """A version's manifest."""
+        response = self._send(
+            True, lambda: self._http.get(f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}")
+        )
+        raise_for_error(response)
+        return manifest_from_json(response.content)
+
+    def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
+        """Where each digest's bytes live."""
+        wanted = list(dict.fromkeys(digests))
+        if not wanted:
+            return {}
+        data = self._json("POST", "/v1/tensors/locate", json={"digests": wanted})
+        return {digest: TensorLocation.model_validate(item) for digest, item in data.items()}
+
+    def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` from a byte range of a shard."""
+        length = len(buffer)
+        if length == 0:
+            return
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        for attempt in range(self.retries + 1):
+            try:
+                self._read_range(shard_id, headers, buffer)
+                return
+            except NETWORK_ERRORS as exc:
+                if attempt == self.retries:
+                    raise StorageError(f"reading shard {shard_id} from {self.url} failed: {exc}") from exc
+                self._pause(attempt, None)
+
+    def _read_range(self, shard_id: str, headers: dict[str, str], buffer: memoryview) -> None:
+        with self._http.stream("GET", f"/v1/shards/{shard_id}", headers=headers) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise_for_error(response)
+            if response.status_code != 206:
+                raise IntegrityError(f"the server ignored the byte range for shard {shard_id}")
+            filled = 0
+            for chunk in response.iter_raw(READ_CHUNK):
+                end = filled + len(chunk)
+                if end > len(buffer):
+                    raise IntegrityError(f"shard {shard_id}: the server sent more bytes than asked for")
+                buffer[filled:end] = chunk
+                filled = end
+            if filled != len(buffer):
+                raise IntegrityError(f"shard {shard_id}: got {filled} of {len(buffer)} bytes")
+
+    def runs(self) -> list[RunInfo]:
+        """Every run."""
+        return [RunInfo.model_validate(item) for item in self._json("GET", "/v1/runs")]
+
+    def versions(self, run_id: str) -> list[VersionInfo]:
+        """Every version of a run."""
+        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/versions")
+        return [VersionInfo.model_validate(item) for item in data]
+
+    def tag(self, run_id: str, ref: int | str, name: str) -> int:
+        """Point a tag at a version."""
+        path = f"/v1/runs/{quote(validate_run_id(run_id))}/tags/{quote(name, safe='')}"
+        return int(self._json("PUT", path, json={"version": ref})["version"])
+
+    def untag(self, run_id: str, name: str) -> None:
+        """Remove a tag."""
+        self._json("DELETE", f"/v1/runs/{quote(validate_run_id(run_id))}/tags/{quote(name, safe='')}")
+
+    def delete_version(self, run_id: str, ref: int | str) -> int:
+        """Delete a version."""
+        path = f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}"
+        return int(self._json("DELETE", path)["version"])
+
+    def close(self) -> None:
+        """Close connections and remove the upload staging folder."""
+        self._http.close()
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+__all__ = ["HttpTransport", "raise_for_error"]

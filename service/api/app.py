@@ -1,0 +1,63 @@
+"""The FastAPI application: routes, error handlers, auth and metrics around one Store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+
+from service import __version__
+from service.api import routes_data, routes_ops, routes_runs
+from service.api.errors import install_error_handlers
+from service.api.metrics import Metrics
+from service.auth import TokenSet, is_loopback
+from service.errors import AuthenticationError
+from service.settings import Settings
+from service.store import Store
+
+
+def check_auth_setup(tokens: TokenSet, host: str) -> None:
+    """Refuse to serve without tokens anywhere but on loopback."""
+    if not tokens.enabled and not is_loopback(host):
+        raise AuthenticationError(
+            f"refusing to serve on {host} without tokens: set CKPTSTORE_TOKENS (e.g. 'write:<secret>') "
+            "or bind to 127.0.0.1"
+        )
+
+
+def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
+    """Build the application serving ``store``.
+
+    Auth is off only when no tokens are configured and ``settings.host`` is a loopback
+    address; otherwise every route but /healthz and /metrics needs a bearer token.
+    """
+    settings = settings or Settings()
+    tokens = TokenSet.parse(settings.tokens)
+    check_auth_setup(tokens, settings.host)
+    app = FastAPI(
+        title="ckptstore",
+        version=__version__,
+        description="A checkpoint store for PyTorch training: content-addressed safetensors shards and manifests.",
+    )
+    app.state.store = store
+    app.state.settings = settings
+    app.state.tokens = tokens
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+    app.include_router(routes_data.router)
+    app.include_router(routes_runs.router)
+    app.include_router(routes_ops.router)
+
+    @app.middleware("http")
+    async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request.scope["ckptstore.max_json_bytes"] = settings.max_json_bytes
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        app.state.metrics.count_request(request.method, path, response.status_code)
+        response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
+        return response
+
+    return app

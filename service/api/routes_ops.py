@@ -1,0 +1,25 @@
+"""Operational routes: health and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+from starlette.concurrency import run_in_threadpool
+
+from service import __version__
+from service.api.deps import MetricsDep, StoreDep
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/healthz")
+async def health(store: StoreDep) -> dict[str, str]:
+    """200 when the metadata database answers (503 otherwise)."""
+    await run_in_threadpool(store.ping)
+    return {"status": "ok", "version": __version__}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(counters: MetricsDep) -> str:
+    """Request and byte counters in the Prometheus text format."""
+    return counters.render()

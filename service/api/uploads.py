@@ -1,0 +1,62 @@
+"""Receiving a shard upload: stream the body into a staging file, then verify and store it.
+
+The body is never held in memory: chunks go to a staging file as they arrive (size-capped),
+and the engine then validates the header, hashes every tensor and moves the file into the
+blob store. A body that is cut short, too long or wrong leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from service.errors import IntegrityError, InvalidInputError, PayloadTooLargeError
+from service.records import ShardReceipt
+from service.store import Store
+
+WRITE_BYTES = 4 << 20
+
+
+async def receive_shard(
+    store: Store, shard_id: str, body: AsyncIterator[bytes], declared_length: str | None, max_bytes: int
+) -> ShardReceipt:
+    """Store the streamed shard whose id must be ``shard_id``."""
+    if declared_length is not None:
+        if not declared_length.isdigit():
+            raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
+        if int(declared_length) > max_bytes:
+            raise PayloadTooLargeError(f"shard of {declared_length} bytes exceeds the limit of {max_bytes}")
+    path = store.staging_path()
+    try:
+        received = 0
+        pending: list[bytes] = []
+        pending_bytes = 0
+        with open(path, "wb") as handle:
+            try:
+                async for chunk in body:
+                    received += len(chunk)
+                    if received > max_bytes:
+                        raise PayloadTooLargeError(f"shard upload exceeds the limit of {max_bytes} bytes")
+                    pending.append(chunk)
+                    pending_bytes += len(chunk)
+                    if pending_bytes >= WRITE_BYTES:
+                        await run_in_threadpool(handle.writelines, pending)
+                        pending, pending_bytes = [], 0
+            except ClientDisconnect as exc:
+                raise InvalidInputError(f"the upload was cut off after {received} bytes; retry it") from exc
+            await run_in_threadpool(handle.writelines, pending)
+        if declared_length is not None and received != int(declared_length):
+            raise InvalidInputError(f"received {received} bytes but Content-Length said {declared_length}")
+        if received == 0:
+            raise InvalidInputError("the shard upload is empty")
+        receipt = await run_in_threadpool(store.ingest_file, path)
+    finally:
+        path.unlink(missing_ok=True)
+    if receipt.shard_id != shard_id:
+        raise IntegrityError(
+            f"the uploaded shard's id is {receipt.shard_id}, not {shard_id} as the URL says; "
+            "it was stored under its real id"
+        )
+    return receipt
