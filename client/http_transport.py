@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import uuid
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any

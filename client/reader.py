@@ -7,7 +7,7 @@ local store reads each shard front to back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -17,6 +17,10 @@ from service.errors import IntegrityError
 from service.format.digest import tensor_digest
 from service.format.manifest import Manifest, TensorEntry
 from service.records import TensorLocation
+
+
+#: Largest single read when fetching back-to-back tensors together.
+SPAN_BYTES = 64 << 20
 
 
 class TensorReader:
@@ -33,17 +37,34 @@ class TensorReader:
         self.bytes_read = 0
         self._on_bytes = on_bytes
 
-    def ordered(self, keys: Iterable[str]) -> list[str]:
-        """``keys`` sorted by where their (first) bytes live, for sequential reads."""
+    def read_many(self, keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(key, tensor)`` for ``keys`` in storage order, verified.
 
-        def position(key: str) -> tuple[str, int]:
-            digests = _stored_digests(self.entries[key])
-            if not digests:
-                return ("", 0)
-            location = self.locations[digests[0]]
-            return (location.shard_id, location.offset)
-
-        return sorted(keys, key=position)
+        Tensors stored back to back in one shard are fetched with a single read of up to
+        ``SPAN_BYTES``, which matters over HTTP; a digest shared by several keys (tied
+        weights, equal optimizer scalars) is read and verified once, then copied.
+        """
+        by_digest: dict[str, list[str]] = {}
+        for key in keys:
+            entry = self.entries[key]
+            if entry.digest is None or 0 in entry.shape:
+                yield key, self.read(key)
+            else:
+                by_digest.setdefault(entry.digest, []).append(key)
+        located = sorted(by_digest, key=lambda d: (self.locations[d].shard_id, self.locations[d].offset))
+        for span in _spans([self.locations[d] for d in located]):
+            start = span[0].offset
+            buffer = bytearray(span[-1].offset + span[-1].nbytes - start)
+            self.transport.read_into(span[0].shard_id, start, memoryview(buffer))
+            for location in span:
+                piece = memoryview(buffer)[location.offset - start : location.offset - start + location.nbytes]
+                first, *others = by_digest[location.digest]
+                tensor = self._verified(self.entries[first], location, piece)
+                yield first, tensor
+                for key in others:
+                    # Every key gets its own tensor: optimizer state updated in place (Adam's
+                    # step, equal moments) must never alias another parameter's.
+                    yield key, tensor.clone()
 
     def read(self, key: str) -> torch.Tensor:
         """The verified tensor stored under ``key``, as a new CPU tensor."""
@@ -66,16 +87,38 @@ class TensorReader:
         location = self.locations[digest]
         buffer = bytearray(location.nbytes)
         self.transport.read_into(location.shard_id, location.offset, memoryview(buffer))
-        actual = tensor_digest(entry.dtype, shape, buffer)
-        if actual != digest:
+        return self._verified(entry, location, memoryview(buffer), shape)
+
+    def _verified(
+        self, entry: TensorEntry, location: TensorLocation, data: memoryview, shape: list[int] | None = None
+    ) -> torch.Tensor:
+        shape = list(entry.shape) if shape is None else shape
+        actual = tensor_digest(entry.dtype, shape, data)
+        if actual != location.digest:
             raise IntegrityError(
                 f"{entry.key}: bytes read from shard {location.shard_id} at offset {location.offset} hash to "
-                f"{actual[:16]}…, not {digest[:16]}…; the stored shard is corrupt (run `ckptstore verify`)"
+                f"{actual[:16]}…, not {location.digest[:16]}…; the stored shard is corrupt (run `ckptstore verify`)"
             )
-        self.bytes_read += len(buffer)
+        self.bytes_read += len(data)
         if self._on_bytes is not None:
-            self._on_bytes(len(buffer))
-        return self._piece(entry, buffer, shape)
+            self._on_bytes(len(data))
+        return tensor_from_buffer(data, entry.dtype, shape)
+
+
+def _spans(locations: list[TensorLocation]) -> Iterator[list[TensorLocation]]:
+    """Group locations (sorted by shard and offset) into back-to-back runs of bounded size."""
+    span: list[TensorLocation] = []
+    for location in locations:
+        if span and (
+            location.shard_id != span[0].shard_id
+            or location.offset != span[-1].offset + span[-1].nbytes
+            or location.offset + location.nbytes - span[0].offset > SPAN_BYTES
+        ):
+            yield span
+            span = []
+        span.append(location)
+    if span:
+        yield span
 
 
 def _stored_digests(entry: TensorEntry) -> list[str]:

@@ -81,3 +81,16 @@ def test_param_groups_and_hyperparameters_round_trip(ckpt: client.Client) -> Non
         other = fresh_optim.state[fresh_params[names[id(param)]]]
         for key, value in state.items():
             assert tensors_equal(other[key], value), (names[id(param)], key)
+
+
+def test_loaded_optimizer_tensors_never_share_memory(ckpt: client.Client) -> None:
+    model = TinyNet()
+    optim = OPTIMIZERS["adamw"](model)
+    train(model, optim, range(2))  # every param's step is the same value: equal digests
+    ckpt.save("alias", model, optim)
+    fresh = TinyNet(seed=8)
+    fresh_optim = OPTIMIZERS["adamw"](fresh)
+    ckpt.load("alias", model=fresh, optim=fresh_optim)
+    tensors = [v for s in fresh_optim.state.values() for v in s.values() if torch.is_tensor(v)]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)), "aliased state"
