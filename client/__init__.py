@@ -10,14 +10,11 @@ as they are when the function is called; build a :class:`Client` to choose expli
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from client.api import Client
-from client.results import LoadResult, SaveResult
 from service.errors import (
     CheckpointError,
     ConflictError,
@@ -33,6 +30,22 @@ from service.errors import (
     StorageError,
 )
 from service.records import RunInfo, VersionInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from client.api import Client
+    from client.results import LoadResult, SaveResult
+
+# Torch is imported on first use of these, so torch-free tools (the server image, the
+# ``ckptstore serve`` command) can import this package.
+_LAZY = {"Client": "client.api", "LoadResult": "client.results", "SaveResult": "client.results"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'client' has no attribute {name!r}")
 
 __all__ = [
     "CheckpointError",
@@ -77,6 +90,8 @@ def default_client() -> Client:
     with _clients_lock:
         if settings not in _clients:
             url, home, token = settings
+            from client.api import Client
+
             _clients[settings] = Client(url, home=home, token=token)
         return _clients[settings]
 
