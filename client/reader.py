@@ -18,7 +18,6 @@ from service.format.digest import tensor_digest
 from service.format.manifest import Manifest, TensorEntry
 from service.records import TensorLocation
 
-
 #: Largest single read when fetching back-to-back tensors together.
 SPAN_BYTES = 64 << 20
 
