@@ -34,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+import client
 from client import Client
 
 # The client reads this at every save/load, so setting it after the import is enough.
@@ -509,6 +510,7 @@ class Bench:
 
     shape: Shape
     repeats: int
+    warmup: int
     workdir: Path
     model: nn.Module
     optim: torch.optim.Optimizer | None
@@ -537,14 +539,25 @@ def fresh_folder(path: Path) -> Path:
     return path
 
 
+def rounds(bench: Bench) -> Iterable[bool]:
+    """One flag per round, True for the timed ones: the warm-up rounds come first.
+
+    Warm-up matters on VMs whose host backs guest memory lazily: the first pass over a
+    gigabyte of fresh page cache or buffers can take several times longer than later ones.
+    """
+    return [index >= bench.warmup for index in range(bench.warmup + bench.repeats)]
+
+
 def time_saves(bench: Bench) -> None:
-    """Median durable-save time per method; repeats interleave the methods."""
+    """Median durable-save time per method; rounds interleave the methods."""
     seconds: dict[str, list[float]] = {m.name: [] for m in METHODS}
-    for _ in range(bench.repeats):
+    for counted in rounds(bench):
         for method in METHODS:
             path = fresh_folder(bench.folder(method))
             os.sync()
-            seconds[method.name].append(method.save(bench.model, bench.optim, path))
+            elapsed = method.save(bench.model, bench.optim, path)
+            if counted:
+                seconds[method.name].append(elapsed)
     for method in METHODS:
         bench.rows.append(Row(method.name, "save", seconds[method.name], bench.total_bytes))
 
@@ -552,11 +565,12 @@ def time_saves(bench: Bench) -> None:
 def time_loads(bench: Bench) -> None:
     """Median cold-load time per method and operation, checking every result."""
     seconds: dict[tuple[str, str], list[float]] = {}
-    for _ in range(bench.repeats):
+    for counted in rounds(bench):
         for method in METHODS:
             for operation in (LOAD, LOAD_INTO):
                 elapsed = cold_load(bench, method, operation)
-                seconds.setdefault((method.name, operation), []).append(elapsed)
+                if counted:
+                    seconds.setdefault((method.name, operation), []).append(elapsed)
     for (name, operation), values in seconds.items():
         nbytes = bench.model_bytes if operation == LOAD else bench.total_bytes
         bench.rows.append(Row(name, operation, values, nbytes))
@@ -625,8 +639,8 @@ def add_adapters(model: Transformer, rank: int) -> list[nn.Parameter]:
 
 
 LORA_SAVES = {
-    "save_lora_v2": "LoRA v2, same client (digest cache)",
-    "save_lora_v2_new_client": "LoRA v2, new client (re-hashes the base)",
+    "save_lora_v2": "LoRA v2, same client (digest cache); GB/s and ratio over the full logical state",
+    "save_lora_v2_new_client": "LoRA v2, new client (re-hashes the frozen base)",
 }
 
 
@@ -656,12 +670,12 @@ def time_lora(bench: Bench) -> None:
     """
     adapters = add_adapters(bench.model, LORA_RANK)
     optim = torch.optim.AdamW(adapters, lr=1e-4)
-    rounds = [lora_round(bench, adapters, optim) for _ in range(bench.repeats)]
-    last = rounds[-1]
+    results = [lora_round(bench, adapters, optim) for _ in range(bench.repeats)]
+    last = results[-1]
     total = last["save_lora_v1"][1].bytes_total
     bench.lora = {"adapter_bytes": tensor_bytes(adapters), "bytes_total": total}
     for name in last:
-        bench.lora[name] = {"seconds": [r[name][0] for r in rounds], "bytes_new": last[name][1].bytes_new}
+        bench.lora[name] = {"seconds": [r[name][0] for r in results], "bytes_new": last[name][1].bytes_new}
     for name, note in LORA_SAVES.items():
         bench.rows.append(Row("ckptstore", name, bench.lora[name]["seconds"], total, note=note))
 
@@ -704,7 +718,7 @@ def fill_gbps(nbytes: int = 256 * MIB, tries: int = 3) -> tuple[float, float]:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, memory, library versions, the repository's commit, first-touch cost."""
+    """CPU model, cores, memory, library versions, commit and code location, first-touch cost."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as handle:
@@ -722,6 +736,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
         "commit": commit or "unknown",
+        "code": str(Path(client.__file__).resolve().parent.parent),
         "fill_fresh_gbps": round(fresh, 2),
         "fill_resident_gbps": round(resident, 2),
     }
@@ -730,15 +745,15 @@ def machine_info() -> dict[str, Any]:
 def format_table(rows: list[Row]) -> str:
     """The results as a Markdown table."""
     lines = [
-        "| method | operation | seconds (median) | GB/s | vs safetensors | peak RSS MiB | note |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| method | operation | seconds (median) | min-max s | GB/s | vs safetensors | peak RSS MiB | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
         rss = f"{row.peak_rss_mib:.0f}" if row.peak_rss_mib is not None else "-"
-        lines.append(
-            f"| {row.method} | {row.operation} | {row.median:.3f} | {row.gbps:.2f} | {ratio} | {rss} | {row.note} |"
-        )
+        spread = f"{min(row.seconds):.2f}-{max(row.seconds):.2f}"
+        cells = [row.method, row.operation, f"{row.median:.3f}", spread, f"{row.gbps:.2f}", ratio, rss, row.note]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -751,11 +766,13 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
         [
             f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB RAM; "
             f"torch {machine['torch']}, safetensors {machine['safetensors']}, python {machine['python']}; "
-            f"commit {machine['commit']}; memory fill {machine['fill_fresh_gbps']} GB/s fresh (page faults) "
+            f"commit {machine['commit']}; ckptstore code from {machine['code']}; "
+            f"memory fill {machine['fill_fresh_gbps']} GB/s fresh (page faults) "
             f"vs {machine['fill_resident_gbps']} GB/s resident",
             f"state: model {bench.model_bytes / GIB:.3f} GiB ({shape.layers} layers, d={shape.hidden}, "
             f"vocab={shape.vocab}, {shape.dtype}), optimizer {(bench.total_bytes - bench.model_bytes) / GIB:.3f} GiB; "
-            f"median of {bench.repeats}; cold reads via {bench.dropper.method}; GB/s = logical bytes / 1e9 / s",
+            f"median of {bench.repeats} after {bench.warmup} warm-up; cold reads via {bench.dropper.method}; "
+            "GB/s = logical bytes / 1e9 / s",
             f"LoRA: adapters {lora['adapter_bytes'] / MIB:.2f} MiB + AdamW state; "
             f"v2 wrote {v2['bytes_new'] / MIB:.2f} MiB of {lora['bytes_total'] / GIB:.3f} GiB and took "
             f"{statistics.median(v2['seconds']) / full:.3f}x the time of the first full save "
@@ -774,6 +791,7 @@ def write_json(path: Path, bench: Bench, machine: dict[str, Any]) -> None:
         "model_bytes": bench.model_bytes,
         "total_bytes": bench.total_bytes,
         "repeats": bench.repeats,
+        "warmup": bench.warmup,
         "cache_drop": bench.dropper.method,
         "rows": rows,
         "lora": bench.lora,
@@ -843,6 +861,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--with-optimizer", action="store_true", help="also save/load AdamW state after one step")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3; 1 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1; 0 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: 64 MiB, d=512, one repeat")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="scratch folder parent (default: a temp dir on /work)"
@@ -856,6 +875,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.hidden = args.hidden or (512 if quick else 1024)
     args.vocab = args.vocab or (8192 if quick else 32000)
     args.repeats = args.repeats or (1 if quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (0 if quick else 1)
     return args
 
 
@@ -891,6 +911,7 @@ def run_bench(args: argparse.Namespace, shape: Shape) -> Bench:
     bench = Bench(
         shape=shape,
         repeats=args.repeats,
+        warmup=args.warmup,
         workdir=workdir,
         model=model,
         optim=build_optimizer(model, shape, torch.Generator().manual_seed(0)),

@@ -47,6 +47,7 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'client' has no attribute {name!r}")
 
+
 __all__ = [
     "CheckpointError",
     "Client",

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.models import Run, Tag, Tensor, Version, VersionRef, utcnow
+from service.db.session import insert_new
 from service.errors import InvalidManifestError, MissingTensorsError, format_list
 from service.format.digest import tensor_digest
 from service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json
@@ -17,13 +18,15 @@ BATCH = 500
 
 
 def _lock_run(session: Session, run_id: str) -> Run:
-    """The run's row, locked for this transaction (created on first commit)."""
-    run = session.get(Run, run_id, with_for_update=True)
-    if run is None:
-        run = Run(id=run_id, version_counter=0)
-        session.add(run)
-        session.flush()
-    return run
+    """The run's row, locked for this transaction (created on first commit).
+
+    Creating it is race-free: concurrent first commits of a run each insert-or-skip the row,
+    then queue on its lock (``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE`` has already
+    serialized them). Each sees the counter as the previous holder committed it.
+    """
+    insert_new(session, Run, [{"id": run_id, "version_counter": 0}])
+    locked = select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
+    return session.execute(locked).scalar_one()
 
 
 def _stored_tensors(session: Session, digests: list[str]) -> dict[str, Tensor]:

@@ -8,7 +8,7 @@ visible only once every byte it references is stored and verified.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -18,6 +18,7 @@ from service.blobs import BlobStore, LocalBlobStore
 from service.commit import commit_version
 from service.db import Database
 from service.db.models import Run, Shard, Tag, Tensor, Version
+from service.db.session import insert_new
 from service.errors import InvalidInputError, NotFoundError
 from service.format.digest import is_digest
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
@@ -105,39 +106,37 @@ class Store:
             shard_id = header.shard_id
             with self.db.transaction() as session:
                 known = session.get(Shard, shard_id) is not None
+            created = False
             if not known:
                 self.blobs.put_file(shard_id, path)
-                self._record_shard(shard_id, header.file_size, header)
-            return ShardReceipt(
-                shard_id=shard_id, size=header.file_size, tensors=len(header.entries), created=not known
-            )
+                created = self._record_shard(shard_id, header.file_size, header)
+            return ShardReceipt(shard_id=shard_id, size=header.file_size, tensors=len(header.entries), created=created)
         finally:
             path.unlink(missing_ok=True)
 
-    def _record_shard(self, shard_id: str, size: int, header: ShardHeader) -> None:
+    def _record_shard(self, shard_id: str, size: int, header: ShardHeader) -> bool:
+        """Record the shard and its tensors not stored elsewhere; False if the shard was already recorded.
+
+        Concurrent ingests of the same shard, or of shards sharing tensors, all succeed: rows
+        already there (or being inserted by another transaction) are skipped, so a tensor keeps
+        its first location. Tensors go in digest order so two ingests never deadlock.
+        """
+        tensors = {
+            entry.digest: {
+                "digest": entry.digest,
+                "shard_id": shard_id,
+                "dtype": entry.dtype,
+                "shape": list(entry.shape),
+                "offset": header.data_start + entry.begin,
+                "nbytes": entry.nbytes,
+            }
+            for entry in header.entries
+        }
         with self.db.transaction() as session:
-            if session.get(Shard, shard_id) is not None:
-                return
-            session.add(Shard(id=shard_id, size=size))
-            digests = [e.digest for e in header.entries]
-            present: set[str] = set()
-            for batch in _batches(digests):
-                present.update(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch))))
-            session.flush()
-            for entry in header.entries:
-                if entry.digest in present:
-                    continue
-                present.add(entry.digest)
-                session.add(
-                    Tensor(
-                        digest=entry.digest,
-                        shard_id=shard_id,
-                        dtype=entry.dtype,
-                        shape=list(entry.shape),
-                        offset=header.data_start + entry.begin,
-                        nbytes=entry.nbytes,
-                    )
-                )
+            if not insert_new(session, Shard, [{"id": shard_id, "size": size}]):
+                return False
+            insert_new(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
+            return True
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new).
@@ -191,6 +190,26 @@ class Store:
         if not is_digest(shard_id):
             raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
         self.blobs.read_into(shard_id, offset, buffer)
+
+    def shard_size(self, shard_id: str) -> int:
+        """Size in bytes of a stored shard; NotFoundError if absent."""
+        if not is_digest(shard_id):
+            raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
+        size = self.blobs.size(shard_id)
+        if size is None:
+            raise NotFoundError(f"shard {shard_id} is not in the store")
+        return size
+
+    def iter_shard(self, shard_id: str, offset: int, length: int) -> Iterator[bytes]:
+        """Stream ``length`` bytes of a shard from ``offset``."""
+        if not is_digest(shard_id):
+            raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
+        return self.blobs.iter_range(shard_id, offset, length)
+
+    def ping(self) -> None:
+        """Raise StorageError unless the metadata database answers."""
+        with self.db.transaction() as session:
+            session.execute(select(1))
 
     def runs(self) -> list[RunInfo]:
         """Every run with its totals, most recently updated first."""

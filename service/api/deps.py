@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -17,20 +17,20 @@ QUERY_TOKEN_NAMES = {"token", "access_token", "api_key", "apikey", "key"}
 
 def get_store(request: Request) -> Store:
     """The application's store."""
-    return request.app.state.store  # type: ignore[no-any-return]
+    return request.app.state.store
 
 
 def get_settings(request: Request) -> Settings:
     """The application's settings."""
-    return request.app.state.settings  # type: ignore[no-any-return]
+    return request.app.state.settings
 
 
 def get_metrics(request: Request) -> Metrics:
     """The application's counters."""
-    return request.app.state.metrics  # type: ignore[no-any-return]
+    return request.app.state.metrics
 
 
-def _require(scope: Scope):  # type: ignore[no-untyped-def]
+def _require(scope: Scope) -> Any:
     def check(request: Request) -> None:
         if QUERY_TOKEN_NAMES & {name.lower() for name in request.query_params}:
             raise InvalidInputError("tokens are not accepted in the URL; send 'Authorization: Bearer <token>'")

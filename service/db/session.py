@@ -2,18 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import create_engine, event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import CursorResult, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import schema
 from service.db.models import Base
 from service.errors import CheckpointError, StorageError
+
+#: Rows per INSERT statement: far below SQLite's and PostgreSQL's bound-parameter limits.
+INSERT_BATCH = 500
+
+
+def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> int:
+    """Insert those of ``rows`` whose primary key is free; return how many were inserted.
+
+    ``INSERT … ON CONFLICT DO NOTHING``: when another transaction is inserting the same key,
+    PostgreSQL waits for it and then skips the row, so concurrent writers of the same row both
+    succeed. Callers that may race on several rows pass them in key order, so two such
+    transactions never wait for each other in a cycle.
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        build: Callable[[type[Base]], Any] = pg_insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        build = sqlite_insert
+    else:
+        raise StorageError(f"the metadata database must be SQLite or PostgreSQL, not {dialect}")
+    inserted = 0
+    for start in range(0, len(rows), INSERT_BATCH):
+        statement = build(model).values(list(rows[start : start + INSERT_BATCH])).on_conflict_do_nothing()
+        # SQLAlchemy reports an INSERT's row count only when asked to keep it.
+        result = session.execute(statement.execution_options(preserve_rowcount=True))
+        inserted += cast(CursorResult[Any], result).rowcount
+    return inserted
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -23,10 +55,11 @@ def _configure_sqlite(engine: Engine) -> None:
         # start, so two writers queue on busy_timeout instead of failing to upgrade a read lock.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
+        # The timeout first: switching a fresh file to WAL needs a lock other openers may hold.
+        cursor.execute("PRAGMA busy_timeout=60000")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=60000")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -34,23 +67,62 @@ def _configure_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _upgrade_if_behind(database: Database) -> None:
+    # Reading the revision is cheap; loading the migration scripts is not, so only when needed.
+    if schema.current_revision(database) != schema.head_revision():
+        schema.upgrade(database)
+
+
 class Database:
-    """An engine plus a session factory; :meth:`transaction` is the unit of work."""
+    """An engine plus a session factory; :meth:`transaction` is the unit of work.
+
+    Args:
+        url: a SQLAlchemy URL (``sqlite:///…`` or ``postgresql+psycopg://…``).
+        create_schema: migrate the database to the newest schema revision now.
+        engine_options: passed to :func:`sqlalchemy.create_engine` (e.g. ``pool_size``).
+    """
 
     def __init__(self, url: str, *, create_schema: bool = False, **engine_options: Any) -> None:
         self.url = url
+        if make_url(url).get_backend_name() == "postgresql":
+            # A served database outlives connections: servers restart, proxies drop idle ones.
+            engine_options.setdefault("pool_pre_ping", True)
         self.engine = create_engine(url, **engine_options)
         if self.engine.dialect.name == "sqlite":
             _configure_sqlite(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         if create_schema:
-            Base.metadata.create_all(self.engine)
+            self._or_dispose(schema.upgrade)
+
+    def _or_dispose(self, check: Callable[[Database], None]) -> Database:
+        try:
+            check(self)
+        except BaseException:
+            self.dispose()
+            raise
+        return self
+
+    @classmethod
+    def open(cls, url: str, **engine_options: Any) -> Database:
+        """The database at ``url``, ready for the store.
+
+        A SQLite file is an embedded store's and migrates itself (:meth:`sqlite_file`). Any other
+        database belongs to an operator, who runs ``ckptstore db upgrade``: it must already be at
+        the newest schema revision, or StorageError says so.
+        """
+        if make_url(url).get_backend_name() == "sqlite":
+            return cls(url, **engine_options)._or_dispose(_upgrade_if_behind)
+        return cls(url, **engine_options)._or_dispose(schema.require_current)
 
     @classmethod
     def sqlite_file(cls, path: Path) -> Database:
-        """An embedded database in one SQLite file, its schema created if new."""
+        """An embedded database in one SQLite file, migrated to the newest schema if behind.
+
+        Many processes may open a fresh home at once: the upgrade runs under SQLite's write
+        lock, so one migrates and the others find the schema current.
+        """
         path.parent.mkdir(parents=True, exist_ok=True)
-        return cls(f"sqlite:///{path}", create_schema=True)
+        return cls(f"sqlite:///{path}")._or_dispose(_upgrade_if_behind)
 
     @property
     def dialect(self) -> str:

@@ -1,0 +1,28 @@
+# The ckptstore service image: the torch-free engine and HTTP API. No torch is installed;
+# the service never imports it.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CKPTSTORE_HOST=0.0.0.0 \
+    CKPTSTORE_PORT=8000 \
+    CKPTSTORE_HOME=/var/lib/ckptstore
+
+RUN groupadd --system ckptstore && useradd --system --gid ckptstore --home-dir /var/lib/ckptstore ckptstore \
+    && mkdir -p /var/lib/ckptstore && chown ckptstore:ckptstore /var/lib/ckptstore
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY client ./client
+COPY migrations ./migrations
+RUN pip install . && python -c "import service.api.server, service.db.schema; import importlib.util as u; assert u.find_spec('torch') is None"
+
+USER ckptstore
+EXPOSE 8000
+VOLUME ["/var/lib/ckptstore"]
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('CKPTSTORE_PORT', '8000')}/healthz\", timeout=4)"]
+CMD ["ckptstore", "serve"]

@@ -1,0 +1,6 @@
+"""Alembic migrations of the metadata database, installed as ``service.migrations``.
+
+The files live at the top of the repository (``migrations/``) and setuptools maps them into the
+``service`` package, so a non-editable install carries them. :mod:`service.db.schema` builds the
+Alembic configuration in code; there is no ``alembic.ini``.
+"""
