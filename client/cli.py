@@ -10,7 +10,10 @@ import typer
 from service.records import RunInfo, VersionInfo
 
 app = typer.Typer(
-    help="ckptstore: a checkpoint store for PyTorch training.", no_args_is_help=True, add_completion=False
+    help="ckptstore: a checkpoint store for PyTorch training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
 )
 
 
@@ -124,6 +127,57 @@ def serve(
             workers=settings.workers,
             log_level="info",
         )
+
+
+db_app = typer.Typer(help="Manage the metadata database schema.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Migrate the configured database (CKPTSTORE_DATABASE_URL, else the embedded one) to the latest schema."""
+    from service.db import Database
+    from service.db.schema import current_revision, head_revision, upgrade
+    from service.errors import CheckpointError
+    from service.settings import Settings
+
+    settings = Settings()
+    url = settings.resolved_database_url
+    try:
+        if settings.database_url is None:
+            settings.home_path.mkdir(parents=True, exist_ok=True)
+        database = Database(url)
+        before = current_revision(database)
+        upgrade(database)
+        after = current_revision(database)
+        database.dispose()
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    where = url.split("@")[-1]
+    if before == after:
+        typer.echo(f"{where}: already at revision {after} (head {head_revision()})")
+    else:
+        typer.echo(f"{where}: upgraded from {before or 'an empty database'} to {after}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the database's schema revision and the newest one this ckptstore knows."""
+    from service.db import Database
+    from service.db.schema import current_revision, head_revision
+    from service.settings import Settings
+
+    from service.errors import CheckpointError
+
+    try:
+        database = Database(Settings().resolved_database_url)
+        current = current_revision(database)
+        database.dispose()
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"current: {current or 'none'}  head: {head_revision()}")
 
 
 if __name__ == "__main__":

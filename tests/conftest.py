@@ -1,7 +1,42 @@
-"""Shared test settings: no progress bars, no writes to the user's real store."""
+"""Shared test settings and real backends: no progress bars, an S3 server, PostgreSQL databases."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
+
+from service.db import Database, schema
+from tests.backends import POSTGRES_URL, PostgresDatabases, moto_server
 
 os.environ.setdefault("CKPTSTORE_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a moto S3 server shared by the session; tests create their own buckets."""
+    with moto_server(tmp_path_factory.mktemp("aws")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_databases() -> Iterator[PostgresDatabases]:
+    """Maker of fresh PostgreSQL databases, each dropped when the session ends."""
+    databases = PostgresDatabases(POSTGRES_URL)
+    try:
+        yield databases
+    finally:
+        databases.drop_all()
+
+
+@pytest.fixture(scope="session")
+def pg_url(postgres_databases: PostgresDatabases) -> str:
+    """A fresh PostgreSQL database for this session, migrated to the newest schema."""
+    url = postgres_databases.create()
+    database = Database(url)
+    try:
+        schema.upgrade(database)
+    finally:
+        database.dispose()
+    return url

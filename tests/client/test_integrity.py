@@ -3,45 +3,62 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import client
+from service.blobs import BlobStore
+from tests.client.conftest import Backend
 from tests.client.models import TinyNet
 
 
-def shard_files(home: Path) -> list[Path]:
-    return sorted(p for p in (home / "blobs").glob("??/*") if p.is_file())
+def only_shard(blobs: BlobStore) -> str:
+    (shard_id,) = list(blobs.list_ids())
+    return shard_id
 
 
-@pytest.mark.parametrize("seed", range(5))
+def rewrite(blobs: BlobStore, shard_id: str, scratch: Path, change: Callable[[bytearray], bytes]) -> None:
+    """Replace a stored shard's bytes behind the store's back."""
+    size = blobs.size(shard_id)
+    assert size is not None
+    data = bytearray(size)
+    blobs.read_into(shard_id, 0, memoryview(data))
+    blobs.delete(shard_id)
+    scratch.write_bytes(change(data))
+    blobs.put_file(shard_id, scratch)
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_flipped_byte_raises_integrity_error_naming_tensor_and_shard(
-    ckpt: client.Client, store_home: Path, seed: int
+    backend: Backend, tmp_path: Path, seed: int
 ) -> None:
-    ckpt.save("run", TinyNet())
-    (shard,) = shard_files(store_home)
-    data = bytearray(shard.read_bytes())
-    header_end = 8 + int.from_bytes(data[:8], "little")
-    position = random.Random(seed).randrange(header_end, len(data))
-    data[position] ^= 1 << random.Random(seed).randrange(8)
-    shard.write_bytes(bytes(data))
+    backend.client.save("run", TinyNet())
+    shard_id = only_shard(backend.blobs)
+    rng = random.Random(seed)
+
+    def flip(data: bytearray) -> bytes:
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        data[rng.randrange(header_end, len(data))] ^= 1 << rng.randrange(8)
+        return bytes(data)
+
+    rewrite(backend.blobs, shard_id, tmp_path / "corrupt", flip)
     with pytest.raises(client.IntegrityError) as caught:
-        ckpt.load("run", model=TinyNet(seed=1))
+        backend.client.load("run", model=TinyNet(seed=1))
     message = str(caught.value)
-    assert shard.name in message and "model/" in message
+    assert shard_id in message and "model/" in message
 
 
-def test_truncated_shard_is_an_integrity_error(ckpt: client.Client, store_home: Path) -> None:
-    ckpt.save("run", TinyNet())
-    (shard,) = shard_files(store_home)
-    shard.write_bytes(shard.read_bytes()[:-3])
+def test_truncated_shard_is_an_integrity_error(backend: Backend, tmp_path: Path) -> None:
+    backend.client.save("run", TinyNet())
+    rewrite(backend.blobs, only_shard(backend.blobs), tmp_path / "short", lambda data: bytes(data[:-3]))
     with pytest.raises(client.IntegrityError):
-        ckpt.load("run")
+        backend.client.load("run")
 
 
-def test_missing_shard_is_not_found(ckpt: client.Client, store_home: Path) -> None:
-    ckpt.save("run", TinyNet())
-    shard_files(store_home)[0].unlink()
+def test_missing_shard_is_not_found(backend: Backend) -> None:
+    backend.client.save("run", TinyNet())
+    backend.blobs.delete(only_shard(backend.blobs))
     with pytest.raises(client.NotFoundError):
-        ckpt.load("run")
+        backend.client.load("run")
