@@ -166,9 +166,8 @@ def db_current() -> None:
     """Print the database's schema revision and the newest one this ckptstore knows."""
     from service.db import Database
     from service.db.schema import current_revision, head_revision
-    from service.settings import Settings
-
     from service.errors import CheckpointError
+    from service.settings import Settings
 
     try:
         database = Database(Settings().resolved_database_url)
