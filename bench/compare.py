@@ -539,20 +539,23 @@ def fresh_folder(path: Path) -> Path:
     return path
 
 
-def rounds(bench: Bench) -> Iterable[bool]:
-    """One flag per round, True for the timed ones: the warm-up rounds come first.
+def rounds(bench: Bench) -> Iterable[tuple[bool, list[Method]]]:
+    """Per round: whether it is timed (warm-up rounds come first) and the order of the methods.
 
     Warm-up matters on VMs whose host backs guest memory lazily: the first pass over a
     gigabyte of fresh page cache or buffers can take several times longer than later ones.
+    The order rotates every round so no method always runs right after the same other one.
     """
-    return [index >= bench.warmup for index in range(bench.warmup + bench.repeats)]
+    for index in range(bench.warmup + bench.repeats):
+        shift = index % len(METHODS)
+        yield index >= bench.warmup, METHODS[shift:] + METHODS[:shift]
 
 
 def time_saves(bench: Bench) -> None:
     """Median durable-save time per method; rounds interleave the methods."""
     seconds: dict[str, list[float]] = {m.name: [] for m in METHODS}
-    for counted in rounds(bench):
-        for method in METHODS:
+    for counted, order in rounds(bench):
+        for method in order:
             path = fresh_folder(bench.folder(method))
             os.sync()
             elapsed = method.save(bench.model, bench.optim, path)
@@ -565,8 +568,8 @@ def time_saves(bench: Bench) -> None:
 def time_loads(bench: Bench) -> None:
     """Median cold-load time per method and operation, checking every result."""
     seconds: dict[tuple[str, str], list[float]] = {}
-    for counted in rounds(bench):
-        for method in METHODS:
+    for counted, order in rounds(bench):
+        for method in order:
             for operation in (LOAD, LOAD_INTO):
                 elapsed = cold_load(bench, method, operation)
                 if counted:
@@ -701,6 +704,15 @@ def run_text(command: list[str]) -> str:
         return ""
 
 
+def code_commit(code: Path) -> str:
+    """The short commit of the checkout holding ``code``, marked '+dirty' if tracked files differ."""
+    commit = run_text(["git", "-C", str(code), "rev-parse", "--short", "HEAD"])
+    if not commit:
+        return "unknown"
+    changed = run_text(["git", "-C", str(code), "status", "--porcelain", "--untracked-files=no"])
+    return commit + ("+dirty" if changed else "")
+
+
 def fill_gbps(nbytes: int = 256 * MIB, tries: int = 3) -> tuple[float, float]:
     """Best GB/s of filling fresh memory (first touch, page faults) and of filling it again.
 
@@ -726,7 +738,7 @@ def machine_info() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    commit = run_text(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"])
+    commit = code_commit(Path(client.__file__).resolve().parent.parent)
     fresh, resident = fill_gbps()
     return {
         "cpu": cpu,
@@ -735,7 +747,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
-        "commit": commit or "unknown",
+        "commit": commit,
         "code": str(Path(client.__file__).resolve().parent.parent),
         "fill_fresh_gbps": round(fresh, 2),
         "fill_resident_gbps": round(resident, 2),

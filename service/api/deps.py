@@ -30,15 +30,26 @@ def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
-def _require(scope: Scope) -> Any:
-    def check(request: Request) -> None:
+class ScopeCheck:
+    """A route dependency that refuses requests without a token of ``scope`` (or with one in the URL).
+
+    :class:`service.api.strict_json.StrictJSONRoute` also runs it before reading a JSON body,
+    so a caller without a valid token never gets a body buffered or parsed.
+    """
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope: Scope = scope
+
+    def __call__(self, request: Request) -> None:
         if QUERY_TOKEN_NAMES & {name.lower() for name in request.query_params}:
             raise InvalidInputError("tokens are not accepted in the URL; send 'Authorization: Bearer <token>'")
         tokens: TokenSet = request.app.state.tokens
         if tokens.enabled:
-            tokens.authorize(request.headers.get("authorization"), scope)
+            tokens.authorize(request.headers.get("authorization"), self.scope)
 
-    return Depends(check)
+
+def _require(scope: Scope) -> Any:
+    return Depends(ScopeCheck(scope))
 
 
 StoreDep = Annotated[Store, Depends(get_store)]

@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.deps import ScopeCheck
 from service.errors import InvalidInputError
 from service.format.jsondoc import parse_json
 
@@ -52,12 +53,21 @@ class StrictJSONRequest(Request):
 
 
 class StrictJSONRoute(APIRoute):
-    """Routes built with this class receive :class:`StrictJSONRequest` objects."""
+    """Routes built with this class receive :class:`StrictJSONRequest` objects.
+
+    The route's scope checks run before anything else: FastAPI reads and parses a JSON body
+    before it solves dependencies, which would let a caller without a token make the server
+    buffer up to ``max_json_bytes`` and answer 400/413 instead of 401.
+    """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        checks = [d.dependency for d in self.dependencies if isinstance(d.dependency, ScopeCheck)]
 
         async def strict_handler(request: Request) -> Response:
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            strict = StrictJSONRequest(request.scope, request.receive)
+            for check in checks:
+                check(strict)
+            return await handler(strict)
 
         return strict_handler

@@ -1,18 +1,21 @@
 """Receiving a shard upload: stream the body into a staging file, then verify and store it.
 
 The body is never held in memory: chunks go to a staging file as they arrive (size-capped),
-and the engine then validates the header, hashes every tensor and moves the file into the
-blob store. A body that is cut short, too long or wrong leaves nothing behind.
+the shard id its header hashes to is checked against the URL, and the engine then validates
+the header, hashes every tensor and moves the file into the blob store. A body that is cut
+short, too long, sent under another id or wrong leaves nothing behind.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from service.errors import IntegrityError, InvalidInputError, PayloadTooLargeError
+from service.format.safetensors_header import read_header
 from service.records import ShardReceipt
 from service.store import Store
 
@@ -51,12 +54,20 @@ async def receive_shard(
             raise InvalidInputError(f"received {received} bytes but Content-Length said {declared_length}")
         if received == 0:
             raise InvalidInputError("the shard upload is empty")
-        receipt = await run_in_threadpool(store.ingest_file, path)
+        # The id is checked before the engine stores anything: a body sent under the wrong id
+        # leaves no trace, like any other rejected upload.
+        actual = await run_in_threadpool(_shard_id_of, path, received, store.max_header_bytes)
+        if actual != shard_id:
+            raise IntegrityError(
+                f"the uploaded shard's id is {actual}, not {shard_id} as the URL says; nothing was stored: "
+                "upload it under the id its header hashes to"
+            )
+        return await run_in_threadpool(store.ingest_file, path)
     finally:
         path.unlink(missing_ok=True)
-    if receipt.shard_id != shard_id:
-        raise IntegrityError(
-            f"the uploaded shard's id is {receipt.shard_id}, not {shard_id} as the URL says; "
-            "it was stored under its real id"
-        )
-    return receipt
+
+
+def _shard_id_of(path: Path, size: int, max_header_bytes: int) -> str:
+    """The id of the shard in ``path`` (InvalidShardError if its header or size is wrong)."""
+    with open(path, "rb") as handle:
+        return read_header(handle, size, max_header_bytes=max_header_bytes).shard_id
