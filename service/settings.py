@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     @property
     def home_path(self) -> Path:
         """The home folder, user-expanded."""
-        return self.home.expanduser()
+        return self.home.expanduser().absolute()
 
     @property
     def resolved_database_url(self) -> str:

@@ -23,9 +23,9 @@ def test_ci_runs_exactly_the_test_command_in_readme() -> None:
     assert test_command in ci_lines
 
 
-def test_readme_demo_command_installs_and_runs_the_quickstart() -> None:
+def test_readme_demo_command_installs_runs_the_quickstart_and_serves() -> None:
     demo = readme_commands()[0]
-    assert "torch==2.13.0" in demo and demo.endswith("ckptstore quickstart")
+    assert "torch==2.13.0" in demo and "ckptstore quickstart &&" in demo and demo.endswith("ckptstore serve")
 
 
 def test_quickstart_runs_on_a_fresh_embedded_store(tmp_path: Path) -> None:

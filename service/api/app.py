@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request, Response
 
 from service import __version__
-from service.api import routes_data, routes_ops, routes_runs
+from service.api import redact, routes_data, routes_ops, routes_runs
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.auth import TokenSet, is_loopback
@@ -35,6 +35,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     tokens = TokenSet.parse(settings.tokens)
     check_auth_setup(tokens, settings.host)
+    redact.install()
     app = FastAPI(
         title="ckptstore",
         version=__version__,
