@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,10 +28,11 @@ from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES, plan_shards
-from service.records import RunInfo, VersionInfo
+from service.records import RunInfo, ShardReceipt, VersionInfo
 from service.store import Store
 
 DEFAULT_HOME = "~/.ckptstore"
+UPLOADS_IN_FLIGHT = 2
 
 
 def default_home() -> Path:
@@ -136,14 +139,27 @@ class Client:
                 first[digest] = (record.key, record.tensor)
         plan = plan_shards([(d, sizes[d]) for d in first], self.shard_bytes)
         stored = 0
-        with byte_bar(sum(sizes[d] for d in first), "save") as bar:
-            for group in plan:
-                path = self.transport.staging_path()
-                try:
-                    stored += write_shard(path, [(d, *first[d]) for d in group], bar.update)
-                    self.transport.ingest_file(path)
-                finally:
-                    path.unlink(missing_ok=True)
+        # Write the next shard while earlier ones upload (and are verified by the store):
+        # at most UPLOADS_IN_FLIGHT finished shards wait on disk at any time.
+        with byte_bar(sum(sizes[d] for d in first), "save") as bar, ThreadPoolExecutor(UPLOADS_IN_FLIGHT) as pool:
+            in_flight: deque[tuple[Future[ShardReceipt], Path]] = deque()
+            try:
+                for group in plan:
+                    path = self.transport.staging_path()
+                    try:
+                        stored += write_shard(path, [(d, *first[d]) for d in group], bar.update)
+                    except BaseException:
+                        path.unlink(missing_ok=True)
+                        raise
+                    if len(in_flight) >= UPLOADS_IN_FLIGHT:
+                        in_flight.popleft()[0].result()
+                    in_flight.append((pool.submit(self.transport.ingest_file, path), path))
+                while in_flight:
+                    in_flight.popleft()[0].result()
+            finally:
+                for future, waiting in in_flight:
+                    if future.cancel():  # never started: its shard file is still ours to remove
+                        waiting.unlink(missing_ok=True)
         return stored, len(plan)
 
     # -- load ----------------------------------------------------------------------------

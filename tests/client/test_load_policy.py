@@ -119,3 +119,22 @@ def test_versions_by_number_latest_and_tag(ckpt: client.Client) -> None:
         ckpt.load("nope")
     with pytest.raises(client.InvalidNameError):
         ckpt.load("../etc")
+
+
+def test_many_small_shards_round_trip(ckpt: client.Client) -> None:
+    ckpt.shard_bytes = 2048
+    model = TinyNet(seed=0)
+    optim = OPTIMIZERS["adamw"](model)
+    train(model, optim, range(2))
+    result = ckpt.save("run", model, optim)
+    manifest = ckpt.transport.manifest("run")
+    distinct = {e.digest: e.nbytes for e in manifest.tensors}
+    assert result.shards >= 5 and result.bytes_new == sum(distinct.values()) < result.bytes_total
+    assert ckpt.versions("run")[-1].bytes_new == result.bytes_new
+    assert ckpt.save("run-again", model, optim).shards == 0, "every tensor is already stored"
+    fresh = TinyNet(seed=9)
+    fresh_optim = OPTIMIZERS["adamw"](fresh)
+    ckpt.load("run-again", model=fresh, optim=fresh_optim)
+    assert all(
+        tensors_equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
