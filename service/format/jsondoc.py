@@ -11,24 +11,35 @@ from service.errors import InvalidInputError
 MAX_DEPTH = 128
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise InvalidInputError(f"JSON object has the key {key[:80]!r} twice")
-        result[key] = value
-    return result
+def strict_decoder(error: type[InvalidInputError], what: str, *, floats: bool = True) -> json.JSONDecoder:
+    """A JSONDecoder that raises ``error`` on duplicate keys, NaN/Infinity and out-of-range floats.
+
+    With ``floats=False`` every non-integer number is refused too (safetensors headers).
+    """
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise error(f"{what} has the key {key[:80]!r} twice")
+            result[key] = value
+        return result
+
+    def no_constant(name: str) -> Any:
+        raise error(f"{what} contains {name}, which is not a JSON number")
+
+    def finite_float(text: str) -> float:
+        if not floats:
+            raise error(f"{what} contains the number {text[:40]}; only integers are allowed")
+        value = float(text)
+        if not math.isfinite(value):
+            raise error(f"{what} number {text[:40]} is out of range")
+        return value
+
+    return json.JSONDecoder(object_pairs_hook=no_duplicates, parse_constant=no_constant, parse_float=finite_float)
 
 
-def _no_constant(name: str) -> Any:
-    raise InvalidInputError(f"JSON contains {name}, which is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise InvalidInputError(f"JSON number {text[:40]} is out of range")
-    return value
+_DECODER = strict_decoder(InvalidInputError, "JSON body")
 
 
 def _depth(value: Any, limit: int) -> None:
@@ -55,9 +66,7 @@ def parse_json(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     else:
         text = data
     try:
-        value = json.loads(
-            text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_finite_float
-        )
+        value = _DECODER.decode(text)
     except InvalidInputError:
         raise
     except json.JSONDecodeError as exc:

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 from service.errors import InvalidShardError
 from service.format.digest import is_digest, shard_id
 from service.format.dtypes import DTYPES, byte_length
+from service.format.jsondoc import strict_decoder
 
 PREFIX_BYTES = 8
 #: Default cap on the JSON header; about 80,000 tensors per shard.
@@ -82,31 +83,12 @@ class ShardHeader:
         return self.data_start + self.data_length
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise InvalidShardError(f"shard header names {key!r} twice")
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> Any:
-    raise InvalidShardError(f"shard header contains {name}, which is not valid JSON here")
-
-
-def _reject_float(text: str) -> Any:
-    raise InvalidShardError(f"shard header contains the number {text}; only integers are allowed")
+_DECODER = strict_decoder(InvalidShardError, "shard header", floats=False)
 
 
 def _parse_json(text: str) -> Any:
-    decoder = json.JSONDecoder(
-        object_pairs_hook=_reject_duplicates,
-        parse_constant=_reject_constant,
-        parse_float=_reject_float,
-    )
     try:
-        value, end = decoder.raw_decode(text, 0)
+        value, end = _DECODER.raw_decode(text, 0)
     except InvalidShardError:
         raise
     except json.JSONDecodeError as exc:
