@@ -41,6 +41,14 @@ NETWORK_ERRORS = (httpx.TransportError,)
 READ_CHUNK = 1 << 20
 
 
+class _Busy(Exception):
+    """A retryable status on a streamed read."""
+
+    def __init__(self, status: int, retry_after: str | None) -> None:
+        super().__init__(f"HTTP {status}")
+        self.retry_after = retry_after
+
+
 def raise_for_error(response: httpx.Response) -> None:
     """Raise the CheckpointError an error response stands for; return on success."""
     if response.status_code < 400:
@@ -58,7 +66,8 @@ def raise_for_error(response: httpx.Response) -> None:
     if issubclass(cls, StateMismatchError):
         raise cls(text)
     if cls is CheckpointError:
-        raise (StorageError if response.status_code >= 500 else CheckpointError)(f"HTTP {response.status_code}: {text}")
+        fallback = StorageError if response.status_code >= 500 else CheckpointError
+        raise fallback(f"HTTP {response.status_code}: {message}" if message else text)
     raise cls(text)
 
 
@@ -204,13 +213,15 @@ class HttpTransport:
             try:
                 self._read_range(shard_id, headers, buffer)
                 return
-            except NETWORK_ERRORS as exc:
+            except (*NETWORK_ERRORS, _Busy) as exc:
                 if attempt == self.retries:
                     raise StorageError(f"reading shard {shard_id} from {self.url} failed: {exc}") from exc
-                self._pause(attempt, None)
+                self._pause(attempt, exc.retry_after if isinstance(exc, _Busy) else None)
 
     def _read_range(self, shard_id: str, headers: dict[str, str], buffer: memoryview) -> None:
         with self._http.stream("GET", f"/v1/shards/{shard_id}", headers=headers) as response:
+            if response.status_code in RETRY_STATUSES:
+                raise _Busy(response.status_code, response.headers.get("retry-after"))
             if response.status_code >= 400:
                 response.read()
                 raise_for_error(response)

@@ -1,0 +1,97 @@
+"""The HTTP transport retries only what is safe to repeat, and reports an unreachable server."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import client
+from client.http_transport import HttpTransport
+from service.api import create_app
+from service.factory import open_store
+from service.settings import Settings
+from tests.client.models import TinyNet
+from tests.servers import running_server
+
+
+class Flaky:
+    """ASGI wrapper answering 503 to the first ``failures`` requests of each (method, route kind)."""
+
+    def __init__(self, app: Any, failures: int) -> None:
+        self.app = app
+        self.failures = failures
+        self.seen: Counter[tuple[str, str]] = Counter()
+
+    @staticmethod
+    def kind(path: str) -> str:
+        parts = path.strip("/").split("/")
+        return "/".join(parts[:2]) if parts[1:2] != ["runs"] else "runs/" + (parts[3] if len(parts) > 3 else "")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = (scope["method"], self.kind(scope["path"]))
+        self.seen[key] += 1
+        if self.seen[key] <= self.failures:
+            while (await receive()).get("more_body"):
+                pass
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.app(scope, receive, send)
+
+
+def flaky_client(tmp_path: Path, failures: int) -> tuple[Any, Flaky]:
+    settings = Settings(home=tmp_path / "server")
+    flaky = Flaky(create_app(open_store(settings), settings), failures)
+    return flaky, flaky
+
+
+def test_idempotent_requests_are_retried_through_503s(tmp_path: Path) -> None:
+    app, flaky = flaky_client(tmp_path, failures=0)
+    with running_server(app) as url:  # type: ignore[arg-type]
+        with client.Client(url) as ckpt:
+            ckpt.transport = HttpTransport(url, backoff_seconds=0.001)
+            ckpt.save("run", TinyNet())
+            flaky.failures = 2
+            flaky.seen.clear()
+            model = TinyNet(seed=1)
+            result = ckpt.load("run", model=model)
+    assert result.version == 1
+    assert flaky.seen[("GET", "runs/versions")] == 3, flaky.seen  # two 503s, then the manifest
+    assert flaky.seen[("POST", "v1/tensors")] == 3
+    assert flaky.seen[("GET", "v1/shards")] >= 3
+
+
+def test_a_commit_is_never_retried(tmp_path: Path) -> None:
+    app, flaky = flaky_client(tmp_path, failures=0)
+    with running_server(app) as url:  # type: ignore[arg-type]
+        with client.Client(url) as ckpt:
+            ckpt.transport = HttpTransport(url, backoff_seconds=0.001)
+            flaky.failures = 1
+            with pytest.raises(client.StorageError):
+                ckpt.save("run", TinyNet())
+            assert flaky.seen[("POST", "runs/versions")] == 1, "a commit must not be sent twice"
+            assert flaky.seen[("PUT", "v1/shards")] == 2, "a shard upload is idempotent and retried"
+            flaky.failures = 0
+            assert ckpt.save("run", TinyNet()).version == 1
+
+
+def test_an_unreachable_server_is_a_storage_error_naming_it() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound but not listening: connections are refused
+        with client.Client(f"http://127.0.0.1:{port}") as ckpt:
+            ckpt.transport = HttpTransport(f"http://127.0.0.1:{port}", retries=1, backoff_seconds=0.001)
+            with pytest.raises(client.StorageError, match=f"127.0.0.1:{port}"):
+                ckpt.runs()
+
+
+def test_a_bad_url_is_refused() -> None:
+    with pytest.raises(client.InvalidInputError, match="http://"):
+        client.Client("ftp://example.invalid")
