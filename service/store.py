@@ -23,7 +23,7 @@ from service.errors import InvalidInputError, NotFoundError
 from service.format.digest import is_digest
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
-from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
+from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, read_header
 from service.ingest import verify_shard_file
 from service.records import RunInfo, ShardReceipt, TensorLocation, VersionInfo
 
@@ -102,15 +102,19 @@ class Store:
         """
         path = Path(path)
         try:
-            header = verify_shard_file(path, max_header_bytes=self.max_header_bytes)
-            shard_id = header.shard_id
+            with open(path, "rb") as handle:
+                header = read_header(handle, path.stat().st_size, max_header_bytes=self.max_header_bytes)
             with self.db.transaction() as session:
-                known = session.get(Shard, shard_id) is not None
+                known = session.get(Shard, header.shard_id) is not None
             created = False
             if not known:
-                self.blobs.put_file(shard_id, path)
-                created = self._record_shard(shard_id, header.file_size, header)
-            return ShardReceipt(shard_id=shard_id, size=header.file_size, tensors=len(header.entries), created=created)
+                # Only a shard not yet stored is hashed: a known id names bytes already verified.
+                verify_shard_file(path, max_header_bytes=self.max_header_bytes)
+                self.blobs.put_file(header.shard_id, path)
+                created = self._record_shard(header.shard_id, header.file_size, header)
+            return ShardReceipt(
+                shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
+            )
         finally:
             path.unlink(missing_ok=True)
 
