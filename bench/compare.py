@@ -34,7 +34,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-import client
 from client import Client
 
 # The client reads this at every save/load, so setting it after the import is enough.
@@ -648,7 +647,8 @@ LORA_SAVES = {
 
 
 def lora_round(bench: Bench, adapters: list[nn.Parameter], optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """One fresh store: v1, then v2 from the same client, then v3 from a new client; (seconds, result) each."""
+    """One fresh store: a full save, an adapter-only change saved by the same client, another saved
+    by a new client; returns ``name -> (seconds, SaveResult)``."""
     generator = torch.Generator().manual_seed(1)
     home = fresh_folder(bench.workdir / "lora")
     outcome = {}
@@ -738,7 +738,8 @@ def machine_info() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    commit = code_commit(Path(client.__file__).resolve().parent.parent)
+    code = Path(sys.modules[Client.__module__].__file__ or ".").resolve().parent.parent
+    commit = code_commit(code)
     fresh, resident = fill_gbps()
     return {
         "cpu": cpu,
@@ -748,7 +749,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
         "commit": commit,
-        "code": str(Path(client.__file__).resolve().parent.parent),
+        "code": str(code),
         "fill_fresh_gbps": round(fresh, 2),
         "fill_resident_gbps": round(resident, 2),
     }

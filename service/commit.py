@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -29,11 +30,13 @@ def _lock_run(session: Session, run_id: str) -> Run:
     return session.execute(locked).scalar_one()
 
 
-def _stored_tensors(session: Session, digests: list[str]) -> dict[str, Tensor]:
-    found: dict[str, Tensor] = {}
+def _stored_tensors(session: Session, digests: list[str]) -> dict[str, Any]:
+    # Plain rows, not ORM objects: a commit of 100,000 tensors should not churn the garbage collector.
+    found: dict[str, Any] = {}
+    columns = select(Tensor.digest, Tensor.dtype, Tensor.shape, Tensor.nbytes)
     for start in range(0, len(digests), BATCH):
         batch = digests[start : start + BATCH]
-        found.update((t.digest, t) for t in session.scalars(select(Tensor).where(Tensor.digest.in_(batch))))
+        found.update((row.digest, row) for row in session.execute(columns.where(Tensor.digest.in_(batch))))
     return found
 
 

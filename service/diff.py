@@ -68,7 +68,7 @@ def _flatten(value: Any, path: str, out: dict[str, Any]) -> None:
 
 def _hyperparameters(manifest: Manifest) -> dict[str, Any]:
     flat: dict[str, Any] = {}
-    optim = manifest.state.get("optim")
+    optim: Any = manifest.state.get("optim")
     if isinstance(optim, dict):
         for index, group in enumerate(optim.get("param_groups") or []):
             if isinstance(group, dict):

@@ -24,6 +24,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
+from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from service.db.session import Database
 
 UPGRADE_COMMAND = "ckptstore db upgrade"
+FIRST_REVISION = "0001"
 
 
 def migrations_dir() -> Path:
@@ -85,7 +87,11 @@ def upgrade(database: Database) -> None:
             current = MigrationContext.configure(connection).get_current_revision()
             if current is not None and not _known(current):
                 raise _newer_than_us(current)
-            command.upgrade(alembic_config(connection), "head")
+            config = alembic_config(connection)
+            if current is None and inspect(connection).has_table("runs"):
+                # A store created before migrations existed has exactly revision 0001's tables.
+                command.stamp(config, FIRST_REVISION)
+            command.upgrade(config, "head")
     except SQLAlchemyError as exc:
         raise StorageError(f"could not upgrade the metadata database schema: {_first_line(exc)}") from exc
     except CommandError as exc:
