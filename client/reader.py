@@ -34,14 +34,19 @@ class TensorReader:
         stored = [d for entry in manifest.tensors for d in _stored_digests(entry)]
         self.locations: dict[str, TensorLocation] = transport.locate(stored) if stored else {}
         self.bytes_read = 0
+        self._scratch = bytearray()
         self._on_bytes = on_bytes
 
-    def read_many(self, keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def read_many(self, keys: Iterable[str], *, reuse_buffer: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(key, tensor)`` for ``keys`` in storage order, verified.
 
         Tensors stored back to back in one shard are fetched with a single read of up to
         ``SPAN_BYTES``, which matters over HTTP; a digest shared by several keys (tied
         weights, equal optimizer scalars) is read and verified once, then copied.
+
+        With ``reuse_buffer`` every span is read into one scratch buffer, so a yielded tensor
+        is valid only until the next one is requested: for callers that copy it out at once
+        (loading into a model), which then never touch freshly allocated memory.
         """
         by_digest: dict[str, list[str]] = {}
         for key in keys:
@@ -53,8 +58,9 @@ class TensorReader:
         located = sorted(by_digest, key=lambda d: (self.locations[d].shard_id, self.locations[d].offset))
         for span in _spans([self.locations[d] for d in located]):
             start = span[0].offset
-            buffer = bytearray(span[-1].offset + span[-1].nbytes - start)
-            self.transport.read_into(span[0].shard_id, start, memoryview(buffer))
+            length = span[-1].offset + span[-1].nbytes - start
+            buffer = self._scratch_buffer(length) if reuse_buffer else bytearray(length)
+            self.transport.read_into(span[0].shard_id, start, memoryview(buffer)[:length])
             for location in span:
                 piece = memoryview(buffer)[location.offset - start : location.offset - start + location.nbytes]
                 first, *others = by_digest[location.digest]
@@ -64,6 +70,11 @@ class TensorReader:
                     # Every key gets its own tensor: optimizer state updated in place (Adam's
                     # step, equal moments) must never alias another parameter's.
                     yield key, tensor.clone()
+
+    def _scratch_buffer(self, length: int) -> bytearray:
+        if len(self._scratch) < length:
+            self._scratch = bytearray(length)
+        return self._scratch
 
     def read(self, key: str) -> torch.Tensor:
         """The verified tensor stored under ``key``, as a new CPU tensor."""

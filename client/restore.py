@@ -11,6 +11,7 @@ from client import jsonstate, keys
 from client.placement import device_for
 from client.reader import TensorReader
 from client.state import parameter_names
+from client.tensors import byte_view
 from service.errors import StateMismatchError, format_list
 
 
@@ -59,6 +60,16 @@ def _reallocate(target: torch.Tensor, dtype: torch.dtype, device: torch.device) 
         ) from exc
 
 
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy ``source`` into ``target``: a plain memcpy when both are contiguous CPU tensors of
+    one dtype (torch's threaded copy contends with the hashing threads), else ``copy_``."""
+    if target.device.type == "cpu" and target.dtype == source.dtype and target.is_contiguous():
+        byte_view(target.detach())[:] = byte_view(source)
+        return
+    with torch.no_grad():
+        target.copy_(source)
+
+
 def load_into_model(
     reader: TensorReader,
     model: torch.nn.Module,
@@ -90,10 +101,9 @@ def load_into_model(
             before_reallocate(target)
             _reallocate(target, want_dtype, want_device)
     casts = []
-    for key, source in reader.read_many(by_key[name] for name in names):
+    for key, source in reader.read_many((by_key[name] for name in names), reuse_buffer=True):
         target = targets[keys.model_name(key)]
-        with torch.no_grad():
-            target.copy_(source)
+        _copy_into(target, source)
         if source.dtype != target.dtype:
             casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
     return casts
