@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request, Response
 
 from service import __version__
-from service.api import redact, routes_data, routes_ops, routes_runs
+from service.api import pages, redact, routes_data, routes_ops, routes_runs
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.auth import TokenSet, is_loopback
@@ -30,7 +30,8 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     """Build the application serving ``store``.
 
     Auth is off only when no tokens are configured and ``settings.host`` is a loopback
-    address; otherwise every route but /healthz and /metrics needs a bearer token.
+    address; otherwise every route but /healthz and /metrics needs a bearer token (the HTML
+    pages also take it from the cookie /login sets; /login and /static are open).
     """
     settings = settings or Settings()
     tokens = TokenSet.parse(settings.tokens)
@@ -40,6 +41,10 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
         title="ckptstore",
         version=__version__,
         description="A checkpoint store for PyTorch training: content-addressed safetensors shards and manifests.",
+        # No trailing-slash redirects: their Location is built from the decoded request path, so
+        # '/v1/runs/x/versions/.%2f' would send a client on to '/v1/runs/x/versions/.' and, once
+        # it resolves the dot segment, to the commit route. A path that is not a route is a 404.
+        redirect_slashes=False,
     )
     app.state.store = store
     app.state.settings = settings
@@ -49,6 +54,8 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_data.router)
     app.include_router(routes_runs.router)
     app.include_router(routes_ops.router)
+    app.include_router(pages.router)
+    app.mount("/static", pages.static_files(), name="static")
 
     @app.middleware("http")
     async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

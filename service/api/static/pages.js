@@ -1,0 +1,33 @@
+// Run page: tick two versions, then Compare opens /runs/<run>/diff?a=<older>&b=<newer>.
+// Without this script the form still works: it sends ?v=3&v=5 and the server orders them.
+"use strict";
+document.addEventListener("DOMContentLoaded", () => {
+  const form = document.getElementById("compare");
+  if (!form) return;
+  const button = document.getElementById("compare-button");
+  const hint = document.getElementById("compare-hint");
+  const boxes = Array.from(form.querySelectorAll('input[type="checkbox"][name="v"]'));
+  const ticked = () => boxes.filter((box) => box.checked);
+
+  function update() {
+    const picked = ticked();
+    button.disabled = picked.length !== 2;
+    for (const box of boxes) {
+      box.disabled = picked.length >= 2 && !box.checked;
+      box.closest("tr").classList.toggle("picked", box.checked);
+    }
+    hint.textContent = picked.length === 2
+      ? `Compare v${picked.map((b) => b.value).sort((x, y) => x - y).join(" with v")}.`
+      : `Tick ${2 - picked.length} more version${picked.length === 1 ? "" : "s"} to compare.`;
+  }
+
+  form.addEventListener("change", update);
+  form.addEventListener("submit", (event) => {
+    const picked = ticked().map((box) => Number(box.value)).sort((x, y) => x - y);
+    event.preventDefault();
+    if (picked.length !== 2) return;
+    const query = new URLSearchParams({ a: String(picked[0]), b: String(picked[1]) });
+    window.location.assign(`${form.getAttribute("action")}?${query}`);
+  });
+  update();
+});
