@@ -6,13 +6,14 @@ import os
 import platform
 import time
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from client import restore
+from client import keys, restore
 from client.hashing import DigestCache, digest_all
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
@@ -23,7 +24,7 @@ from client.state import FlatState, TensorRecord, flatten
 from client.tensors import dtype_name
 from client.transport import Transport
 from service import __version__
-from service.errors import InvalidInputError, StateMismatchError
+from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.names import validate_run_id, validate_tag
@@ -107,6 +108,52 @@ class Client:
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
         flat = flatten(model, optim, scheduler, extra)
+        return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
+
+    def save_state_dict(
+        self,
+        run_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        trainable: bool = False,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+    ) -> SaveResult:
+        """Store a plain ``{name: tensor}`` dict as the next version of ``run_id``, model tensors only.
+
+        Each tensor becomes ``model/<name>`` with placement ``target`` and the given
+        ``trainable`` flag, so a base model imported this way (``ckptstore import``) is stored
+        once and every later :meth:`save` of a model holding the same weights dedups against it.
+        Tensors may be memory-mapped: they are hashed and written shard by shard, never copied
+        all at once.
+        """
+        started = time.perf_counter()
+        validate_run_id(run_id)
+        tags = [validate_tag(t) for t in tags]
+        flat = FlatState()
+        for name, tensor in tensors.items():
+            key = keys.model_key(name) if isinstance(name, str) else ""
+            if not key or not name or not name.isprintable() or len(key) > len("model/") + 1000:
+                raise InvalidInputError(
+                    f"tensor name {str(name)[:80]!r} cannot be stored: use 1-1000 printable characters"
+                )
+            if not isinstance(tensor, torch.Tensor):
+                raise StateEncodingError(f"{key}: a {type(tensor).__name__}, not a tensor")
+            flat.add(TensorRecord(key, tensor, "target", trainable=trainable))
+        return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
+
+    def _save_flat(
+        self,
+        run_id: str,
+        flat: FlatState,
+        *,
+        step: int | None,
+        metrics: dict[str, float] | None,
+        tags: list[str],
+        started: float,
+    ) -> SaveResult:
+        """The one save path: hash, ask what is missing, write and upload shards, commit."""
         digests = digest_all([(r.key, r.tensor) for r in flat.records], self.digest_cache)
         entries = [_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)]
         body = ManifestBody(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
+from client import cli_inspect, cli_manage, cli_transfer
+from client.cli_common import echo_json, open_client, reported, size, table
+from service.format.names import validate_run_id
 from service.records import RunInfo, VersionInfo
 
 app = typer.Typer(
@@ -14,6 +16,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
 
 
@@ -30,58 +33,72 @@ def quickstart() -> None:
     run()
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def _print_runs(runs: list[RunInfo]) -> None:
-    typer.echo(f"{'RUN':<32} {'VERSIONS':>8} {'LATEST':>6} {'LOGICAL':>11} {'STORED':>11}  UPDATED")
-    for run in runs:
-        typer.echo(
-            f"{run.run_id:<32} {run.versions:>8} {run.latest_version or '-':>6} "
-            f"{_size(run.bytes_total):>11} {_size(run.bytes_new):>11}  {run.updated_at:%Y-%m-%d %H:%M}"
+    rows = [
+        (
+            run.run_id,
+            run.versions,
+            run.latest_version,
+            size(run.bytes_total),
+            size(run.bytes_new),
+            f"{run.updated_at:%Y-%m-%d %H:%M}",
         )
+        for run in runs
+    ]
+    table(("RUN", "VERSIONS", "LATEST", "LOGICAL", "STORED", "UPDATED"), rows, right=(1, 2, 3, 4))
 
 
 def _print_versions(versions: list[VersionInfo]) -> None:
-    typer.echo(f"{'VERSION':>7} {'STEP':>8} {'LOGICAL':>11} {'NEW':>11} {'DEDUP':>6}  {'CREATED':<16}  TAGS")
-    for version in versions:
-        step = "-" if version.step is None else str(version.step)
-        typer.echo(
-            f"{version.version:>7} {step:>8} {_size(version.bytes_total):>11} {_size(version.bytes_new):>11} "
-            f"{version.dedup_ratio:>6.1%}  {version.created_at:%Y-%m-%d %H:%M}  {','.join(version.tags)}"
+    rows = [
+        (
+            v.version,
+            v.step,
+            size(v.bytes_total),
+            size(v.bytes_new),
+            f"{v.dedup_ratio:.1%}",
+            f"{v.created_at:%Y-%m-%d %H:%M}",
+            ",".join(v.tags),
         )
+        for v in versions
+    ]
+    table(("VERSION", "STEP", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"), rows, right=(0, 1, 2, 3, 4))
 
 
 @app.command("ls")
 def list_(
-    run_id: Annotated[str | None, typer.Argument(help="A run: list its versions instead of the runs.")] = None,
+    run_id: Annotated[str | None, typer.Argument(metavar="RUN", help="A run: list its versions instead.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """List runs, or the versions of RUN_ID."""
-    from client import CheckpointError, default_client
+    """List runs, or the versions of RUN.
 
-    try:
-        if run_id is None:
-            runs = default_client().runs()
-            rows = [r.model_dump(mode="json") for r in runs]
-        else:
-            versions = default_client().versions(run_id)
-            rows = [v.model_dump(mode="json") for v in versions]
-    except CheckpointError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    --json prints a list of objects: for runs run_id, created_at, updated_at, versions,
+    latest_version, bytes_total, bytes_new; for versions run_id, version, parent, created_at,
+    tags, step, metrics, tensors_total, tensors_new, bytes_total, bytes_new, bytes_trainable.
+    """
+    with reported():
+        if run_id is not None:
+            validate_run_id(run_id)
+        with open_client() as ckpt:
+            records: list[RunInfo] | list[VersionInfo] = ckpt.runs() if run_id is None else ckpt.versions(run_id)
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        echo_json([r.model_dump(mode="json") for r in records])
     elif run_id is None:
-        _print_runs(runs)
+        _print_runs(cast(list[RunInfo], records))
     else:
-        _print_versions(versions)
+        _print_versions(cast(list[VersionInfo], records))
+
+
+# The commands that read and write checkpoints live in their own modules (each imports torch
+# only when it runs, so `ckptstore serve` and `ckptstore db` work in the torch-free image).
+app.command()(cli_inspect.show)
+app.command()(cli_inspect.diff)
+app.command()(cli_manage.tag)
+app.command()(cli_manage.untag)
+app.command()(cli_manage.rm)
+app.command()(cli_transfer.export)
+app.command("import")(cli_transfer.import_)
+app.command()(cli_transfer.verify)
+app.command()(cli_manage.gc)
 
 
 @app.command()

@@ -1,0 +1,153 @@
+"""What every ``ckptstore`` command shares: the client from the environment, RUN@REF targets,
+error reporting, sizes and aligned tables.
+
+Torch-free at import, like :mod:`client.cli`: the server image runs ``ckptstore serve`` and
+``ckptstore db`` without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import typer
+
+from service.errors import CheckpointError, InvalidNameError
+from service.format.names import LATEST, parse_ref, validate_run_id
+
+if TYPE_CHECKING:
+    from client.api import Client
+
+#: Exit codes: 1 = the operation failed (or found problems), 2 = the command line was wrong.
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+class UsageProblem(Exception):
+    """The command line names something malformed (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed ``RUN[@REF]``."""
+
+    run_id: str
+    ref: int | str
+    explicit: bool
+
+    def __str__(self) -> str:
+        return f"{self.run_id}@{self.ref}"
+
+
+def parse_target(text: str, what: str = "RUN[@REF]") -> Target:
+    """Split ``RUN@REF`` (REF = a version number, ``latest`` or a tag; absent = latest)."""
+    run_id, sep, ref = text.partition("@")
+    if sep and not ref:
+        raise UsageProblem(f"{text!r}: nothing after '@'; write {what}, e.g. my-run@3, my-run@latest or my-run@best")
+    try:
+        validate_run_id(run_id)
+        parsed = parse_ref(ref) if sep else LATEST
+    except InvalidNameError as exc:
+        raise UsageProblem(f"{text!r}: {exc}") from exc
+    return Target(run_id, parsed, bool(sep))
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``500MB``, ``5GB`` (powers of 1000, as Hugging Face does), ``1GiB`` or ``1048576``."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise UsageProblem(f"size {text!r}: write a number with an optional unit, e.g. 500MB, 5GB or 1GiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageProblem(f"size {text!r} must be more than 0 bytes")
+    return value
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code``."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def reported() -> Iterator[None]:
+    """Turn expected errors into ``error: …`` and an exit code, never a traceback.
+
+    Malformed names are usage errors (2); every other CheckpointError and file-system error
+    means the operation failed (1).
+    """
+    try:
+        yield
+    except UsageProblem as exc:
+        fail(str(exc), EXIT_USAGE)
+    except InvalidNameError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except CheckpointError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(str(exc))
+
+
+@contextmanager
+def open_client() -> Iterator[Client]:
+    """A client on ``CKPTSTORE_URL`` (a server) or else the embedded ``CKPTSTORE_HOME``.
+
+    The same settings :func:`client.default_client` reads; the CLI opens its own client and
+    closes it so an HTTP client's upload staging folder does not outlive the command.
+    """
+    from client.api import Client
+
+    url = os.environ.get("CKPTSTORE_URL") or None
+    home = os.environ.get("CKPTSTORE_HOME") or None
+    token = os.environ.get("CKPTSTORE_TOKEN") or None
+    with Client(url, home=home, token=token) as opened:
+        yield opened
+
+
+def echo_json(value: Any) -> None:
+    """Print ``value`` as indented JSON on stdout."""
+    typer.echo(json.dumps(value, indent=2))
+
+
+def size(n: int) -> str:
+    """Bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[int] = (), indent: str = ""
+) -> None:
+    """Print ``rows`` under ``headers`` in aligned columns; columns in ``right`` are right-aligned."""
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        parts = [
+            cell.rjust(width) if index in right else cell.ljust(width)
+            for index, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        typer.echo((indent + "  ".join(parts)).rstrip())

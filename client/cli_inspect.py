@@ -1,0 +1,159 @@
+"""``ckptstore show`` and ``ckptstore diff``: a version's summary and tensors, and what changed."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from client import keys
+from client.cli_common import echo_json, open_client, parse_target, reported, size, table
+from service.diff import VersionDiff, diff_manifests
+from service.errors import NotFoundError
+from service.format.manifest import Manifest, TensorEntry
+from service.records import VersionInfo
+
+#: Key prefix -> section title, in the order sections are shown.
+SECTIONS = (
+    ("model/", "model"),
+    ("optim/state/", "optimizer state"),
+    ("optim/param_groups/", "optimizer param groups"),
+    ("scheduler/", "scheduler"),
+    ("extra/", "extra"),
+)
+
+#: JSON state section -> title, for sections that hold no tensors.
+STATE_TITLES = {"optim": "optimizer", "scheduler": "scheduler", "extra": "extra"}
+
+Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _shape(shape: list[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _section(key: str) -> tuple[str, str]:
+    """(section title, the key's name within it)."""
+    for prefix, title in SECTIONS:
+        if key.startswith(prefix):
+            name = keys.model_name(key) if prefix == "model/" else key.removeprefix(prefix)
+            return title, name
+    head, _, rest = key.partition("/")
+    return head, rest
+
+
+def _trainable(entry: TensorEntry) -> str:
+    return "-" if entry.trainable is None else ("yes" if entry.trainable else "no")
+
+
+def _print_summary(info: VersionInfo) -> None:
+    parent = f" (parent {info.parent})" if info.parent is not None else ""
+    metrics = "  ".join(f"{name}={value:g}" for name, value in sorted(info.metrics.items()))
+    rows = [
+        ("run", info.run_id),
+        ("version", f"{info.version}{parent}, created {info.created_at:%Y-%m-%d %H:%M:%S %Z}".rstrip()),
+        ("step", "-" if info.step is None else str(info.step)),
+        ("metrics", metrics or "-"),
+        ("tags", ", ".join(info.tags) or "-"),
+        (
+            "size",
+            f"{size(info.bytes_total)} logical, {size(info.bytes_new)} new ({info.dedup_ratio:.1%} deduplicated), "
+            f"{size(info.bytes_trainable)} trainable",
+        ),
+        ("tensors", f"{info.tensors_total} ({info.tensors_new} new)"),
+    ]
+    for label, value in rows:
+        typer.echo(f"{label:<9} {value}")
+
+
+def _print_tensors(manifest: Manifest) -> None:
+    grouped: dict[str, list[TensorEntry]] = {}
+    for entry in manifest.tensors:
+        grouped.setdefault(_section(entry.key)[0], []).append(entry)
+    for title, entries in grouped.items():
+        typer.echo("")
+        typer.echo(f"{title}: {len(entries)} tensors, {size(sum(e.nbytes for e in entries))}")
+        rows = [
+            (
+                _section(e.key)[1],
+                e.dtype,
+                _shape(list(e.shape)) + (f" in {len(e.chunks)} chunks" if e.chunks else ""),
+                e.placement,
+                e.device_type,
+                _trainable(e),
+                size(e.nbytes),
+            )
+            for e in entries
+        ]
+        table(("NAME", "DTYPE", "SHAPE", "PLACEMENT", "DEVICE", "TRAINABLE", "SIZE"), rows, right=(6,), indent="  ")
+    for section in manifest.state:
+        if not any(entry.key.startswith(f"{section}/") for entry in manifest.tensors):
+            typer.echo(f"\n{STATE_TITLES.get(section, section)}: no tensors (JSON state only)")
+
+
+def show(
+    target: Annotated[str, typer.Argument(metavar="RUN[@REF]", help="A run, and a version number, 'latest' or a tag.")],
+    as_json: Json = False,
+) -> None:
+    """Show a version: step, metrics, tags, sizes and dedup, then its tensors by section."""
+    with reported():
+        parsed = parse_target(target)
+        with open_client() as ckpt:
+            manifest = ckpt.transport.manifest(parsed.run_id, parsed.ref)
+            found = [v for v in ckpt.versions(parsed.run_id) if v.version == manifest.version]
+        if not found:
+            raise NotFoundError(f"version {manifest.version} of run {parsed.run_id!r} was deleted meanwhile")
+    info = found[0]
+    if as_json:
+        echo_json(
+            {"version": info.model_dump(mode="json"), "manifest": manifest.model_dump(mode="json", exclude_none=True)}
+        )
+        return
+    _print_summary(info)
+    _print_tensors(manifest)
+
+
+def _value(value: Any) -> str:
+    return "-" if value is None else json.dumps(value)
+
+
+def _print_diff(result: VersionDiff) -> None:
+    typer.echo(f"{result.run_a}@{result.version_a} -> {result.run_b}@{result.version_b}")
+    totals = [(status, t.count, size(t.nbytes)) for status, t in result.totals.items()]
+    table(("STATUS", "TENSORS", "BYTES"), totals, right=(1, 2))
+    columns = {
+        "changed": (("KEY", "BEFORE", "AFTER", "SIZE"), lambda c: (c.key, c.before, c.after, size(c.nbytes))),
+        "added": (("KEY", "AFTER", "SIZE"), lambda c: (c.key, c.after, size(c.nbytes))),
+        "removed": (("KEY", "BEFORE", "SIZE"), lambda c: (c.key, c.before, size(c.nbytes))),
+    }
+    for status, (headers, row) in columns.items():
+        changes = [c for c in result.tensors if c.status == status]
+        if changes:
+            typer.echo(f"\n{status} tensors ({len(changes)}):")
+            table(headers, [row(c) for c in changes], right=(len(headers) - 1,), indent="  ")
+    if result.values:
+        typer.echo(f"\nvalues ({len(result.values)}):")
+        table(
+            ("PATH", "BEFORE", "AFTER"),
+            [(v.path, _value(v.before), _value(v.after)) for v in result.values],
+            indent="  ",
+        )
+    if not result.values and all(t.count == 0 for s, t in result.totals.items() if s != "unchanged"):
+        typer.echo("\nno differences")
+
+
+def diff(
+    older: Annotated[str, typer.Argument(metavar="RUN@A", help="The version to compare from.")],
+    newer: Annotated[str, typer.Argument(metavar="RUN@B", help="The version to compare to (may be another run).")],
+    as_json: Json = False,
+) -> None:
+    """Compare two versions: tensors changed, added and removed; hyperparameter and metric changes."""
+    with reported():
+        a, b = parse_target(older, "RUN@A"), parse_target(newer, "RUN@B")
+        with open_client() as ckpt:
+            result = diff_manifests(ckpt.transport.manifest(a.run_id, a.ref), ckpt.transport.manifest(b.run_id, b.ref))
+    if as_json:
+        echo_json(result.model_dump(mode="json"))
+    else:
+        _print_diff(result)

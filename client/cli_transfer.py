@@ -1,0 +1,162 @@
+"""``ckptstore export``, ``import`` and ``verify``: moving weights in and out, checking stored bytes.
+
+The work is done in :mod:`client.exporting`, :mod:`client.importing` and
+:mod:`client.verifying`; these commands parse, show progress and print.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from client.cli_common import (
+    EXIT_FAILED,
+    UsageProblem,
+    echo_json,
+    open_client,
+    parse_size,
+    parse_target,
+    reported,
+    size,
+    table,
+)
+from client.progress import byte_bar
+from service.format.names import validate_run_id
+
+
+class _Bar:
+    """A byte bar whose total is set once known."""
+
+    def __init__(self, description: str) -> None:
+        self.bar = byte_bar(0, description)
+
+    def total(self, n: int) -> None:
+        self.bar.total = n
+        self.bar.refresh()
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def export(
+    target: Annotated[str, typer.Argument(metavar="RUN[@REF]", help="The version to export (default: latest).")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Folder to write (created if absent).")],
+    max_shard_size: Annotated[
+        str, typer.Option(help="Split the model into files of at most this size: 500MB, 5GB (x1000), 1GiB (x1024).")
+    ] = "5GB",
+    optimizer: Annotated[
+        bool, typer.Option("--optimizer", help="Also write optimizer.safetensors and optimizer.json.")
+    ] = False,
+) -> None:
+    """Write a version's model as Hugging Face safetensors files under their state_dict names.
+
+    One model.safetensors, or model-0000N-of-0000M.safetensors files with
+    model.safetensors.index.json beyond --max-shard-size. Loadable by safetensors and, with the
+    model's config.json in DIR (never invented), by transformers' from_pretrained.
+    """
+    from client.exporting import export_version
+
+    with reported():
+        parsed = parse_target(target)
+        limit = parse_size(max_shard_size)
+        bar = _Bar("export")
+        try:
+            with open_client() as ckpt:
+                result = export_version(
+                    ckpt.transport,
+                    parsed.run_id,
+                    parsed.ref,
+                    directory,
+                    max_shard_bytes=limit,
+                    optimizer=optimizer,
+                    on_bytes=bar.update,
+                    on_total=bar.total,
+                )
+        finally:
+            bar.close()
+    typer.echo(
+        f"exported {result.run_id}@{result.version} to {directory}: {result.tensors} tensors, {size(result.bytes)} "
+        f"in {result.seconds:.2f} s"
+    )
+    for name in result.files:
+        typer.echo(f"  {name}")
+    if not (directory / "config.json").exists():
+        typer.echo(
+            f"note: {directory} has no config.json; transformers' from_pretrained needs the model's own config there",
+            err=True,
+        )
+
+
+def import_(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            metavar="DIR_OR_FILE",
+            exists=True,
+            help="A .safetensors file, or a folder with model.safetensors[.index.json].",
+        ),
+    ],
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run to add the version to (created if new).")],
+    tag: Annotated[list[str] | None, typer.Option("--tag", help="Tag the new version (repeatable).")] = None,
+) -> None:
+    """Store safetensors weights as a new model-only version (frozen, placed on the load device).
+
+    Seed a base model once; every fine-tune saved later stores only what differs from it.
+    """
+    from client.importing import import_weights
+
+    with reported():
+        if "@" in run_id:
+            raise UsageProblem(f"{run_id!r}: import adds the next version of a run; give RUN without @REF")
+        validate_run_id(run_id)
+        with open_client() as ckpt:
+            result = import_weights(ckpt, source, run_id, tags=tag or ())
+    typer.echo(
+        f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "
+        f"{result.run_id}@{result.version}: {size(result.bytes_new)} new, {result.dedup_ratio:.1%} already stored, "
+        f"in {result.seconds:.2f} s"
+    )
+
+
+def verify(
+    target: Annotated[
+        str | None, typer.Argument(metavar="RUN[@REF]", help="One version (default: every version of every run).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Re-read and re-hash every stored byte a version references (or every version's); exit 1 on any problem."""
+    from client.verifying import every_version
+    from client.verifying import verify as run_verify
+
+    with reported():
+        parsed = parse_target(target) if target is not None else None
+        bar = _Bar("verify")
+        try:
+            with open_client() as ckpt:
+                if parsed is not None:
+                    versions: list[tuple[str, int | str]] = [(parsed.run_id, parsed.ref)]
+                else:
+                    versions = list(every_version(ckpt.transport))
+                report = run_verify(
+                    ckpt.transport, versions, on_bytes=bar.update, on_total=bar.total, strict_refs=parsed is not None
+                )
+        finally:
+            bar.close()
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        if report.problems:
+            rows = [(f"{p.run_id}@{p.version or '?'}", p.key or "-", p.shard_id, p.problem) for p in report.problems]
+            table(("VERSION", "KEY", "SHARD", "PROBLEM"), rows)
+        typer.echo(
+            f"verified {report.versions} versions: {report.tensors} tensors, {report.digests} distinct, "
+            f"{size(report.bytes)} re-read and re-hashed in {report.seconds:.2f} s"
+        )
+    if report.problems:
+        typer.echo(f"error: {len(report.problems)} problems found in stored tensors", err=True)
+        raise typer.Exit(EXIT_FAILED)

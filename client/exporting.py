@@ -1,0 +1,202 @@
+"""Export a version in the Hugging Face layout: plain safetensors files under state_dict names.
+
+``model.safetensors``, or ``model-00001-of-0000N.safetensors`` files plus
+``model.safetensors.index.json`` when the model is larger than the shard limit, loadable by
+``safetensors.torch.load_file`` and by ``transformers``' ``from_pretrained`` (given the model's
+``config.json``, which export never invents). With the optimizer: ``optimizer.safetensors``
+(tensors under their manifest keys less ``optim/``) and ``optimizer.json`` (the state tree).
+
+Tensors are read through :class:`TensorReader` (every byte verified) and written straight to
+their place in the file, one read span at a time, so memory stays near the largest tensor.
+Each file is written as ``.<name>.<uuid>.incomplete`` and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from client import keys
+from client.reader import TensorReader
+from client.tensors import byte_view, host_contiguous
+from client.transport import Transport
+from service.errors import InvalidInputError, StateMismatchError
+from service.format.dtypes import itemsize
+from service.format.manifest import TENSOR_REF, Manifest, TensorEntry
+from service.format.safetensors_header import encode_header
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_STATE_FILE = "optimizer.json"
+SHARD_NAME = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
+#: What transformers expects in ``__metadata__`` of a PyTorch safetensors file.
+FILE_METADATA = {"format": "pt"}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote."""
+
+    run_id: str
+    version: int
+    directory: Path
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """``model-00001-of-00003.safetensors`` (1-based), Hugging Face's shard naming."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def plan_files(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Group item indices (in order) into files of at most ``max_bytes``.
+
+    A file closes when the next item would push it past the limit; an item larger than the
+    limit gets a file of its own. Empty tensors are kept (unlike store shards, an exported
+    file must hold every name).
+    """
+    files: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index, nbytes in enumerate(sizes):
+        if current and current_bytes + nbytes > max_bytes:
+            files.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += nbytes
+    if current or not files:
+        files.append(current)
+    return files
+
+
+def write_safetensors(
+    path: Path, items: list[tuple[str, TensorEntry]], reader: TensorReader, metadata: dict[str, str] | None = None
+) -> int:
+    """Write ``(name, entry)`` items as a safetensors file at ``path``, atomically; returns its size.
+
+    The layout (wider dtypes first, then by name, as the safetensors library writes) is
+    fixed from the manifest before any byte is read; each tensor then goes to its offset as
+    the reader yields it, in storage order.
+    """
+    for name, _ in items:
+        if name == "__metadata__":
+            raise InvalidInputError("a tensor named '__metadata__' cannot be written to a safetensors file")
+    layout = sorted(items, key=lambda item: (-itemsize(item[1].dtype), item[0]))
+    header, placed = encode_header([(name, e.dtype, list(e.shape)) for name, e in layout], metadata)
+    offsets = {entry.key: len(header) + slot.begin for (_, entry), slot in zip(layout, placed, strict=True)}
+    total = len(header) + (placed[-1].end if placed else 0)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(header)
+            handle.truncate(total)
+            for key, tensor in reader.read_many([entry.key for _, entry in layout]):
+                handle.seek(offsets[key])
+                handle.write(byte_view(host_contiguous(tensor, key)))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return total
+
+
+def _write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def model_entries(manifest: Manifest) -> list[tuple[str, TensorEntry]]:
+    """``(state_dict name, entry)`` of every model tensor of a version, in manifest order."""
+    return [(keys.model_name(e.key), e) for e in manifest.tensors if e.key.startswith("model/")]
+
+
+def _strip_refs(value: Any, prefix: str) -> Any:
+    """The JSON tree with tensor references renamed to their names in the exported file."""
+    if isinstance(value, dict):
+        if set(value) == {TENSOR_REF} and isinstance(value[TENSOR_REF], str):
+            return {TENSOR_REF: value[TENSOR_REF].removeprefix(prefix)}
+        return {k: _strip_refs(v, prefix) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip_refs(v, prefix) for v in value]
+    return value
+
+
+def _remove_stale(directory: Path, keep: set[str]) -> None:
+    """Remove model files an earlier export left that this one did not write (as transformers does)."""
+    for path in directory.iterdir():
+        if path.name in keep or not path.is_file():
+            continue
+        if path.name in (SINGLE_FILE, INDEX_FILE) or SHARD_NAME.match(path.name):
+            path.unlink()
+
+
+def export_version(
+    transport: Transport,
+    run_id: str,
+    ref: int | str,
+    directory: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    optimizer: bool = False,
+    on_bytes: Callable[[int], object] | None = None,
+    on_total: Callable[[int], object] | None = None,
+) -> ExportResult:
+    """Write version ``ref`` of ``run_id`` to ``directory`` in the Hugging Face layout."""
+    started = time.perf_counter()
+    manifest = transport.manifest(run_id, ref)
+    model = model_entries(manifest)
+    optim = [(e.key.removeprefix("optim/"), e) for e in manifest.tensors if e.key.startswith("optim/")]
+    if optimizer and "optim" not in manifest.state:
+        raise StateMismatchError(
+            f"version {manifest.version} of run {run_id!r} holds no optimizer state; export without --optimizer"
+        )
+    written = model + (optim if optimizer else [])
+    if on_total is not None:
+        on_total(sum(entry.nbytes for _, entry in written))
+    directory.mkdir(parents=True, exist_ok=True)
+    reader = TensorReader(transport, manifest, on_bytes=on_bytes)
+    result = ExportResult(run_id=manifest.run_id, version=manifest.version, directory=directory)
+    groups = plan_files([entry.nbytes for _, entry in model], max_shard_bytes)
+    if len(groups) == 1:
+        write_safetensors(directory / SINGLE_FILE, model, reader, FILE_METADATA)
+        result.files.append(SINGLE_FILE)
+    else:
+        weight_map: dict[str, str] = {}
+        for number, group in enumerate(groups, start=1):
+            name = shard_file_name(number, len(groups))
+            items = [model[i] for i in group]
+            write_safetensors(directory / name, items, reader, FILE_METADATA)
+            weight_map.update((tensor_name, name) for tensor_name, _ in items)
+            result.files.append(name)
+        index = {"metadata": {"total_size": sum(e.nbytes for _, e in model)}, "weight_map": weight_map}
+        _write_text(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        result.files.append(INDEX_FILE)
+    _remove_stale(directory, set(result.files))
+    if optimizer:
+        write_safetensors(directory / OPTIMIZER_FILE, optim, reader, FILE_METADATA)
+        state = _strip_refs(manifest.state["optim"], "optim/")
+        _write_text(directory / OPTIMIZER_STATE_FILE, json.dumps(state, indent=2) + "\n")
+        result.files += [OPTIMIZER_FILE, OPTIMIZER_STATE_FILE]
+    result.tensors = len(written)
+    result.bytes = sum(entry.nbytes for _, entry in written)
+    result.seconds = time.perf_counter() - started
+    return result
