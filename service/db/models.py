@@ -66,6 +66,9 @@ class Tensor(Base):
     shape: Mapped[list[int]] = mapped_column(JSON)
     offset: Mapped[int] = mapped_column(BigInteger)
     nbytes: Mapped[int] = mapped_column(BigInteger)
+    #: When a client was last told this tensor is present (it may commit a reference to it
+    #: soon): garbage collection spares shards seen within its grace period.
+    last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Run(Base):
@@ -119,3 +122,21 @@ class Tag(Base):
     __table_args__ = (
         ForeignKeyConstraint(["run_id", "version"], ["versions.run_id", "versions.version"], ondelete="CASCADE"),
     )
+
+
+class RetentionPolicy(Base):
+    """Which versions of a run to keep: the last N, the best K by a metric; tagged ones always."""
+
+    __tablename__ = "retention_policies"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    keep_last: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    keep_best: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    metric: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    mode: Mapped[str | None] = mapped_column(String(3), nullable=True)  # "min" | "max"
+
+
+class StoreLock(Base):
+    """Named rows locked to keep garbage collection and commits from interleaving."""
+
+    __tablename__ = "store_locks"
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)

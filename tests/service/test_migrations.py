@@ -231,15 +231,15 @@ def test_every_package_goes_into_the_wheel() -> None:
 
 
 def test_a_store_created_before_migrations_is_stamped_and_opens(tmp_path: Path) -> None:
-    from sqlalchemy import create_engine
-
     from service.db import schema as schema_module
 
     path = tmp_path / "old" / "metadata.db"
     path.parent.mkdir()
-    engine = create_engine(f"sqlite:///{path}")
-    Base.metadata.create_all(engine)  # what stores were made with before Alembic
-    engine.dispose()
+    old = Database(f"sqlite:///{path}")
+    with old.engine.begin() as connection:
+        command.upgrade(schema_module.alembic_config(connection), "0001")
+        connection.exec_driver_sql("DROP TABLE alembic_version")  # as stores made before Alembic
+    old.dispose()
     database = Database.sqlite_file(path)
     try:
         assert schema_module.current_revision(database) == schema_module.head_revision()
