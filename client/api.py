@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -24,12 +24,20 @@ from client.state import FlatState, TensorRecord, flatten
 from client.tensors import dtype_name
 from client.transport import Transport
 from service import __version__
-from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
+from service.errors import (
+    InvalidInputError,
+    MissingTensorsError,
+    NotFoundError,
+    PermissionDeniedError,
+    StateEncodingError,
+    StateMismatchError,
+)
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES, plan_shards
-from service.records import RunInfo, ShardReceipt, VersionInfo
+from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, VersionInfo
+from service.retention import Policy, check_policy
 from service.store import Store
 
 DEFAULT_HOME = "~/.ckptstore"
@@ -98,16 +106,26 @@ class Client:
         step: int | None = None,
         metrics: dict[str, float] | None = None,
         tags: list[str] | tuple[str, ...] = (),
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] | None = None,
     ) -> SaveResult:
         """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``.
 
         Only tensors the store lacks are written; the version becomes visible once all of
         its bytes are stored.
+
+        Given any of ``keep_last``, ``keep_best``, ``metric`` or ``mode``, the run's retention
+        policy becomes exactly that before this version is committed, and the commit applies it
+        (see :meth:`set_retention`): e.g. ``keep_last=3, keep_best=1, metric="val_loss"``.
         """
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
         flat = flatten(model, optim, scheduler, extra)
+        if (keep_last, keep_best, metric, mode) != (None, None, None, None):
+            self._use_retention(run_id, keep_last, keep_best, metric, mode)
         return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
 
     def save_state_dict(
@@ -166,7 +184,16 @@ class Client:
         sizes = {e.digest: e.nbytes for e in entries if e.digest is not None and e.nbytes > 0}
         missing = set(self.transport.missing(list(sizes)))
         stored, shards = self._upload(flat, digests, missing, sizes)
-        info = self.transport.commit(run_id, body, tags=tags)
+        try:
+            info = self.transport.commit(run_id, body, tags=tags)
+        except MissingTensorsError:
+            # Garbage collection swept tensors this save was told are stored (its grace period
+            # was shorter than the save took, or the version holding them was deleted and
+            # collected meanwhile). The commit changed nothing: send what is missing now, once.
+            again = set(self.transport.missing(list(sizes)))
+            more_stored, more_shards = self._upload(flat, digests, again, sizes)
+            stored, shards, missing = stored + more_stored, shards + more_shards, missing | again
+            info = self.transport.commit(run_id, body, tags=tags)
         return SaveResult(
             run_id=run_id,
             version=info.version,
@@ -287,6 +314,72 @@ class Client:
     def delete(self, run_id: str, version: int | str) -> int:
         """Delete one version; returns its number. Stored bytes are reclaimed by garbage collection."""
         return self.transport.delete_version(run_id, version)
+
+    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
+        """Delete the stored bytes no version references any more; returns what went (or would go).
+
+        Shards recorded, or reported present to a save, less than ``grace_seconds`` ago (default
+        one hour) are kept, so saves in progress are never affected. ``dry_run`` only reports.
+        ``orphans`` also deletes blobs no shard record names (left by an interrupted collection);
+        run that while no save is uploading. A server asks for an admin token.
+        """
+        return self.transport.gc(grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans)
+
+    # -- retention -----------------------------------------------------------------------
+
+    def retention(self, run_id: str) -> RetentionPolicy:
+        """The run's retention policy and, in ``would_remove``, the versions it would remove now."""
+        return self.transport.get_retention(run_id)
+
+    def set_retention(
+        self,
+        run_id: str,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
+    ) -> RetentionPolicy:
+        """Replace the run's retention policy; each commit from the next one on applies it.
+
+        Kept are the last ``keep_last`` versions, the ``keep_best`` best by ``metric`` ('min':
+        lowest is best; 'max': highest; ties go to the newer version), every tagged version and
+        the newest one; the others are removed at the next commit (or at once with
+        :meth:`apply_retention`). Neither ``keep_last`` nor ``keep_best`` clears the policy. A
+        run that does not exist yet is created. A server asks for an admin token: a policy
+        deletes versions.
+        """
+        try:
+            return self.transport.set_retention(
+                run_id,
+                keep_last=keep_last,
+                keep_best=keep_best,
+                metric=metric,
+                mode=mode if keep_best is not None else None,
+            )
+        except PermissionDeniedError as exc:
+            raise PermissionDeniedError(
+                f"{exc.message}: a retention policy deletes versions, so setting one needs an admin token "
+                f"(an admin can run `ckptstore retention {run_id} ...`; saves with a write token then keep to it)"
+            ) from exc
+
+    def apply_retention(self, run_id: str) -> list[int]:
+        """Remove now the versions the run's policy does not keep; returns their numbers."""
+        return self.transport.apply_retention(run_id)
+
+    def _use_retention(
+        self, run_id: str, keep_last: int | None, keep_best: int | None, metric: str | None, mode: str | None
+    ) -> None:
+        """Make the run's policy the one given, writing it only when it differs.
+
+        Reading first lets a training job with a write token save with the policy an admin set.
+        """
+        wanted = check_policy(keep_last, keep_best, metric, mode)
+        try:
+            current = self.transport.get_retention(run_id)
+        except NotFoundError:  # a new run: setting the policy creates it
+            current = None
+        if current is None or Policy(current.keep_last, current.keep_best, current.metric, current.mode) != wanted:
+            self.set_retention(run_id, wanted.keep_last, wanted.keep_best, wanted.metric, wanted.mode or "min")
 
 
 def _entry(record: TensorRecord, digest: str) -> TensorEntry:

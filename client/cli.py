@@ -6,7 +6,7 @@ from typing import Annotated, cast
 
 import typer
 
-from client import cli_inspect, cli_manage, cli_transfer
+from client import cli_inspect, cli_manage, cli_retention, cli_transfer
 from client.cli_common import echo_json, open_client, reported, size, table
 from service.format.names import validate_run_id
 from service.records import RunInfo, VersionInfo
@@ -95,6 +95,7 @@ app.command()(cli_inspect.diff)
 app.command()(cli_manage.tag)
 app.command()(cli_manage.untag)
 app.command()(cli_manage.rm)
+app.command()(cli_retention.retention)
 app.command()(cli_transfer.export)
 app.command("import")(cli_transfer.import_)
 app.command()(cli_transfer.verify)

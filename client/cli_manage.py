@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import typer
 
-from client.cli_common import EXIT_USAGE, fail, open_client, parse_target, reported
+from client.cli_common import UsageProblem, echo_json, open_client, parse_target, reported, size
 from service.format.names import validate_run_id, validate_tag
 
-GC_UNAVAILABLE = (
-    "garbage collection is not available yet: finding the shards no version references needs the "
-    "store to list every shard it holds, which no store operation offers yet (it comes with "
-    "server-side collection). Deleted versions' bytes stay stored until then; nothing was changed"
-)
+#: ``--grace`` units: seconds, minutes, hours, days.
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> int:
+    """Whole seconds in ``0``, ``90``, ``90s``, ``30m``, ``1h``, ``1.5h`` or ``2d``."""
+    from service.gc import MAX_GRACE_SECONDS  # here: the engine's imports are not the CLI's to pay at start
+
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise UsageProblem(f"duration {text!r}: write a number with an optional unit s, m, h or d, e.g. 30m or 1h")
+    seconds = int(float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()])
+    if seconds > MAX_GRACE_SECONDS:
+        raise UsageProblem(f"duration {text!r} is longer than {MAX_GRACE_SECONDS // 86400} days")
+    return seconds
 
 
 def tag(
@@ -62,6 +74,42 @@ def rm(
 
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be reclaimed.")] = False,
+    grace: Annotated[
+        str, typer.Option("--grace", metavar="DURATION", help="Spare shards newer than this: 1h, 30m, 90s, 0.")
+    ] = "1h",
+    orphans: Annotated[
+        bool, typer.Option("--orphans", help="Also delete blobs no shard record names (run while no save uploads).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,
 ) -> None:
-    """Reclaim shards that no committed version references (not available yet)."""
-    fail(GC_UNAVAILABLE, EXIT_USAGE)
+    """Reclaim the stored bytes of shards no committed version references.
+
+    Shards stored, or reported present to a save, within the grace period are kept, so a save
+    in progress is never affected; `--grace 0` keeps nothing unreferenced. On a server this
+    needs an admin token. --json prints dry_run, grace_seconds, shards_swept, tensors_swept,
+    bytes_swept, shards_kept, shards_in_grace, orphan_blobs, orphan_bytes, orphans_swept, seconds.
+    """
+    with reported():
+        seconds = parse_duration(grace)
+        with open_client() as ckpt:
+            report = ckpt.gc(grace_seconds=seconds, dry_run=dry_run, orphans=orphans)
+    if as_json:
+        echo_json(report.model_dump(mode="json"))
+        return
+    verb = "would sweep" if report.dry_run else "swept"
+    typer.echo(
+        f"{verb} {report.shards_swept} shards ({report.tensors_swept} tensors, {size(report.bytes_swept)}) "
+        f"in {report.seconds:.2f} s"
+    )
+    typer.echo(
+        f"kept {report.shards_kept} shards, {report.shards_in_grace} of them unreferenced but within "
+        f"the {grace.strip()} grace period"
+    )
+    if report.orphan_blobs:
+        what = f"{report.orphan_blobs} blobs ({size(report.orphan_bytes)}) have no shard record"
+        if report.orphans_swept:
+            typer.echo(f"{what}; deleted {report.orphans_swept}")
+        else:
+            typer.echo(f"{what}; `ckptstore gc --orphans` deletes them while no save is uploading")
+    if report.dry_run:
+        typer.echo("dry run: nothing was deleted")

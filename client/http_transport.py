@@ -10,6 +10,7 @@ into the same exception classes the embedded store raises.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -34,11 +35,63 @@ from service.errors import (
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
 from service.format.safetensors_header import read_header
-from service.records import RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 NETWORK_ERRORS = (httpx.TransportError,)
 READ_CHUNK = 1 << 20
+#: Upload staging folders are ``<tmp>/ckptstore-upload-<pid>-<random>``.
+STAGING_PREFIX = "ckptstore-upload-"
+#: A staging folder untouched this long whose process is gone was left by a killed client.
+STALE_STAGING_SECONDS = 3600.0
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether the process named in a staging folder's name has ended.
+
+    False for a name without a process id (made by an older version, whose owner cannot be
+    known): such a folder is left alone rather than risk removing a live client's.
+    """
+    pid_text, dash, _ = name[len(STAGING_PREFIX) :].partition("-")
+    if not dash or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False  # another user's process, or a number no process can have: leave it alone
+    return False
+
+
+def remove_stale_staging(
+    parent: Path | None = None, older_than_seconds: float = STALE_STAGING_SECONDS, now: float | None = None
+) -> int:
+    """Delete upload staging folders that killed clients left in ``parent`` (default: the temp folder).
+
+    A folder goes only if it is older than ``older_than_seconds`` (since its last change) and
+    the process named in it no longer runs, so a live client's folder is never touched, even
+    an idle one (unless it runs in another PID namespace sharing this temp folder and sat idle
+    past the threshold). Returns how many folders were removed.
+    """
+    parent = Path(tempfile.gettempdir()) if parent is None else parent
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(STAGING_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime < older_than_seconds or not _owner_gone(entry.name):
+                continue
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed += not os.path.lexists(entry.path)
+    return removed
 
 
 class _Busy(Exception):
@@ -102,7 +155,9 @@ class HttpTransport:
         )
         if http is not None:
             self._http.headers.update(headers)
-        self._staging = Path(tempfile.mkdtemp(prefix="ckptstore-upload-"))
+        # A client killed mid-save cannot remove its folder; the next one to start does.
+        remove_stale_staging()
+        self._staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -260,10 +315,39 @@ class HttpTransport:
         path = f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}"
         return int(self._json("DELETE", path)["version"])
 
+    def get_retention(self, run_id: str) -> RetentionPolicy:
+        """A run's retention policy and what it would remove now."""
+        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/retention")
+        return RetentionPolicy.model_validate(data)
+
+    def set_retention(
+        self,
+        run_id: str,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str | None = None,
+    ) -> RetentionPolicy:
+        """Replace a run's retention policy (a PUT: safe to retry)."""
+        policy = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
+        data = self._json("PUT", f"/v1/runs/{quote(validate_run_id(run_id))}/retention", json=policy)
+        return RetentionPolicy.model_validate(data)
+
+    def apply_retention(self, run_id: str) -> list[int]:
+        """Remove now what a run's policy does not keep (safe to retry: a second pass removes nothing)."""
+        data = self._json("POST", f"/v1/runs/{quote(validate_run_id(run_id))}/retention/apply")
+        return [int(v) for v in data["removed"]]
+
+    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
+        """Garbage-collect on the server (admin scope; safe to retry: a second pass sweeps nothing new)."""
+        payload = {"dry_run": dry_run, "grace_seconds": grace_seconds, "orphans": orphans}
+        return GcReport.model_validate(self._json("POST", "/v1/gc", json=payload))
+
     def close(self) -> None:
         """Close connections and remove the upload staging folder."""
         self._http.close()
         shutil.rmtree(self._staging, ignore_errors=True)
 
 
-__all__ = ["HttpTransport", "raise_for_error"]
+__all__ = ["HttpTransport", "raise_for_error", "remove_stale_staging"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from service.format.manifest import Manifest, ManifestBody
-from service.records import RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 
 
 class Transport(Protocol):
@@ -55,6 +55,26 @@ class Transport(Protocol):
 
     def delete_version(self, run_id: str, ref: int | str) -> int:
         """Delete a version."""
+
+    def get_retention(self, run_id: str) -> RetentionPolicy:
+        """A run's retention policy and what it would remove now."""
+
+    def set_retention(
+        self,
+        run_id: str,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str | None = None,
+    ) -> RetentionPolicy:
+        """Replace a run's retention policy (applied from the next commit)."""
+
+    def apply_retention(self, run_id: str) -> list[int]:
+        """Remove now the versions a run's policy does not keep."""
+
+    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
+        """Sweep shards no version references (None: the default grace period)."""
 
     def close(self) -> None:
         """Release resources."""

@@ -1,8 +1,9 @@
 """Re-reading and re-hashing every stored byte a set of versions references.
 
-Works through the transport only (``locate`` + ``read_into`` + a digest check), so it checks
-an embedded store and a server alike. Each digest is read once however many versions and keys
-share it; a problem names the first key that references it and the shard holding it.
+Every tensor's bytes are hashed against its digest, and every shard's header against the
+shard's id. Works through the transport only (``locate`` + ``read_into`` + a digest check), so
+it checks an embedded store and a server alike. Each digest is read once however many versions
+and keys share it; a problem names the first key that references it and the shard holding it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 from client.reader import _spans
 from client.transport import Transport
-from service.errors import CheckpointError, NotFoundError
+from service.errors import CheckpointError, IntegrityError, NotFoundError
+from service.format.digest import shard_id as shard_id_of
 from service.format.digest import tensor_digest
 from service.format.manifest import Manifest
+from service.format.safetensors_header import MAX_HEADER_BYTES
 from service.records import TensorLocation
 
 
@@ -113,6 +116,11 @@ def verify(
     if on_total is not None:
         on_total(sum(location.nbytes for location in located.values()))
     order = sorted(located.values(), key=lambda loc: (loc.shard_id, loc.offset))
+    firsts: dict[str, TensorLocation] = {}
+    for location in order:
+        firsts.setdefault(location.shard_id, location)
+    for shard_id, first in firsts.items():
+        _check_header(transport, shard_id, references[first.digest], report)
     for span in _spans(order):
         pieces = _read_span(transport, span, references, report)
         for location, data in pieces:
@@ -181,6 +189,33 @@ def _read_span(
         return []
     view = memoryview(buffer)
     return [(loc, view[loc.offset - start : loc.offset - start + loc.nbytes]) for loc in span]
+
+
+def _check_header(transport: Transport, shard_id: str, reference: _Reference, report: VerifyReport) -> None:
+    """Re-hash the shard's length prefix and header, which its id is the digest of.
+
+    Loads never read the header (the metadata database says where each tensor is), so a
+    changed header would otherwise go unnoticed until the whole shard is copied somewhere.
+    """
+    prefix = bytearray(8)
+    try:
+        transport.read_into(shard_id, 0, memoryview(prefix))
+        length = int.from_bytes(prefix, "little")
+        if length > MAX_HEADER_BYTES:
+            raise IntegrityError(f"its header length prefix reads {length} bytes, over the {MAX_HEADER_BYTES} limit")
+        header = bytearray(8 + length)
+        header[:8] = prefix
+        transport.read_into(shard_id, 8, memoryview(header)[8:])
+    except NotFoundError:
+        return  # the shard is gone: its tensors' reads name each one
+    except CheckpointError as exc:
+        report.problems.append(_problem(reference, None, shard_id, f"shard header unreadable: {exc}"))
+        return
+    actual = shard_id_of(bytes(header))
+    if actual != shard_id:
+        report.problems.append(
+            _problem(reference, None, shard_id, f"shard header hashes to {actual[:16]}…, not the shard's id")
+        )
 
 
 def _check(location: TensorLocation, data: memoryview, reference: _Reference, report: VerifyReport) -> None:

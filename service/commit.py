@@ -13,7 +13,9 @@ from service.db.session import insert_new
 from service.errors import InvalidManifestError, MissingTensorsError, format_list
 from service.format.digest import tensor_digest
 from service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json
+from service.gc import hold_shared
 from service.records import VersionInfo
+from service.retention import apply_policy
 
 BATCH = 500
 
@@ -91,7 +93,14 @@ def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
 
 
 def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequence[str]) -> VersionInfo:
-    """Commit ``body`` as the next version of ``run_id`` within ``session``'s transaction."""
+    """Commit ``body`` as the next version of ``run_id`` within ``session``'s transaction.
+
+    The run's retention policy is applied last, in the same transaction: versions it does not
+    keep are removed as this version becomes visible (see :mod:`service.retention`).
+    """
+    # Before the reference check: a sweep either finished (the check sees what it removed) or
+    # waits for this commit to end (and then sees its references).
+    hold_shared(session)
     sizes = check_references(session, body)
     run = _lock_run(session, run_id)
     parent = session.scalar(
@@ -134,6 +143,9 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
         else:
             existing.version = number
     session.flush()
+    # Last, with the new version and its tags in place and the run still locked: its retention
+    # policy sees exactly what this commit leaves, and commits to the run apply it in turn.
+    apply_policy(session, run_id)
     return VersionInfo(
         run_id=run_id,
         version=number,

@@ -21,6 +21,7 @@ from service.errors import InvalidInputError, NotFoundError
 from service.format.manifest import Manifest, TensorEntry
 from service.format.names import METRIC_PATTERN, parse_ref
 from service.records import VersionInfo
+from service.retention import Policy, keep_reasons
 from service.store import Store
 
 Order = Literal["asc", "desc"]
@@ -97,6 +98,30 @@ def runs_index(store: Store) -> list[RunRow]:
 
 
 @dataclass(frozen=True)
+class RetentionView:
+    """A run's retention policy and, for every version, the rules keeping it (none: removed next commit)."""
+
+    policy: Policy
+    reasons: dict[int, list[str]]
+
+    @property
+    def would_remove(self) -> list[int]:
+        """The versions the next commit removes, as the run stands."""
+        return [version for version, why in self.reasons.items() if not why] if self.policy.active else []
+
+    def label(self, version: int) -> str:
+        """Why ``version`` is kept ('last 3, tagged'), or that the next commit removes it."""
+        why = self.reasons.get(version, ["newest"])
+        if not why:
+            return "removed at the next commit"
+        names = {
+            "last": f"last {self.policy.keep_last}",
+            "best": f"best {self.policy.keep_best} by {self.policy.metric}",
+        }
+        return "kept: " + ", ".join(names.get(reason, reason) for reason in why)
+
+
+@dataclass(frozen=True)
 class RunPage:
     """One page of a run's versions, sorted over all of them before paginating."""
 
@@ -109,6 +134,7 @@ class RunPage:
     per_page: int
     sort: str
     order: Order
+    retention: RetentionView | None = None
 
     def url(self, *, page: int | None = None, sort: str | None = None, order: Order | None = None) -> str:
         """This page's URL with some parameters changed (defaults left out)."""
@@ -168,13 +194,19 @@ def run_page(
     store: Store, run_id: str, *, page: int = 1, per_page: int = PER_PAGE, sort: str = "version", order: Order = "desc"
 ) -> RunPage:
     """Page ``page`` of ``run_id``'s versions sorted by ``sort`` ('version', 'step', 'metric:loss', …)."""
-    ordered = sort_versions(store.versions(run_id), sort, order)
+    versions = store.versions(run_id)
+    ordered = sort_versions(versions, sort, order)
     pages = max(1, math.ceil(len(ordered) / per_page))
     if page > pages:
         raise NotFoundError(f"run {run_id!r} has {pages} pages of {per_page} versions; there is no page {page}")
     rows = ordered[(page - 1) * per_page : page * per_page]
     names = sorted({name for v in rows for name in v.metrics})
-    return RunPage(run_id, rows, names, len(ordered), page, pages, per_page, sort, order)
+    # The policy's verdict on every version is worked out from the same list the page shows.
+    policy = Policy.of(store.get_retention(run_id))
+    tagged = {v.version for v in versions if v.tags}
+    reasons = keep_reasons(policy, {v.version: v.metrics for v in versions}, tagged)
+    view = RetentionView(policy, {number: list(why) for number, why in reasons.items()})
+    return RunPage(run_id, rows, names, len(ordered), page, pages, per_page, sort, order, view)
 
 
 # -- one version --------------------------------------------------------------------------------

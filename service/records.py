@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -63,3 +64,42 @@ class RunInfo(_Record):
     latest_version: int | None
     bytes_total: int
     bytes_new: int
+
+
+class RetentionPolicy(_Record):
+    """A run's retention policy and the versions it would remove if applied now.
+
+    A version is kept when any rule keeps it: it is one of the last ``keep_last`` versions, one
+    of the ``keep_best`` best by ``metric`` (lowest for mode 'min', highest for 'max'), it is
+    tagged, or it is the run's newest. Every other version is removed at the next commit.
+    With neither ``keep_last`` nor ``keep_best`` set the run has no policy and keeps everything.
+    """
+
+    run_id: str
+    keep_last: int | None
+    keep_best: int | None
+    metric: str | None
+    mode: Literal["min", "max"] | None
+    would_remove: list[int]
+
+
+class GcReport(_Record):
+    """What one garbage collection swept (or, on a dry run, would sweep) and what it kept.
+
+    ``shards_in_grace`` are unreferenced but kept: recorded, or reported present to a client,
+    within the grace period. ``orphan_blobs`` are blobs no shard row names (an interrupted
+    collection, or an upload caught between storing and recording its shard); they are deleted
+    only when asked, and ``orphans_swept`` counts those deleted.
+    """
+
+    dry_run: bool
+    grace_seconds: int
+    shards_swept: int
+    tensors_swept: int
+    bytes_swept: int
+    shards_kept: int
+    shards_in_grace: int
+    orphan_blobs: int
+    orphan_bytes: int
+    orphans_swept: int
+    seconds: float

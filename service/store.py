@@ -2,33 +2,41 @@
 
 Write path: :meth:`Store.missing` → :meth:`Store.ingest_file` per shard → :meth:`Store.commit`.
 Blobs are stored first and the version row last, in one transaction, so a version becomes
-visible only once every byte it references is stored and verified.
+visible only once every byte it references is stored and verified. :meth:`Store.gc` reclaims
+shards no version references; each step of the write path holds the collection lock in share
+mode (:mod:`service.gc`), so a sweep never removes what a save in progress relies on.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore, LocalBlobStore
+from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.commit import commit_version
 from service.db import Database
-from service.db.models import Run, Shard, Tag, Tensor, Version
+from service.db.models import Run, Shard, Tag, Tensor, Version, utcnow
 from service.db.session import insert_new
-from service.errors import InvalidInputError, NotFoundError
+from service.errors import InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
 from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, read_header
+from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
-from service.records import RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.retention import apply_policy, check_policy, describe_policy, lock_run, read_policy, write_policy
 
 QUERY_BATCH = 500
 MAX_DIGESTS_PER_QUERY = 100_000
+#: A shard re-uploaded while a sweep deletes it is stored again; this many tries at most.
+INGEST_ATTEMPTS = 3
 
 
 def _batches(items: Sequence[str], size: int = QUERY_BATCH) -> Iterable[Sequence[str]]:
@@ -76,6 +84,13 @@ class Store:
         """Release database connections."""
         self.db.dispose()
 
+    def clean_staging(self, older_than_seconds: float = STALE_SECONDS, *, now: float | None = None) -> CleanupReport:
+        """Delete temporary shard files that killed clients or servers left, once older than the threshold.
+
+        See :func:`service.cleanup.clean_staging`; pass 0 only when no save is running.
+        """
+        return clean_staging(self, older_than_seconds, now)
+
     # -- writing -------------------------------------------------------------------------
 
     def staging_path(self) -> Path:
@@ -83,12 +98,23 @@ class Store:
         return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
 
     def missing(self, digests: Iterable[str]) -> list[str]:
-        """The digests among ``digests`` whose tensors the store does not hold, in input order."""
+        """The digests among ``digests`` whose tensors the store does not hold, in input order.
+
+        Those reported present are stamped as seen now: the client may commit a reference to
+        them without sending them, so garbage collection spares them for its grace period.
+        """
         wanted = _check_digests(digests)
         present: set[str] = set()
+        now = utcnow()
         with self.db.transaction() as session:
+            # Under the collection lock: a sweep either ran before (they are reported missing)
+            # or runs after and sees the stamp.
+            hold_shared(session)
             for batch in _batches(wanted):
-                present.update(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch))))
+                found = sorted(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch))))
+                if found:
+                    _stamp_seen(session, found, now)
+                present.update(found)
         return [d for d in wanted if d not in present]
 
     def ingest_file(self, path: Path) -> ShardReceipt:
@@ -99,31 +125,48 @@ class Store:
         Raises:
             InvalidShardError: the file is not a valid shard.
             IntegrityError: a tensor's bytes do not match its digest name.
+            StorageError: garbage collection kept deleting the shard while it was stored; retry.
         """
         path = Path(path)
         try:
             with open(path, "rb") as handle:
                 header = read_header(handle, path.stat().st_size, max_header_bytes=self.max_header_bytes)
-            with self.db.transaction() as session:
-                known = session.get(Shard, header.shard_id) is not None
-            created = False
-            if not known:
-                # Only a shard not yet stored is hashed: a known id names bytes already verified.
-                verify_shard_file(path, max_header_bytes=self.max_header_bytes)
-                self.blobs.put_file(header.shard_id, path)
+            verified = False
+            for _attempt in range(INGEST_ATTEMPTS):
+                with self.db.transaction() as session:
+                    known = session.get(Shard, header.shard_id) is not None
+                if not known:
+                    # Only a shard not yet stored is hashed: a known id names bytes already verified.
+                    if not verified:
+                        verify_shard_file(path, max_header_bytes=self.max_header_bytes)
+                        verified = True
+                    self.blobs.put_file(header.shard_id, path)
                 created = self._record_shard(header.shard_id, header.file_size, header)
-            return ShardReceipt(
-                shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
+                if created is not None:
+                    return ShardReceipt(
+                        shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
+                    )
+                if not path.exists():  # the blob store took the file, and a sweep then deleted it
+                    break
+            raise StorageError(
+                f"shard {header.shard_id} was deleted by garbage collection while it was being stored; "
+                "retry the upload"
             )
         finally:
             path.unlink(missing_ok=True)
 
-    def _record_shard(self, shard_id: str, size: int, header: ShardHeader) -> bool:
-        """Record the shard and its tensors not stored elsewhere; False if the shard was already recorded.
+    def _record_shard(self, shard_id: str, size: int, header: ShardHeader) -> bool | None:
+        """Record the shard and its tensors not stored elsewhere; whether the shard row is new.
+
+        None (and nothing recorded) if the blob is gone: a sweep deleted it after this shard
+        was found stored or put in place. The check runs under the collection lock, so a sweep
+        cannot delete the blob between it and the commit of the rows.
 
         Concurrent ingests of the same shard, or of shards sharing tensors, all succeed: rows
         already there (or being inserted by another transaction) are skipped, so a tensor keeps
-        its first location. Tensors go in digest order so two ingests never deadlock.
+        its first location. Tensors go in digest order so two ingests never deadlock. A known
+        shard's tensors are recorded too: a sweep may have removed their rows where they were
+        first stored, and this shard's bytes were verified when it was first stored.
         """
         tensors = {
             entry.digest: {
@@ -136,11 +179,16 @@ class Store:
             }
             for entry in header.entries
         }
-        with self.db.transaction() as session:
-            if not insert_new(session, Shard, [{"id": shard_id, "size": size}]):
-                return False
-            insert_new(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
-            return True
+        try:
+            with self.db.transaction() as session:
+                hold_shared(session)
+                created = insert_new(session, Shard, [{"id": shard_id, "size": size}]) > 0
+                insert_new(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
+                if self.blobs.size(shard_id) is None:
+                    raise _BlobSwept
+                return created
+        except _BlobSwept:
+            return None
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new).
@@ -153,6 +201,28 @@ class Store:
         tags = [validate_tag(t) for t in tags]
         with self.db.transaction() as session:
             return commit_version(session, run_id, body, tags)
+
+    # -- garbage collection --------------------------------------------------------------
+
+    def gc(
+        self,
+        *,
+        grace_seconds: int | None = None,
+        dry_run: bool = False,
+        orphans: bool = False,
+        now: datetime | None = None,
+    ) -> GcReport:
+        """Delete shards no committed version references, sparing recent ones; see :mod:`service.gc`.
+
+        Args:
+            grace_seconds: spare unreferenced shards recorded, or reported present by
+                :meth:`missing`, less than this long ago (default one hour).
+            dry_run: only report what would be swept.
+            orphans: also delete blobs no shard row names.
+            now: the time the grace period counts back from (default: now).
+        """
+        grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
+        return collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -262,7 +332,9 @@ class Store:
         """Point tag ``name`` at the version ``ref`` names (moving it if it exists)."""
         validate_tag(name)
         with self.db.transaction() as session:
-            version = _resolve(session, validate_run_id(run_id), ref)
+            # Locked like a commit: a retention policy applied meanwhile must see this tag.
+            lock_run(session, validate_run_id(run_id))
+            version = _resolve(session, run_id, ref)
             existing = session.get(Tag, (run_id, name))
             if existing is None:
                 session.add(Tag(run_id=run_id, name=name, version=version))
@@ -282,11 +354,70 @@ class Store:
     def delete_version(self, run_id: str, ref: int | str) -> int:
         """Delete one version (its tags go with it); its blobs stay until garbage collection."""
         with self.db.transaction() as session:
-            version = _resolve(session, validate_run_id(run_id), ref)
+            lock_run(session, validate_run_id(run_id))  # a commit's retention may be removing it too
+            version = _resolve(session, run_id, ref)
             session.query(Tag).filter_by(run_id=run_id, version=version).delete()
             row = session.get(Version, (run_id, version))
             session.delete(row)
             return version
+
+    # -- retention -----------------------------------------------------------------------
+
+    def get_retention(self, run_id: str) -> RetentionPolicy:
+        """The run's retention policy and the versions it would remove now (NotFoundError if no run)."""
+        with self.db.transaction() as session:
+            _require_run(session, validate_run_id(run_id))
+            return describe_policy(session, run_id, read_policy(session, run_id))
+
+    def set_retention(
+        self,
+        run_id: str,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str | None = None,
+    ) -> RetentionPolicy:
+        """Replace the run's retention policy; it is applied at each commit, starting with the next.
+
+        Nothing is removed now (:meth:`apply_retention` does that); the record returned lists
+        what applying it would remove. Leaving both ``keep_last`` and ``keep_best`` unset clears
+        the policy. A run that does not exist yet is created, so a policy can precede the first save.
+
+        Raises:
+            InvalidInputError: a count below 1, ``keep_best`` without a metric, or a bad mode.
+        """
+        validate_run_id(run_id)
+        policy = check_policy(keep_last, keep_best, metric, mode)
+        with self.db.transaction() as session:
+            lock_run(session, run_id, create=True)
+            write_policy(session, run_id, policy)
+            return describe_policy(session, run_id, policy)
+
+    def retention_preview(self, run_id: str) -> list[int]:
+        """The versions the run's current policy would remove now, oldest first."""
+        return self.get_retention(run_id).would_remove
+
+    def apply_retention(self, run_id: str) -> list[int]:
+        """Remove now the versions the run's policy does not keep; returns their numbers."""
+        with self.db.transaction() as session:
+            lock_run(session, validate_run_id(run_id))
+            return apply_policy(session, run_id)
+
+
+class _BlobSwept(Exception):
+    """A shard's blob vanished before its rows were recorded (rolls the recording back)."""
+
+
+def _stamp_seen(session: Session, digests: Sequence[str], now: datetime) -> None:
+    # Rows another transaction is stamping right now are skipped rather than waited for: two
+    # saves asking about overlapping digests in different orders would otherwise deadlock,
+    # and the other stamp is as fresh as this one.
+    free = select(Tensor.digest).where(Tensor.digest.in_(digests)).with_for_update(skip_locked=True)
+    session.execute(
+        update(Tensor).where(Tensor.digest.in_(free.scalar_subquery())).values(last_seen_at=now),
+        execution_options={"synchronize_session": False},
+    )
 
 
 def version_info(row: Version, tags: list[str]) -> VersionInfo:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request, Response
 
 from service import __version__
-from service.api import pages, redact, routes_data, routes_ops, routes_runs
+from service.api import pages, redact, routes_admin, routes_data, routes_ops, routes_retention, routes_runs
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.auth import TokenSet, is_loopback
@@ -53,6 +53,8 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes_data.router)
     app.include_router(routes_runs.router)
+    app.include_router(routes_retention.router)
+    app.include_router(routes_admin.router)
     app.include_router(routes_ops.router)
     app.include_router(pages.router)
     app.mount("/static", pages.static_files(), name="static")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Annotated
 
@@ -90,9 +91,13 @@ async def download_shard(
     headers = {"Content-Length": str(length), "Accept-Ranges": "bytes", "ETag": f'"{shard_id}"'}
     if span is not None:
         headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    chunks = store.iter_shard(shard_id, start, length)
+    # The first piece is read before the status line goes out, so a blob that cannot be read
+    # (deleted meanwhile, storage down) is a proper error response, not a 200 cut off mid-body.
+    first = await run_in_threadpool(next, chunks, b"")
     metrics.add_bytes("out", length)
     return StreamingResponse(
-        store.iter_shard(shard_id, start, length),
+        itertools.chain((first,), chunks),
         status_code=206 if span is not None else 200,
         media_type="application/octet-stream",
         headers=headers,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from service.format.manifest import Digest, ManifestBody
-from service.format.names import TagName
+from service.format.manifest import Digest, ManifestBody, few_body_fields, few_unknown_fields
+from service.format.names import MetricName, TagName
+from service.gc import MAX_GRACE_SECONDS
+from service.retention import MAX_KEEP
 
 MAX_DIGESTS = 100_000
 Ref = Annotated[str, StringConstraints(max_length=64)] | Annotated[int, Field(ge=1, le=2**63 - 1)]
@@ -16,11 +18,16 @@ Ref = Annotated[str, StringConstraints(max_length=64)] | Annotated[int, Field(ge
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        return few_unknown_fields(cls, data)
+
 
 class DigestList(_Strict):
     """A list of tensor digests."""
 
-    digests: Annotated[list[Digest], Field(max_length=MAX_DIGESTS)]
+    digests: Annotated[list[Digest], Field(max_length=MAX_DIGESTS, fail_fast=True)]
 
 
 class MissingResponse(BaseModel):
@@ -35,6 +42,11 @@ class CommitRequest(_Strict):
     manifest: ManifestBody
     tags: Annotated[list[TagName], Field(max_length=32)] = Field(default_factory=list)
 
+    @field_validator("manifest", mode="before")
+    @classmethod
+    def _few_unknown_manifest_fields(cls, data: Any) -> Any:
+        return few_body_fields(data)
+
 
 class TagRequest(_Strict):
     """Which version a tag should point at: a number, 'latest' or another tag."""
@@ -47,6 +59,34 @@ class ResolvedVersion(BaseModel):
 
     run_id: str
     version: int
+
+
+class RetentionRequest(_Strict):
+    """A run's new retention policy; leaving out both keep_last and keep_best clears it.
+
+    ``mode`` ('min': lower is better, the default; 'max') and ``metric`` go with ``keep_best``.
+    """
+
+    keep_last: Annotated[int, Field(ge=1, le=MAX_KEEP)] | None = None
+    keep_best: Annotated[int, Field(ge=1, le=MAX_KEEP)] | None = None
+    metric: MetricName | None = None
+    mode: Literal["min", "max"] | None = None
+
+
+class RemovedVersions(BaseModel):
+    """The versions a request removed."""
+
+    run_id: str
+    removed: list[int]
+
+
+class GcRequest(_Strict):
+    """A garbage collection: report only (``dry_run``), the grace period (default one hour), and
+    whether to also delete blobs no shard row names (``orphans``)."""
+
+    dry_run: bool = False
+    grace_seconds: Annotated[int, Field(ge=0, le=MAX_GRACE_SECONDS)] | None = None
+    orphans: bool = False
 
 
 class ErrorBody(BaseModel):

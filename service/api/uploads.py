@@ -14,7 +14,7 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from service.errors import IntegrityError, InvalidInputError, PayloadTooLargeError
+from service.errors import IntegrityError, InvalidInputError, PayloadTooLargeError, StorageError
 from service.format.safetensors_header import read_header
 from service.records import ShardReceipt
 from service.store import Store
@@ -36,20 +36,26 @@ async def receive_shard(
         received = 0
         pending: list[bytes] = []
         pending_bytes = 0
-        with open(path, "wb") as handle:
-            try:
-                async for chunk in body:
-                    received += len(chunk)
-                    if received > max_bytes:
-                        raise PayloadTooLargeError(f"shard upload exceeds the limit of {max_bytes} bytes")
-                    pending.append(chunk)
-                    pending_bytes += len(chunk)
-                    if pending_bytes >= WRITE_BYTES:
-                        await run_in_threadpool(handle.writelines, pending)
-                        pending, pending_bytes = [], 0
-            except ClientDisconnect as exc:
-                raise InvalidInputError(f"the upload was cut off after {received} bytes; retry it") from exc
-            await run_in_threadpool(handle.writelines, pending)
+        try:
+            with open(path, "wb") as handle:
+                try:
+                    async for chunk in body:
+                        received += len(chunk)
+                        if received > max_bytes:
+                            raise PayloadTooLargeError(f"shard upload exceeds the limit of {max_bytes} bytes")
+                        pending.append(chunk)
+                        pending_bytes += len(chunk)
+                        if pending_bytes >= WRITE_BYTES:
+                            await run_in_threadpool(handle.writelines, pending)
+                            pending, pending_bytes = [], 0
+                except ClientDisconnect as exc:
+                    raise InvalidInputError(f"the upload was cut off after {received} bytes; retry it") from exc
+                await run_in_threadpool(handle.writelines, pending)
+        except OSError as exc:  # the server's disk, not the upload, is at fault (ENOSPC, EIO)
+            raise StorageError(
+                f"the server could not write shard {shard_id} to its staging folder: {exc.strerror or exc}; "
+                "nothing was stored, retry once the server has disk space"
+            ) from exc
         if declared_length is not None and received != int(declared_length):
             raise InvalidInputError(f"received {received} bytes but Content-Length said {declared_length}")
         if received == 0:

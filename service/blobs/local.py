@@ -43,10 +43,15 @@ class LocalBlobStore(BlobStore):
     def put_file(self, blob_id: str, path: Path) -> None:
         """Move (or, across file systems, copy) ``path`` into place under ``blob_id``."""
         target = self._path(blob_id)
-        if target.exists():
-            return
         try:
-            target.parent.mkdir(exist_ok=True)
+            if target.exists():
+                # Perhaps left by a put whose directory fsync failed (it raised, so nothing recorded
+                # the blob): make its name durable before a retry records it.
+                fsync_directory(target.parent)
+                return
+            if not target.parent.is_dir():
+                target.parent.mkdir(exist_ok=True)
+                fsync_directory(self.root)  # the new fan-out folder must survive a power cut too
             with open(path, "rb+") as handle:
                 os.fsync(handle.fileno())
             try:
@@ -86,6 +91,8 @@ class LocalBlobStore(BlobStore):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise NotFoundError(f"blob {blob_id} is missing from {self.root}") from exc
+        except OSError as exc:
+            raise StorageError(f"could not open blob {blob_id} in {self.root}: {exc.strerror or exc}") from exc
         try:
             done = 0
             while done < len(buffer):
@@ -93,6 +100,11 @@ class LocalBlobStore(BlobStore):
                 if count == 0:
                     raise IntegrityError(f"blob {blob_id} ends before byte {offset + len(buffer)}; it was truncated")
                 done += count
+        except OSError as exc:  # EIO from a failing disk, ECONNRESET from a network file system
+            raise StorageError(
+                f"reading blob {blob_id} in {self.root} failed at byte {offset + done}: {exc.strerror or exc}; "
+                "retry, and check the disk if it persists"
+            ) from exc
         finally:
             os.close(fd)
 

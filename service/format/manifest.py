@@ -25,6 +25,7 @@ TENSOR_REF = "__tensor__"
 MAX_TENSORS = 1_000_000
 MAX_CHUNKS = 4096
 MAX_JSON_DEPTH = 64
+MAX_UNKNOWN_FIELDS = 8
 INT64_MAX = 2**63 - 1
 
 Digest = Annotated[str, StringConstraints(pattern=DIGEST_PATTERN)]
@@ -40,6 +41,18 @@ DTypeName = Literal[
 Placement = Literal["param", "host", "target"]
 StateSection = Literal["optim", "scheduler", "extra"]
 ShortText = Annotated[str, StringConstraints(max_length=200)]
+
+
+def few_unknown_fields(model: type[BaseModel], data: Any) -> Any:
+    """A before-validator body for ``extra="forbid"`` models: refuse many unknown fields with one error.
+
+    ``extra="forbid"`` reports every unknown field as an error of its own, so an object with a
+    million of them would take seconds and gigabytes to describe; past a few, one error will do.
+    """
+    if isinstance(data, dict) and len(data) > len(model.model_fields) + MAX_UNKNOWN_FIELDS:
+        unknown = [str(key)[:40] for key in data if key not in model.model_fields]
+        raise ValueError(f"{len(unknown)} unknown fields, e.g. {', '.join(map(repr, unknown[:3]))}")
+    return data
 
 
 class _Strict(BaseModel):
@@ -133,13 +146,14 @@ class ManifestBody(_Strict):
 
     format: Literal["ckptstore.manifest/1"] = "ckptstore.manifest/1"
     digest_algorithm: Literal["blake3"] = "blake3"
-    tensors: Annotated[list[TensorEntry], Field(max_length=MAX_TENSORS)]
-    state: dict[StateSection, JsonValue] = Field(default_factory=dict)
+    # fail_fast: stop at the first bad item, so a million bad entries cost one error, not a million.
+    tensors: Annotated[list[TensorEntry], Field(max_length=MAX_TENSORS, fail_fast=True)]
+    state: Annotated[dict[StateSection, JsonValue], Field(fail_fast=True)] = Field(default_factory=dict)
     step: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    metrics: Annotated[dict[MetricName, float], Field(max_length=256)] = Field(default_factory=dict)
-    library: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32)] = Field(
-        default_factory=dict
-    )
+    metrics: Annotated[dict[MetricName, float], Field(max_length=256, fail_fast=True)] = Field(default_factory=dict)
+    library: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32, fail_fast=True)
+    ] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> ManifestBody:
@@ -203,8 +217,28 @@ def _raise_invalid(exc: ValidationError, what: str) -> InvalidManifestError:
     return InvalidManifestError(f"invalid {what}: {problems}")
 
 
+def few_body_fields(data: Any) -> Any:
+    """Refuse, with one error, a manifest body, entry or chunk with many unknown fields.
+
+    Meant for untrusted bodies before validation (a model validator would also run on stored
+    manifests, and in JSON mode it would make strict validation refuse their datetimes).
+    """
+    few_unknown_fields(ManifestBody, data)
+    tensors = data.get("tensors") if isinstance(data, dict) else None
+    for entry in tensors if isinstance(tensors, list) else ():
+        few_unknown_fields(TensorEntry, entry)
+        chunks = entry.get("chunks") if isinstance(entry, dict) else None
+        for chunk in chunks if isinstance(chunks, list) else ():
+            few_unknown_fields(Chunk, chunk)
+    return data
+
+
 def validate_body(data: Any) -> ManifestBody:
     """Validate a parsed JSON object as a ManifestBody, raising InvalidManifestError."""
+    try:
+        few_body_fields(data)
+    except ValueError as exc:
+        raise InvalidManifestError(f"invalid manifest: {exc}") from exc
     try:
         return ManifestBody.model_validate(data, strict=True)
     except ValidationError as exc:

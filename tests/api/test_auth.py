@@ -55,6 +55,10 @@ ROUTE_SCOPES = {
     ("GET", "/v1/runs/{run_id}/refs/{ref}"): "read",
     ("PUT", "/v1/runs/{run_id}/tags/{name}"): "write",
     ("DELETE", "/v1/runs/{run_id}/tags/{name}"): "write",
+    ("GET", "/v1/runs/{run_id}/retention"): "read",
+    ("PUT", "/v1/runs/{run_id}/retention"): "admin",  # a policy deletes versions, as DELETE does
+    ("POST", "/v1/runs/{run_id}/retention/apply"): "admin",
+    ("POST", "/v1/gc"): "admin",  # collection deletes bytes
 }
 JSON = {"Content-Type": "application/json"}
 RANK = {None: 0, "read": 1, "write": 2, "admin": 3}
@@ -68,6 +72,8 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("PUT", "/v1/shards/{shard_id}"): {"content": SHARD.data},
     ("POST", "/v1/runs/{run_id}/versions"): {"json": commit_body(entry("model/w", SHARD.tensors[0]))},
     ("PUT", "/v1/runs/{run_id}/tags/{name}"): {"json": {"version": 1}},
+    ("PUT", "/v1/runs/{run_id}/retention"): {"json": {"keep_last": 5}},
+    ("POST", "/v1/gc"): {"json": {"dry_run": True}},
 }
 
 

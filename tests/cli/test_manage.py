@@ -1,4 +1,4 @@
-"""``ckptstore tag``, ``untag``, ``rm`` and ``gc``."""
+"""``ckptstore tag``, ``untag`` and ``rm`` (``gc`` has tests/cli/test_gc.py)."""
 
 from __future__ import annotations
 
@@ -51,13 +51,3 @@ def test_rm_asks_first_and_deletes_one_version(cli: Cli) -> None:
     gone = cli("rm", "run@1", "-y")
     assert gone.exit_code == 1 and "has no version 1" in gone.stderr
     assert cli("rm", "run@", "-y").exit_code == 2
-
-
-def test_gc_says_honestly_that_collection_is_not_available(cli: Cli) -> None:
-    cli.client.save("run", TinyNet())
-    cli.ok("rm", "run", "-y")
-    for args in (("gc",), ("gc", "--dry-run")):
-        result = cli(*args)
-        assert result.exit_code == 2 and result.stdout == ""
-        assert result.stderr.startswith("error: garbage collection is not available yet")
-    assert cli.ok("verify").startswith("verified 0 versions")  # the deleted version's bytes are still there

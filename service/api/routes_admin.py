@@ -1,0 +1,25 @@
+"""Store-wide administration: garbage collection.
+
+Collection needs an admin token: it deletes bytes (only those no committed version references,
+but a dry run already lists what every run has deleted).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import CanAdmin, StoreDep
+from service.api.schemas import GcRequest
+from service.api.strict_json import StrictJSONRoute
+from service.records import GcReport
+
+router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["admin"])
+
+
+@router.post("/gc", dependencies=[CanAdmin])
+async def collect_garbage(body: GcRequest, store: StoreDep) -> GcReport:
+    """Sweep shards no committed version references, sparing those within the grace period."""
+    return await run_in_threadpool(
+        lambda: store.gc(grace_seconds=body.grace_seconds, dry_run=body.dry_run, orphans=body.orphans)
+    )

@@ -1,0 +1,109 @@
+"""``ckptstore gc`` and ``Client.gc`` end to end: embedded, HTTP on SQLite, HTTP on PostgreSQL + S3."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import client
+from tests.cli.conftest import Cli
+from tests.client.models import TinyNet, tensors_equal
+
+
+def blob_sizes(cli: Cli) -> dict[str, int]:
+    assert cli.backend is not None
+    blobs = cli.backend.blobs
+    return {blob_id: blobs.size(blob_id) or 0 for blob_id in blobs.list_ids()}
+
+
+def test_gc_after_deleting_a_version_reclaims_its_shards_and_the_rest_loads_bit_exact(any_cli: Cli) -> None:
+    ckpt = any_cli.client
+    ckpt.shard_bytes = 1  # every tensor in a shard of its own, so sharing is per tensor
+    first, second = TinyNet(seed=1), TinyNet(seed=2)
+    with torch.no_grad():
+        second.embed.weight.copy_(first.embed.weight)  # shared by both versions (and tied to head)
+    ckpt.save("run", first, step=1)
+    ckpt.save("run", second, step=2, tags=["best"])
+    digests = [{e.digest for e in ckpt.transport.manifest("run", v).tensors if e.digest and e.nbytes} for v in (1, 2)]
+    only_first = digests[0] - digests[1]
+    assert len(only_first) == 4 and digests[0] & digests[1]  # the two Linear layers differ
+    assert "deleted run@1" in any_cli.ok("rm", "run@1", "-y")
+    before = blob_sizes(any_cli)
+
+    in_grace = json.loads(any_cli.ok("gc", "--dry-run", "--json"))  # the default grace: one hour
+    assert (in_grace["shards_swept"], in_grace["shards_in_grace"]) == (0, len(only_first))
+    dry = json.loads(any_cli.ok("gc", "--dry-run", "--grace", "0", "--json"))
+    assert dry["dry_run"] is True and dry["grace_seconds"] == 0
+    assert (dry["shards_swept"], dry["tensors_swept"]) == (len(only_first), len(only_first))
+    assert blob_sizes(any_cli) == before
+
+    text = any_cli.ok("gc", "--grace", "0")
+
+    assert text.startswith(f"swept {len(only_first)} shards ({len(only_first)} tensors, ")
+    after = blob_sizes(any_cli)
+    gone = set(before) - set(after)
+    assert len(gone) == len(only_first) and set(after) <= set(before)
+    assert sum(before[b] for b in gone) == dry["bytes_swept"]
+    loaded = TinyNet(seed=3)
+    ckpt.load("run", "best", model=loaded)
+    expected = second.state_dict()
+    assert all(tensors_equal(value, expected[key]) for key, value in loaded.state_dict().items())
+    assert any_cli.ok("verify").startswith("verified 1 versions")
+    again = json.loads(any_cli.ok("gc", "--grace", "0", "--json"))
+    assert (again["shards_swept"], again["orphan_blobs"]) == (0, 0)
+
+
+def test_a_save_whose_tensors_are_swept_before_its_commit_sends_them_again(
+    ckpt: client.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = TinyNet(seed=4)
+    first = ckpt.save("run", model)
+    ckpt.delete("run", 1)
+    commit = ckpt.transport.commit
+    calls = []
+
+    def collect_then_commit(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:  # told everything is stored, the save is overtaken by a collection
+            assert ckpt.gc(grace_seconds=0).shards_swept == 1
+        return commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckpt.transport, "commit", collect_then_commit)
+    result = ckpt.save("run", model)
+
+    assert len(calls) == 2 and result.version == 2
+    assert (result.tensors_new, result.bytes_stored) == (first.tensors_new, first.bytes_stored)  # all sent again
+    loaded = TinyNet(seed=5)
+    ckpt.load("run", model=loaded)
+    assert all(tensors_equal(value, model.state_dict()[key]) for key, value in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("grace", ["soon", "-5", "1w", "", "99999d"])
+def test_a_bad_grace_is_a_usage_error(cli: Cli, grace: str) -> None:
+    result = cli("gc", "--grace", grace)
+    assert result.exit_code == 2 and result.stdout == "" and result.stderr.startswith("error: duration")
+
+
+def test_grace_units(cli: Cli) -> None:
+    cli.client.save("run", TinyNet())
+    cli.ok("rm", "run", "-y")
+    for grace, seconds in (("0", 0), ("90", 90), ("90s", 90), ("30m", 1800), ("1.5h", 5400), ("2d", 172800)):
+        report = json.loads(cli.ok("gc", "--dry-run", "--grace", grace, "--json"))
+        assert report["grace_seconds"] == seconds
+        assert report["shards_swept"] == (1 if seconds == 0 else 0)
+
+
+def test_gc_reports_orphan_blobs_and_deletes_them_when_asked(cli: Cli) -> None:
+    cli.client.save("run", TinyNet())
+    store = cli.client.transport
+    orphan = store.staging_dir / "orphan"  # type: ignore[attr-defined]
+    orphan.write_bytes(b"x" * 100)
+    store.blobs.put_file("ab" * 32, orphan)  # type: ignore[attr-defined]
+
+    text = cli.ok("gc")
+    assert "swept 0 shards" in text and "1 blobs (100 B) have no shard record" in text and "--orphans" in text
+    assert "deleted 1" in cli.ok("gc", "--orphans")
+    assert "no shard record" not in cli.ok("gc")
+    assert cli.ok("verify").startswith("verified 1 versions")

@@ -1,0 +1,117 @@
+"""The phase protocol: a process under test announces where it is and may wait to be let on.
+
+A line ``phase <name>`` on stdout says the process is about to do ``<name>``. When it runs
+with waiting on, it then blocks until the driver sends a line ``go`` on stdin, so the driver
+can SIGKILL it at exactly that point (or let it go and kill it a moment later). Output goes
+through ``os.write`` and input through ``os.read`` one byte at a time: nothing is buffered, so
+a forked process never inherits half-read input or unflushed output.
+
+:func:`install_store_hooks` wraps the engine's write path (class and module attributes only,
+no product file changes) so the same phases come from an embedded client and from a server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import service.store
+from service.blobs import LocalBlobStore
+from service.store import Store
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux).
+
+    So no server or victim outlives a driver that was itself killed.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def say(line: str) -> None:
+    """Write one line to stdout at once (no Python buffering)."""
+    data = (line + "\n").encode()
+    while data:
+        data = data[os.write(1, data) :]
+
+
+def read_line() -> str | None:
+    """One line from stdin, read unbuffered; None at end of input."""
+    chunks = bytearray()
+    while True:
+        byte = os.read(0, 1)
+        if not byte:
+            return None if not chunks else chunks.decode()
+        if byte == b"\n":
+            return chunks.decode()
+        chunks += byte
+
+
+class Phases:
+    """Announces phases; with ``wait``, blocks after each until the driver answers ``go``."""
+
+    def __init__(self, wait: bool) -> None:
+        self.wait = wait
+        # One phase at a time: upload threads and the main thread share stdin.
+        self._lock = threading.RLock()
+
+    def __call__(self, name: str) -> None:
+        with self._lock:
+            say(f"phase {name}")
+            if self.wait:
+                answer = read_line()
+                if answer != "go":
+                    say(f"error ProtocolError expected 'go', got {answer!r}")
+                    os._exit(70)
+
+
+def _before(phases: Phases, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        phases(name)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _around(phases: Phases, before: str, after: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        phases(before)
+        result = function(*args, **kwargs)
+        phases(after)
+        return result
+
+    return wrapper
+
+
+def install_store_hooks(phases: Phases, *, entry_points: bool) -> None:
+    """Announce the engine's write steps.
+
+    Inside :meth:`Store.ingest_file`: ``verify`` (hashing a new shard), ``store-blob`` (moving
+    it into the blob store), ``record`` and ``recorded`` (around the shard's rows). Inside
+    :meth:`Store.commit`: ``commit-flushed`` after every row of the version is written but
+    before the transaction commits. With ``entry_points`` (a server, whose client announces
+    nothing), also ``commit`` before and ``committed`` after :meth:`Store.commit`.
+    """
+    service.store.verify_shard_file = _before(phases, "verify", service.store.verify_shard_file)
+    LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
+    Store._record_shard = _around(phases, "record", "recorded", Store._record_shard)  # type: ignore[method-assign]
+    original_commit_version = service.store.commit_version
+
+    def commit_version(*args: Any, **kwargs: Any) -> Any:
+        info = original_commit_version(*args, **kwargs)
+        phases("commit-flushed")  # still inside the transaction: killing here must leave no version
+        return info
+
+    service.store.commit_version = commit_version
+    if entry_points:
+        Store.commit = _around(phases, "commit", "committed", Store.commit)  # type: ignore[method-assign]

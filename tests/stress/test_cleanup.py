@@ -1,0 +1,122 @@
+"""Cleaning what killed processes leave: staging files, .incoming copies, client upload folders."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client.http_transport import HttpTransport, remove_stale_staging
+from service.api.server import app_from_env
+from service.cleanup import CleanupReport, clean_staging
+from service.store import Store
+
+HOUR = 3600.0
+
+
+def aged(path: Path, seconds: float) -> Path:
+    stamp = path.stat().st_mtime - seconds
+    os.utime(path, (stamp, stamp), follow_symlinks=False)
+    return path
+
+
+def touch(path: Path, data: bytes = b"x" * 10) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    opened = Store.open_home(tmp_path / "home")
+    yield opened
+    opened.close()
+
+
+def test_only_stale_temporary_files_are_removed(store: Store, tmp_path: Path) -> None:
+    staging, incoming = store.staging_dir, tmp_path / "home" / "blobs" / ".incoming"
+    old = aged(touch(staging / "a.incomplete", b"x" * 100), 2 * HOUR)
+    old_copy = aged(touch(incoming / "b.c.incomplete", b"y" * 7), 2 * HOUR)
+    young = touch(staging / "c.incomplete")
+    other = aged(touch(staging / "notes.txt"), 2 * HOUR)  # not a name the store writes
+    folder = staging / "d.incomplete"
+    folder.mkdir()
+    aged(folder, 2 * HOUR)
+    outside = touch(tmp_path / "precious.incomplete")
+    link = staging / "e.incomplete"
+    link.symlink_to(outside)
+    aged(link, 2 * HOUR)
+
+    report = store.clean_staging()
+
+    assert report == CleanupReport(removed=2, bytes_removed=107, kept=1, failed=0)
+    assert not old.exists() and not old_copy.exists()
+    assert young.exists() and other.exists() and folder.is_dir()
+    assert link.is_symlink() and outside.read_bytes() == b"x" * 10  # never followed, never ours
+
+
+def test_threshold_zero_removes_every_temporary_file_and_now_is_injectable(store: Store) -> None:
+    touch(store.staging_dir / "a.incomplete")
+    assert clean_staging(store, 10.0, now=os.path.getmtime(store.staging_dir / "a.incomplete") + 5).kept == 1
+    assert clean_staging(store, 10.0, now=os.path.getmtime(store.staging_dir / "a.incomplete") + 11).removed == 1
+    touch(store.staging_dir / "b.incomplete")
+    assert store.clean_staging(0).removed == 1
+    assert list(store.staging_dir.iterdir()) == []
+    with pytest.raises(ValueError):
+        store.clean_staging(-1)
+
+
+def test_a_starting_server_removes_stale_staging_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    Store.open_home(home).close()
+    stale = aged(touch(home / "staging" / "killed.incomplete"), 2 * HOUR)
+    fresh = touch(home / "staging" / "uploading.incomplete")
+    monkeypatch.setenv("CKPTSTORE_HOME", str(home))
+    for name in ("CKPTSTORE_DATABASE_URL", "CKPTSTORE_BLOBS", "CKPTSTORE_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    app = app_from_env()
+    assert app is not None
+    assert not stale.exists() and fresh.exists()
+
+
+def test_stale_client_upload_folders_go_when_old_and_their_process_is_gone(tmp_path: Path) -> None:
+    dead = dead_pid()
+    gone = aged(touch(tmp_path / f"ckptstore-upload-{dead}-abc" / "x.shard").parent, 2 * HOUR)
+    legacy = aged(touch(tmp_path / "ckptstore-upload-k2j4h1" / "x.shard").parent, 2 * HOUR)
+    recent = touch(tmp_path / f"ckptstore-upload-{dead}-new" / "x.shard").parent
+    alive = aged(touch(tmp_path / f"ckptstore-upload-{os.getpid()}-idle" / "x.shard").parent, 2 * HOUR)
+    not_a_folder = aged(touch(tmp_path / "ckptstore-upload-file"), 2 * HOUR)
+    unrelated = aged(touch(tmp_path / "other" / "x.shard").parent, 2 * HOUR)
+
+    assert remove_stale_staging(tmp_path) == 1
+    assert not gone.exists()
+    assert recent.exists() and alive.exists() and not_a_folder.exists() and unrelated.exists()
+    assert legacy.exists()  # no process id in the name: its owner cannot be known
+    assert remove_stale_staging(tmp_path, older_than_seconds=0) == 1  # recent, once old enough
+    assert alive.exists()  # a live client's folder stays, however idle
+
+
+def test_a_new_http_transport_removes_folders_killed_clients_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left = aged(touch(tmp_path / f"ckptstore-upload-{dead_pid()}-abc" / "x.shard").parent, 2 * HOUR)
+    transport = HttpTransport("http://127.0.0.1:9")
+    try:
+        assert not left.exists()
+        own = transport.staging_path().parent
+        assert own.parent == tmp_path and own.name.startswith(f"ckptstore-upload-{os.getpid()}-")
+    finally:
+        transport.close()
+    assert not own.exists()
