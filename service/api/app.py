@@ -9,12 +9,14 @@ from fastapi import FastAPI, Request, Response
 
 from service import __version__
 from service.api import pages, redact, routes_admin, routes_data, routes_ops, routes_retention, routes_runs
-from service.api.errors import install_error_handlers
+from service.api.errors import error_response, install_error_handlers
 from service.api.metrics import Metrics
 from service.auth import TokenSet, is_loopback
-from service.errors import AuthenticationError
+from service.errors import AuthenticationError, PayloadTooLargeError
 from service.settings import Settings
 from service.store import Store
+
+MAX_HEADER_BYTES = 64 << 10
 
 
 def check_auth_setup(tokens: TokenSet, host: str) -> None:
@@ -61,6 +63,14 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        # uvicorn's httptools parser does not cap header size, so the app does.
+        header_bytes = sum(len(name) + len(value) for name, value in request.scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            return error_response(
+                431,
+                PayloadTooLargeError.code,
+                f"request headers are {header_bytes} bytes; the limit is {MAX_HEADER_BYTES}",
+            )
         request.scope["ckptstore.max_json_bytes"] = settings.max_json_bytes
         started = time.perf_counter()
         response = await call_next(request)

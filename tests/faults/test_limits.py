@@ -166,3 +166,11 @@ def test_oversized_headers_never_get_a_5xx_and_the_server_keeps_serving(
         assert answer and status_of(answer) < 500, answer[:300]
         with httpx.Client(base_url=url, headers=ADMIN) as http:
             assert http.get("/v1/runs").status_code == 200
+
+
+def test_headers_over_64_kib_are_refused_with_431(store: Store) -> None:
+    app = create_app(store, Settings(home=store.staging_dir.parent, tokens=TOKENS))
+    with running_server(app) as url, httpx.Client(base_url=url, headers=ADMIN) as http:
+        refused = http.get("/v1/runs", headers={"X-Padding": "p" * (100 << 10)})
+        assert refused.status_code == 431 and refused.json()["code"] == "payload_too_large"
+        assert http.get("/v1/runs", headers={"X-Padding": "p" * (8 << 10)}).status_code == 200
