@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select
+from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Run, Tag, Tensor, Version, VersionRef, utcnow
 from service.db.session import insert_new
 from service.errors import InvalidManifestError, MissingTensorsError, format_list
 from service.format.digest import tensor_digest
-from service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json
+from service.format.manifest import ManifestBody, TensorEntry, manifest_to_json, stamp
 from service.gc import hold_shared
 from service.records import VersionInfo
 from service.retention import apply_policy
@@ -48,6 +48,15 @@ def _referenced_before(session: Session, digests: list[str]) -> set[str]:
         batch = digests[start : start + BATCH]
         seen.update(session.scalars(select(VersionRef.digest).where(VersionRef.digest.in_(batch)).distinct()))
     return seen
+
+
+def _add_references(session: Session, run_id: str, version: int, digests: list[str]) -> None:
+    # Core executemany, not ORM objects: a version of 100,000 tensors adds as many rows, and
+    # building, tracking and flushing an object per row was most of a small commit's time.
+    table = cast(Table, VersionRef.__table__)
+    for start in range(0, len(digests), BATCH):
+        rows = [{"run_id": run_id, "version": version, "digest": d} for d in digests[start : start + BATCH]]
+        session.execute(insert(table), rows)
 
 
 def _pieces(entry: TensorEntry) -> list[tuple[str, list[int]]]:
@@ -112,13 +121,7 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     run.updated_at = now
     seen_before = _referenced_before(session, list(sizes))
     new_digests = [d for d in sizes if d not in seen_before]
-    manifest = Manifest(
-        **body.model_dump(exclude={"format", "digest_algorithm"}),
-        run_id=run_id,
-        version=number,
-        parent=parent,
-        created_at=now,
-    )
+    manifest = stamp(body, run_id=run_id, version=number, parent=parent, created_at=now)
     row = Version(
         run_id=run_id,
         version=number,
@@ -135,7 +138,7 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     )
     session.add(row)
     session.flush()
-    session.add_all(VersionRef(run_id=run_id, version=number, digest=d) for d in sizes)
+    _add_references(session, run_id, number, list(sizes))
     for name in dict.fromkeys(tags):
         existing = session.get(Tag, (run_id, name))
         if existing is None:

@@ -210,6 +210,23 @@ class Manifest(ManifestBody):
     created_at: datetime
 
 
+def stamp(body: ManifestBody, *, run_id: str, version: int, parent: int | None, created_at: datetime) -> Manifest:
+    """The stored manifest of an already validated ``body`` with its identity in the store.
+
+    The body's fields are taken as they are, not validated again: checking every entry of a
+    large manifest twice is most of the cost of committing a small change to it. The identity
+    comes from the store (a validated run id, the run's next version number, its newest
+    version and the commit time), so the result is what validating the whole would give.
+    """
+    return Manifest.model_construct(
+        **{name: getattr(body, name) for name in ManifestBody.model_fields},
+        run_id=run_id,
+        version=version,
+        parent=parent,
+        created_at=created_at,
+    )
+
+
 def _raise_invalid(exc: ValidationError, what: str) -> InvalidManifestError:
     problems = "; ".join(
         f"{'/'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()[:10]

@@ -24,6 +24,7 @@ from service.format.manifest import (
     manifest_from_json,
     manifest_to_json,
     schema_text,
+    stamp,
     validate_body,
 )
 
@@ -366,6 +367,40 @@ def test_manifest_json_round_trip() -> None:
     assert "chunks" not in document["tensors"][0]
     assert "trainable" not in document["tensors"][1]  # absent optional fields are left out, not null
     assert "null" not in GOLDEN_JSON
+
+
+@pytest.mark.parametrize(
+    ("data", "parent"),
+    [
+        (body(), 2),
+        (body(step=None, metrics={}, library={}, state={}), None),
+        (
+            {
+                "tensors": [model_entry(key="model/w", shape=[2], param="w"), chunked_entry(TILES_4X4)],
+                "state": {"extra": {"w": {"__tensor__": "model/w"}}},
+            },
+            None,
+        ),
+    ],
+)
+def test_stamp_stores_what_validating_the_whole_gives(data: dict[str, Any], parent: int | None) -> None:
+    validated = validate_body(data)
+    identity: dict[str, Any] = {"run_id": "run-1", "version": 1 if parent is None else 3, "parent": parent}
+    stamped = stamp(validated, **identity, created_at=CREATED)
+    rebuilt = Manifest(**validated.model_dump(exclude={"format", "digest_algorithm"}), **identity, created_at=CREATED)
+    assert stamped == rebuilt
+    assert manifest_to_json(stamped) == manifest_to_json(rebuilt)
+    assert manifest_from_json(manifest_to_json(stamped)) == rebuilt
+
+
+def test_stamp_golden() -> None:
+    validated = validate_body(
+        {
+            "tensors": [model_entry(key="model/w", shape=[2], param="w"), chunked_entry(TILES_4X4)],
+            "state": {"extra": {"w": {"__tensor__": "model/w"}}},
+        }
+    )
+    assert manifest_to_json(stamp(validated, run_id="run-1", version=1, parent=None, created_at=CREATED)) == GOLDEN_JSON
 
 
 def test_round_trip_changes_nothing_observable() -> None:
