@@ -19,6 +19,9 @@ import torch
 from client.tensors import byte_view, dtype_name, host_contiguous
 from service.format.digest import tensor_digest
 
+#: Tensors below this size are hashed in the calling thread (see :func:`digest_all`).
+INLINE_BYTES = 1 << 20
+
 _Fingerprint = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, str, int]
 
 
@@ -94,15 +97,26 @@ def digest_of(tensor: torch.Tensor, key: str) -> str:
     return tensor_digest(dtype_name(host, key), list(host.shape), byte_view(host))
 
 
+def _is_large(tensor: torch.Tensor) -> bool:
+    # Other layouts are refused by digest_of; the size of their values does not matter.
+    return tensor.layout == torch.strided and tensor.nelement() * tensor.element_size() >= INLINE_BYTES
+
+
 def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | None, threads: int = 2) -> list[str]:
-    """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe."""
+    """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe.
+
+    Tensors of at least ``INLINE_BYTES`` are hashed on ``threads`` threads; smaller ones in
+    the calling thread meanwhile, since handing them to a thread costs more than hashing them.
+    """
     results: list[str | None] = [cache.get(t) if cache else None for _, t in tensors]
     # The same tensor object under several keys (tied weights) is hashed once.
     first_index: dict[int, int] = {}
-    todo = []
+    large: list[int] = []
+    small: list[int] = []
     for index, result in enumerate(results):
-        if result is None and first_index.setdefault(id(tensors[index][1]), index) == index:
-            todo.append(index)
+        tensor = tensors[index][1]
+        if result is None and first_index.setdefault(id(tensor), index) == index:
+            (large if _is_large(tensor) else small).append(index)
 
     def work(index: int) -> None:
         key, tensor = tensors[index]
@@ -111,11 +125,19 @@ def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | Non
         if cache is not None:
             cache.put(tensor, digest)
 
-    if len(todo) > 1 and threads > 1:
+    if len(large) > 1 and threads > 1:
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(work, todo))
+            futures = [pool.submit(work, index) for index in large]
+            try:
+                for index in small:
+                    work(index)
+                for future in futures:
+                    future.result()
+            finally:
+                for future in futures:  # after a failure, hash no more
+                    future.cancel()
     else:
-        for index in todo:
+        for index in sorted(large + small):
             work(index)
     for index, result in enumerate(results):
         if result is None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import client
+from client import hashing
 from client.hashing import DigestCache, digest_all
+from service.errors import StateEncodingError
 from tests.client.models import TinyNet
 
 
@@ -68,3 +71,26 @@ def test_a_save_after_an_in_place_edit_stores_the_new_bytes(ckpt: client.Client)
     assert result.bytes_new == model.norm.weight.numel() * 4
     loaded = ckpt.load("run").state_dict
     assert loaded is not None and torch.equal(loaded["norm.weight"], model.norm.weight)
+
+
+def test_small_and_large_tensors_hash_alike_on_any_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hashing, "INLINE_BYTES", 64)  # a few tensors go to the pool, the rest stay inline
+    generator = torch.Generator().manual_seed(0)
+    tied = torch.randn(40, generator=generator)
+    tensors = [torch.randn(n, generator=generator) for n in (3, 100, 1, 50, 0, 17, 64)]
+    pairs = [(f"t{i}", t) for i, t in enumerate(tensors)] + [("tied", tied), ("again", tied), ("T", tensors[1].t())]
+    expected = [hashing.digest_of(tensor, key) for key, tensor in pairs]
+    assert digest_all(pairs, None, threads=1) == expected
+    assert digest_all(pairs, None, threads=2) == expected
+    assert digest_all(pairs, DigestCache(), threads=2) == expected
+
+
+def test_an_unstorable_small_tensor_fails_while_large_ones_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hashing, "INLINE_BYTES", 64)
+    pairs = [
+        ("big0", torch.zeros(100)),
+        ("big1", torch.ones(100)),
+        ("bad", torch.zeros(2).to_sparse()),
+    ]
+    with pytest.raises(StateEncodingError, match="bad"):
+        digest_all(pairs, None, threads=2)
