@@ -42,10 +42,21 @@ def _stored_tensors(session: Session, digests: list[str]) -> dict[str, Any]:
     return found
 
 
-def _referenced_before(session: Session, digests: list[str]) -> set[str]:
+def _referenced_before(session: Session, sizes: dict[str, int]) -> set[str]:
+    """Those digests of ``sizes`` (digest -> bytes) that some committed version references."""
     seen: set[str] = set()
-    for start in range(0, len(digests), BATCH):
-        batch = digests[start : start + BATCH]
+    stored = [d for d, n in sizes.items() if n > 0]
+    for start in range(0, len(stored), BATCH):
+        batch = stored[start : start + BATCH]
+        # Each has a tensor row (checked in this transaction, which holds off sweeps). EXISTS stops
+        # at a digest's first reference, where reading the references themselves would take every
+        # version's, and a run's commits would slow down as versions sharing its weights add up.
+        referenced = select(VersionRef.digest).where(VersionRef.digest == Tensor.digest).exists()
+        seen.update(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch), referenced)))
+    # Empty tensors need no tensor row; there are few distinct ones.
+    empty = [d for d, n in sizes.items() if n == 0]
+    for start in range(0, len(empty), BATCH):
+        batch = empty[start : start + BATCH]
         seen.update(session.scalars(select(VersionRef.digest).where(VersionRef.digest.in_(batch)).distinct()))
     return seen
 
@@ -119,7 +130,7 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     number = run.version_counter
     now = utcnow()
     run.updated_at = now
-    seen_before = _referenced_before(session, list(sizes))
+    seen_before = _referenced_before(session, sizes)
     new_digests = [d for d in sizes if d not in seen_before]
     manifest = stamp(body, run_id=run_id, version=number, parent=parent, created_at=now)
     row = Version(

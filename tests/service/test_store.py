@@ -568,6 +568,20 @@ def test_empty_tensor_needs_no_shard(store: Store, dtype: str, shape: tuple[int,
     assert store.manifest(RUN).tensors[0].digest == tensor_digest(dtype, shape, b"")
 
 
+def test_empty_tensors_count_as_new_until_a_version_references_them(store: Store, ingest: Ingest) -> None:
+    empty, weight = RawTensor("F32", (0,), b""), raw("F32", (6,), 1)
+    ingest(weight)
+    tensors = [entry("model/empty", empty), entry("model/w", weight)]
+    first = store.commit(RUN, body(*tensors))
+    again = store.commit(RUN, body(*tensors))
+    other = store.commit("other", body(entry("model/e", empty)))
+    assert [(v.tensors_new, v.bytes_new) for v in (first, again, other)] == [(2, 24), (0, 0), (0, 0)]
+    store.delete_version(RUN, 1)
+    store.delete_version(RUN, 2)
+    store.delete_version("other", 1)
+    assert store.commit(RUN, body(*tensors)).tensors_new == 2
+
+
 @pytest.mark.parametrize(
     "wrong",
     [
