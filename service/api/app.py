@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Awaitable, Callable
-
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 
 from service import __version__
 from service.api import pages, redact, routes_admin, routes_data, routes_ops, routes_retention, routes_runs
-from service.api.errors import error_response, install_error_handlers
+from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
+from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
 from service.auth import TokenSet, is_loopback
-from service.errors import AuthenticationError, PayloadTooLargeError
+from service.errors import AuthenticationError
 from service.settings import Settings
 from service.store import Store
 
-MAX_HEADER_BYTES = 64 << 10
+__all__ = ["MAX_HEADER_BYTES", "check_auth_setup", "create_app"]
 
 
 def check_auth_setup(tokens: TokenSet, host: str) -> None:
@@ -61,23 +59,5 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.include_router(pages.router)
     app.mount("/static", pages.static_files(), name="static")
 
-    @app.middleware("http")
-    async def count_and_limit(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        # uvicorn's httptools parser does not cap header size, so the app does.
-        header_bytes = sum(len(name) + len(value) for name, value in request.scope["headers"])
-        if header_bytes > MAX_HEADER_BYTES:
-            return error_response(
-                431,
-                PayloadTooLargeError.code,
-                f"request headers are {header_bytes} bytes; the limit is {MAX_HEADER_BYTES}",
-            )
-        request.scope["ckptstore.max_json_bytes"] = settings.max_json_bytes
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        app.state.metrics.count_request(request.method, path, response.status_code)
-        response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
-        return response
-
+    app.add_middleware(CountAndLimit, metrics=app.state.metrics, max_json_bytes=settings.max_json_bytes)
     return app

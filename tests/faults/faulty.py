@@ -243,7 +243,7 @@ class FaultyBlobStore(BlobStore):
 
 
 class _FailingWrites:
-    """A staging file whose first ``writelines`` puts half the bytes on disk, then fails."""
+    """A staging file whose first write puts half its bytes on disk, then fails."""
 
     def __init__(self, handle: IO[bytes], error: OSError, partial_files: list[tuple[Path, int]]) -> None:
         self._handle = handle
@@ -256,8 +256,11 @@ class _FailingWrites:
     def __exit__(self, *exc: object) -> None:
         self._handle.close()
 
-    def writelines(self, chunks: list[bytes]) -> None:
-        data = b"".join(chunks)
+    def close(self) -> None:
+        self._handle.close()
+
+    def write(self, data: bytes | memoryview) -> None:
+        data = bytes(data)
         self._handle.write(data[: len(data) // 2])
         self._handle.flush()
         name = Path(str(self._handle.name))
@@ -270,7 +273,7 @@ def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list
 
     Returns the list that records the file cut short (path, bytes on disk at the failure).
     """
-    from service.api import uploads
+    from service import receiver
 
     partial_files: list[tuple[Path, int]] = []
 
@@ -280,7 +283,7 @@ def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list
             return _FailingWrites(handle, error, partial_files)
         return handle
 
-    monkeypatch.setattr(uploads, "open", failing_open, raising=False)
+    monkeypatch.setattr(receiver, "open", failing_open, raising=False)
     return partial_files
 
 

@@ -35,7 +35,7 @@ import httpx
 
 from client.api import Client
 from client.http_transport import remove_stale_staging
-from service.format.safetensors_header import read_header
+from service.format.safetensors_header import parse_header
 from service.store import Store
 from tests.stress.checks import RUN, Census, Expectation, StoreChecker, census, digest_set_hash
 from tests.stress.model import StressNet
@@ -54,9 +54,8 @@ PHASES: dict[str, dict[str, int]] = {
     "embedded": {
         "hash": _PER_SAVE,
         "missing": _PER_SAVE,
-        "write": _PER_SHARD,
-        "tensor": _PER_TENSOR,
         "ingest": _PER_SHARD,
+        "tensor": _PER_TENSOR,
         "verify": _PER_SHARD,
         "store-blob": _PER_SHARD,
         "record": _PER_SHARD,
@@ -68,9 +67,8 @@ PHASES: dict[str, dict[str, int]] = {
     "http-client": {
         "hash": _PER_SAVE,
         "missing": _PER_SAVE,
-        "write": _PER_SHARD,
-        "tensor": _PER_TENSOR,
         "ingest": _PER_SHARD,
+        "tensor": _PER_TENSOR,
         "commit": _PER_SAVE,
         "committed": _PER_SAVE,
     },
@@ -306,15 +304,13 @@ class ModeRun:
             expected = self.checker.expectation(ckpt, self.checker.next_step)
             sent: list[tuple[str, int]] = []
             transport: Any = ckpt.transport
-            ingest = transport.ingest_file
+            put_shard = transport.put_shard
 
-            def recorded(path: Path) -> Any:
-                with open(path, "rb") as handle:
-                    header = read_header(handle, path.stat().st_size)
-                sent.extend((e.digest, e.end - e.begin) for e in header.entries)
-                return ingest(path)
+            def recorded(header: bytes, *args: Any, **kwargs: Any) -> Any:
+                sent.extend((e.digest, e.end - e.begin) for e in parse_header(header).entries)
+                return put_shard(header, *args, **kwargs)
 
-            transport.ingest_file = recorded
+            transport.put_shard = recorded
             result = ckpt.save(RUN, StressNet(self.seed, expected.step), step=expected.step)
             self.report.resave_checks += 1
             self.report.resave_bytes_new += result.bytes_new

@@ -22,6 +22,7 @@ from typing import Any
 
 import service.store
 from service.blobs import LocalBlobStore
+from service.receiver import ShardReceiver
 from service.store import Store
 
 PR_SET_PDEATHSIG = 1
@@ -96,13 +97,15 @@ def _around(phases: Phases, before: str, after: str, function: Callable[..., Any
 def install_store_hooks(phases: Phases, *, entry_points: bool) -> None:
     """Announce the engine's write steps.
 
-    Inside :meth:`Store.ingest_file`: ``verify`` (hashing a new shard), ``store-blob`` (moving
+    Inside :meth:`Store.ingest_file` and :meth:`Store.ingest_received`: ``verify`` (hashing a new
+    shard file, or checking a received one is complete), ``store-blob`` (moving
     it into the blob store), ``record`` and ``recorded`` (around the shard's rows). Inside
     :meth:`Store.commit`: ``commit-flushed`` after every row of the version is written but
     before the transaction commits. With ``entry_points`` (a server, whose client announces
     nothing), also ``commit`` before and ``committed`` after :meth:`Store.commit`.
     """
     service.store.verify_shard_file = _before(phases, "verify", service.store.verify_shard_file)
+    ShardReceiver.finish = _before(phases, "verify", ShardReceiver.finish)  # type: ignore[method-assign]
     LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
     Store._record_shard = _around(phases, "record", "recorded", Store._record_shard)  # type: ignore[method-assign]
     original_commit_version = service.store.commit_version

@@ -7,8 +7,9 @@ the child ends. A job's child prints, all on stdout:
 
 - ``started <pid>`` first;
 - ``phase <name>`` before each step of a save (and, when the job says ``wait``, blocks until
-  a line ``go`` arrives): ``hash``, ``missing``, ``write`` (a shard file), ``tensor`` (after each
-  tensor's bytes are written into it), ``ingest`` (handing a shard to the store or server),
+  a line ``go`` arrives): ``hash``, ``missing``, ``ingest`` (handing a shard to the store or server),
+  ``tensor`` (after each tensor's bytes are written into the store's staging file; over HTTP,
+  once the whole shard is sent),
   ``commit``, ``committed``; an embedded store adds its own (see :mod:`tests.stress.phases`);
 - ``saved <json>`` after each save: version, step, state hash, what ``missing()`` returned and
   what the shards handed over actually held;
@@ -27,7 +28,6 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy.dialects.sqlite  # noqa: F401  (imported before forking, not in every child)
@@ -37,7 +37,7 @@ import client.api
 from client.api import Client
 from client.http_transport import HttpTransport
 from service.errors import CheckpointError
-from service.format.safetensors_header import read_header
+from service.format.safetensors_header import parse_header
 from tests.stress.checks import digest_set_hash
 from tests.stress.model import StressNet, state_sha
 from tests.stress.phases import Phases, die_with_parent, install_store_hooks, read_line, say
@@ -71,24 +71,12 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
     """Announce the client's save steps and record what it asks for and sends."""
     recorder = Recorder()
     transport: Any = ckpt.transport
-    digest_all, write_shard = client.api.digest_all, client.api.write_shard
-    missing, ingest_file, commit = transport.missing, transport.ingest_file, transport.commit
+    digest_all = client.api.digest_all
+    missing, put_shard, commit = transport.missing, transport.put_shard, transport.commit
 
     def hashed(*args: Any, **kwargs: Any) -> Any:
         phases("hash")
         return digest_all(*args, **kwargs)
-
-    def written(
-        path: Path, tensors: list[tuple[str, str, torch.Tensor]], on_bytes: Callable[[int], object] | None = None
-    ) -> int:
-        phases("write")
-
-        def counted(count: int) -> None:
-            if on_bytes is not None:
-                on_bytes(count)
-            phases("tensor")
-
-        return write_shard(path, tensors, counted)
 
     def asked(digests: Any) -> list[str]:
         phases("missing")
@@ -96,13 +84,17 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
         recorder.missing = answer
         return answer
 
-    def ingested(path: Path) -> Any:
-        with open(path, "rb") as handle:
-            header = read_header(handle, os.path.getsize(path))
+    def put(header: bytes, pieces: Any, on_bytes: Callable[[int], object] | None = None) -> Any:
         with recorder.lock:
-            recorder.sent += [(e.digest, e.end - e.begin) for e in header.entries]
+            recorder.sent += [(e.digest, e.end - e.begin) for e in parse_header(header).entries]
         phases("ingest")
-        return ingest_file(path)
+
+        def counted(count: int) -> None:
+            if on_bytes is not None:
+                on_bytes(count)
+            phases("tensor")
+
+        return put_shard(header, pieces, counted)
 
     def committed(*args: Any, **kwargs: Any) -> Any:
         phases("commit")
@@ -111,8 +103,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
         return info
 
     client.api.digest_all = hashed
-    client.api.write_shard = written
-    transport.missing, transport.ingest_file, transport.commit = asked, ingested, committed
+    transport.missing, transport.put_shard, transport.commit = asked, put, committed
     return recorder
 
 

@@ -1,0 +1,197 @@
+"""Taking in a shard's bytes as they arrive: validate the header first, hash every tensor on the way.
+
+Both ways a shard reaches the store use it: an embedded client hands over the header and the
+tensors' memory, the HTTP route feeds the request body chunk by chunk. Each byte is written
+to the staging file and hashed from the same memory in one pass, so the store never reads
+the file back to verify it. The header is checked as soon as its last byte arrives (and the
+shard id against the one the upload names), so a wrong upload is refused before its data is
+read; an upload that is cut short, too long or whose bytes do not match their digest names
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
+from service.format.digest import TensorHasher
+from service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader, parse_header
+
+
+class ShardReceiver:
+    """Writes one shard to ``path`` from bytes given in order to :meth:`write`, verifying as it goes.
+
+    Args:
+        path: the staging file to create (removed by :meth:`discard` unless the store took it).
+        expected_id: the shard id the upload claims; checked once the header is complete.
+        max_bytes: refuse shards larger than this (PayloadTooLargeError).
+        max_header_bytes: refuse headers larger than this.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        expected_id: str | None = None,
+        max_bytes: int | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        self.expected_id = expected_id
+        self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
+        self.received = 0
+        self.header: ShardHeader | None = None
+        self._head = bytearray()
+        self._handle: BinaryIO | None = None
+        self._entry = 0  # index of the tensor the next data byte belongs to
+        self._hasher: TensorHasher | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Take the next bytes of the shard."""
+        view = memoryview(data).cast("B")
+        self.received += view.nbytes
+        if self.max_bytes is not None and self.received > self.max_bytes:
+            raise PayloadTooLargeError(f"shard upload exceeds the limit of {self.max_bytes} bytes")
+        if self.header is None:
+            view = self._take_header(view)
+            if self.header is None:
+                return
+        if view.nbytes:
+            self._take_data(view)
+
+    def _take_header(self, view: memoryview) -> memoryview:
+        """Collect header bytes; once complete, validate the header and open the staging file.
+
+        Returns what is left of ``view`` after the header.
+        """
+        need = PREFIX_BYTES if len(self._head) < PREFIX_BYTES else self._header_end()
+        while True:
+            take = min(view.nbytes, need - len(self._head))
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) < need:
+                return view
+            if need > PREFIX_BYTES:
+                break
+            need = self._header_end()
+        header = parse_header(bytes(self._head), max_header_bytes=self.max_header_bytes)
+        if self.expected_id is not None and header.shard_id != self.expected_id:
+            raise IntegrityError(
+                f"the uploaded shard's id is {header.shard_id}, not {self.expected_id} as the URL says; nothing "
+                "was stored: upload it under the id its header hashes to"
+            )
+        if self.max_bytes is not None and header.file_size > self.max_bytes:
+            raise PayloadTooLargeError(f"shard of {header.file_size} bytes exceeds the limit of {self.max_bytes}")
+        self.header = header
+        handle = self._open()
+        try:
+            handle.write(self._head)
+        except OSError as exc:
+            raise self._storage_error(exc) from exc
+        self._hasher = self._hasher_for(0)
+        return view
+
+    def _header_end(self) -> int:
+        """Where the header ends, from the length prefix (refusing oversized headers)."""
+        (length,) = struct.unpack("<Q", bytes(self._head[:PREFIX_BYTES]))
+        if length > self.max_header_bytes:
+            raise InvalidShardError(f"shard header is {length} bytes; the limit is {self.max_header_bytes}")
+        if length < 2:
+            raise InvalidShardError(f"shard header length is {length}; it must be at least 2")
+        return PREFIX_BYTES + int(length)
+
+    def _open(self) -> BinaryIO:
+        try:
+            self._handle = open(self.path, "wb")  # noqa: SIM115 - closed by finish() or discard()
+        except OSError as exc:
+            raise self._storage_error(exc) from exc
+        return self._handle
+
+    def _hasher_for(self, index: int) -> TensorHasher | None:
+        assert self.header is not None
+        if index >= len(self.header.entries):
+            return None
+        entry = self.header.entries[index]
+        return TensorHasher(entry.dtype, entry.shape, parallel=False)
+
+    def _take_data(self, view: memoryview) -> None:
+        """Hash ``view`` tensor by tensor and append it to the staging file."""
+        header = self.header
+        assert header is not None and self._handle is not None
+        position = self.received - view.nbytes - header.data_start  # data offset of view[0]
+        if position + view.nbytes > header.data_length:
+            raise InvalidShardError(
+                f"shard upload has trailing bytes after the {header.data_length} bytes of tensor data its header lists"
+            )
+        done = 0
+        while done < view.nbytes:
+            entry = header.entries[self._entry]
+            piece = view[done : done + entry.end - (position + done)]
+            assert self._hasher is not None
+            self._hasher.update(piece)
+            done += piece.nbytes
+            if position + done == entry.end:
+                self._check(entry.digest, self._hasher.hexdigest())
+                self._entry += 1
+                self._hasher = self._hasher_for(self._entry)
+        try:
+            self._handle.write(view)
+        except OSError as exc:
+            raise self._storage_error(exc) from exc
+
+    @staticmethod
+    def _check(expected: str, actual: str) -> None:
+        if actual != expected:
+            raise IntegrityError(
+                f"shard tensor {expected[:16]}… hashes to {actual[:16]}…: its bytes were changed or cut in transit; "
+                "retry the save (stored tensors are not sent again)"
+            )
+
+    def finish(self) -> ShardHeader:
+        """Check the shard is complete and close the staging file; returns its verified header.
+
+        Raises:
+            InvalidInputError: nothing was received.
+            InvalidShardError: the shard ended inside its header or before its last tensor.
+        """
+        if self.received == 0:
+            raise InvalidInputError("the shard upload is empty")
+        header = self.header
+        if header is None:
+            if len(self._head) < PREFIX_BYTES:
+                raise InvalidShardError(f"shard is {len(self._head)} bytes; a safetensors file has at least 8")
+            raise InvalidShardError(f"the shard ended inside its header, after {len(self._head)} bytes")
+        if self.received != header.file_size:
+            raise InvalidShardError(
+                f"shard file has {header.file_size - self.received} bytes too few for the tensors its header lists"
+            )
+        while self._hasher is not None:  # tensors of no bytes after the last byte received
+            entry = header.entries[self._entry]
+            self._check(entry.digest, self._hasher.hexdigest())
+            self._entry += 1
+            self._hasher = self._hasher_for(self._entry)
+        assert self._handle is not None
+        try:
+            self._handle.close()
+        except OSError as exc:
+            raise self._storage_error(exc) from exc
+        return header
+
+    def discard(self) -> None:
+        """Close and remove the staging file (a no-op once the store has moved it away)."""
+        if self._handle is not None:
+            try:
+                self._handle.close()
+            except OSError:
+                pass
+        self.path.unlink(missing_ok=True)
+
+    def _storage_error(self, exc: OSError) -> StorageError:
+        # The store's disk, not the upload, is at fault (ENOSPC, EIO).
+        return StorageError(
+            f"could not write the shard to the staging folder: {exc.strerror or exc}; nothing was stored, "
+            "retry once there is disk space"
+        )
