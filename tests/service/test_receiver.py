@@ -1,0 +1,146 @@
+"""ShardReceiver and Store.put_shard: one pass over the bytes, header checked first, nothing left on failure."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError
+from service.format.safetensors_header import encode_header
+from service.receiver import ShardReceiver
+from service.store import Store
+from tests.service.shardkit import BuiltShard, build_shard, raw
+
+TENSORS = [raw("F32", [64, 33], 1), raw("BF16", [7], 2), raw("U8", [1000], 3)]
+SHARD = build_shard(TENSORS)
+
+
+def feed(receiver: ShardReceiver, data: bytes, cuts: list[int]) -> None:
+    """Give ``data`` to the receiver split at ``cuts``."""
+    edges = [0, *sorted(set(c for c in cuts if 0 < c < len(data))), len(data)]
+    for start, end in zip(edges, edges[1:], strict=False):
+        receiver.write(memoryview(data)[start:end])
+
+
+def staged(home: Path) -> list[Path]:
+    """Files left in the store's staging folder."""
+    return sorted((home / "staging").iterdir())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(SHARD.data)), max_size=12))
+def test_any_split_of_the_bytes_gives_the_same_verified_file(tmp_path: Path, cuts: list[int]) -> None:
+    path = tmp_path / "shard.incomplete"
+    receiver = ShardReceiver(path, expected_id=SHARD.shard_id)
+    feed(receiver, SHARD.data, cuts)
+    header = receiver.finish()
+    assert header.shard_id == SHARD.shard_id
+    assert [e.digest for e in header.entries] == [t.digest for t in TENSORS]
+    assert path.read_bytes() == SHARD.data
+    receiver.discard()
+    assert not path.exists()
+
+
+def test_a_wrong_id_is_refused_as_soon_as_the_header_is_complete(tmp_path: Path) -> None:
+    receiver = ShardReceiver(tmp_path / "s", expected_id="0" * 64)
+    receiver.write(SHARD.data[:8])
+    with pytest.raises(IntegrityError, match="as the URL says"):
+        receiver.write(SHARD.data[8 : SHARD.header_length])
+    assert not (tmp_path / "s").exists()  # no data byte was written anywhere
+
+
+@pytest.mark.parametrize(
+    "position", [0, 1, 64 * 33 * 4 - 1, 64 * 33 * 4 + 3, len(SHARD.data) - SHARD.header_length - 1]
+)
+def test_a_flipped_data_byte_is_caught_while_streaming(tmp_path: Path, position: int) -> None:
+    data = bytearray(SHARD.data)
+    data[SHARD.header_length + position] ^= 0x01
+    receiver = ShardReceiver(tmp_path / "s", expected_id=SHARD.shard_id)
+    with pytest.raises(IntegrityError, match="hashes to"):
+        feed(receiver, bytes(data), list(range(0, len(data), 977)))
+        receiver.finish()
+    receiver.discard()
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "message"),
+    [
+        (b"", InvalidInputError, "empty"),
+        (SHARD.data[:5], InvalidShardError, "at least 8"),
+        (SHARD.data[: SHARD.header_length - 3], InvalidShardError, "inside its header"),
+        (SHARD.data[:-1], InvalidShardError, "too few"),
+        (struct.pack("<Q", 1 << 40) + b"{}", InvalidShardError, "the limit is"),
+        (struct.pack("<Q", 1) + b"{", InvalidShardError, "at least 2"),
+    ],
+)
+def test_incomplete_or_malformed_uploads_are_refused(
+    tmp_path: Path, data: bytes, error: type[Exception], message: str
+) -> None:
+    receiver = ShardReceiver(tmp_path / "s")
+    with pytest.raises(error, match=message):
+        receiver.write(data)
+        receiver.finish()
+    receiver.discard()
+    assert not (tmp_path / "s").exists()
+
+
+def test_trailing_bytes_are_refused(tmp_path: Path) -> None:
+    receiver = ShardReceiver(tmp_path / "s")
+    with pytest.raises(InvalidShardError, match="trailing"):
+        receiver.write(SHARD.data + b"PK\x03\x04")
+
+
+def test_the_size_limit_is_enforced_from_the_header_before_the_data(tmp_path: Path) -> None:
+    receiver = ShardReceiver(tmp_path / "s", max_bytes=SHARD.header_length + 10)
+    with pytest.raises(PayloadTooLargeError, match="exceeds the limit"):
+        receiver.write(SHARD.data[: SHARD.header_length])
+
+
+def test_a_header_listing_an_empty_tensor_is_refused_before_any_data(tmp_path: Path) -> None:
+    empty = raw("F32", [0], 9)
+    header, _ = encode_header([(TENSORS[2].digest, "U8", [1000]), (empty.digest, "F32", [0])])
+    receiver = ShardReceiver(tmp_path / "s")
+    with pytest.raises(InvalidShardError, match="empty"):
+        receiver.write(header)
+    assert not (tmp_path / "s").exists()
+
+
+def shard_pieces(shard: BuiltShard) -> tuple[bytes, list[memoryview]]:
+    """A built shard as put_shard takes it: header bytes and one view per tensor."""
+    views = [memoryview(t.data) for t in TENSORS]
+    return shard.data[: shard.header_length], views
+
+
+def test_put_shard_stores_a_shard_that_reads_back_and_is_idempotent(store: Store, home: Path) -> None:
+    header, pieces = shard_pieces(SHARD)
+    seen: list[int] = []
+    receipt = store.put_shard(header, pieces, seen.append)
+    assert (receipt.shard_id, receipt.size, receipt.tensors, receipt.created) == (
+        SHARD.shard_id,
+        len(SHARD.data),
+        3,
+        True,
+    )
+    assert seen == [len(t.data) for t in TENSORS]
+    assert store.missing([t.digest for t in TENSORS]) == []
+    buffer = bytearray(len(SHARD.data))
+    store.read_into(SHARD.shard_id, 0, memoryview(buffer))
+    assert bytes(buffer) == SHARD.data
+    assert store.put_shard(header, pieces).created is False
+    assert staged(home) == []
+
+
+def test_put_shard_with_bytes_that_changed_after_hashing_stores_nothing(store: Store, home: Path) -> None:
+    header, pieces = shard_pieces(SHARD)
+    changed = bytearray(TENSORS[0].data)
+    changed[100] ^= 0xFF  # a tensor written to after its digest was taken
+    with pytest.raises(IntegrityError):
+        store.put_shard(header, [memoryview(changed), *pieces[1:]])
+    assert sorted(store.missing([t.digest for t in TENSORS])) == sorted(t.digest for t in TENSORS)
+    assert staged(home) == []
+    assert store.blobs.size(SHARD.shard_id) is None
