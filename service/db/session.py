@@ -20,6 +20,20 @@ from service.errors import CheckpointError, StorageError
 INSERT_BATCH = 500
 
 
+def _insert(session: Session) -> Callable[[type[Base]], Any]:
+    """The dialect's INSERT construct, which knows ON CONFLICT DO NOTHING."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return cast(Callable[[type[Base]], Any], pg_insert)
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return cast(Callable[[type[Base]], Any], sqlite_insert)
+    raise StorageError(f"the metadata database must be SQLite or PostgreSQL, not {dialect}")
+
+
 def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> int:
     """Insert those of ``rows`` whose primary key is free; return how many were inserted.
 
@@ -28,17 +42,7 @@ def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any
     succeed. Callers that may race on several rows pass them in key order, so two such
     transactions never wait for each other in a cycle.
     """
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        build: Callable[[type[Base]], Any] = pg_insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        build = sqlite_insert
-    else:
-        raise StorageError(f"the metadata database must be SQLite or PostgreSQL, not {dialect}")
+    build = _insert(session)
     inserted = 0
     for start in range(0, len(rows), INSERT_BATCH):
         statement = build(model).values(list(rows[start : start + INSERT_BATCH])).on_conflict_do_nothing()
@@ -46,6 +50,18 @@ def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any
         result = session.execute(statement.execution_options(preserve_rowcount=True))
         inserted += cast(CursorResult[Any], result).rowcount
     return inserted
+
+
+def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> None:
+    """:func:`insert_new` for many rows when the count does not matter.
+
+    One single-row statement run for every row (``executemany``): it is compiled once and
+    cached, where a multi-row VALUES list is compiled anew for each size, which for a shard
+    of a few hundred small tensors cost more than storing its bytes.
+    """
+    statement = _insert(session)(model).on_conflict_do_nothing()
+    for start in range(0, len(rows), INSERT_BATCH):
+        session.execute(statement, list(rows[start : start + INSERT_BATCH]))
 
 
 def _configure_sqlite(engine: Engine) -> None:
