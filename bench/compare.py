@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from client import Client
+from service.format.sharding import DEFAULT_SHARD_BYTES
 
 # The client reads this at every save/load, so setting it after the import is enough.
 os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
@@ -856,6 +857,78 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
     )
 
 
+@dataclass
+class Target:
+    """One performance target: a measured figure against its floor (and goal)."""
+
+    what: str
+    value: float
+    floor: float
+    goal: float | None = None
+    at_most: bool = False  # True: the figure must stay at or below the floor
+
+    @property
+    def met(self) -> bool:
+        """Whether the floor is met."""
+        return self.value <= self.floor if self.at_most else self.value >= self.floor
+
+
+def targets(bench: Bench) -> list[Target]:
+    """The figures the benchmark is meant to keep in line, computed from this run's medians.
+
+    Speeds are ratios of times (other's seconds / ours), so 1.25 means 1.25x as fast.
+    """
+    t = {(r.method, r.operation): r.median for r in bench.rows}
+    rss = {(r.method, r.operation): r.peak_rss_mib for r in bench.rows}
+    full = t[("ckptstore", "save")]
+    found = [
+        Target("embedded save speed vs safetensors save_file+fsync", t[("safetensors", "save")] / full, 0.8, 1.0),
+        Target(
+            "embedded load-into-model speed vs safetensors load_file",
+            t[("safetensors", LOAD)] / t[("ckptstore", LOAD_INTO)],
+            0.8,
+            1.0,
+        ),
+        Target(
+            "embedded load-into-model speed vs DCP FileSystemReader into the model",
+            t[("dcp", LOAD_INTO)] / t[("ckptstore", LOAD_INTO)],
+            1.5,
+        ),
+        Target(
+            "LoRA v2 save time / first full save time (same client)",
+            statistics.median(bench.lora["save_lora_v2"]["seconds"]) / full,
+            0.10,
+            at_most=True,
+        ),
+    ]
+    for operation in ("save", LOAD, LOAD_INTO):
+        found.append(
+            Target(
+                f"HTTP {operation} speed vs embedded",
+                t[("ckptstore", operation)] / t[("ckptstore-http", operation)],
+                0.6,
+                0.8,
+            )
+        )
+    peak = rss.get(("ckptstore", LOAD_INTO))
+    if peak is not None:
+        # The child's baseline already holds the model, so what the load may add is one shard plus
+        # 15% of model + shard.
+        allowed = (DEFAULT_SHARD_BYTES + 0.15 * (bench.total_bytes + DEFAULT_SHARD_BYTES)) / MIB
+        found.append(Target("load-into-model peak RSS above the model, MiB", peak, allowed, at_most=True))
+    return found
+
+
+def format_targets(found: list[Target]) -> str:
+    """The targets as a Markdown table."""
+    lines = ["| target | this run | floor | goal | met |", "|---|---:|---:|---:|---|"]
+    for target in found:
+        floor = ("<= " if target.at_most else ">= ") + f"{target.floor:.2f}"
+        goal = f"{target.goal:.2f}" if target.goal is not None else "-"
+        lines.append(f"| {target.what} | {target.value:.2f} | {floor} | {goal} | {'yes' if target.met else 'NO'} |")
+    return "\n".join(lines)
+
+
 def write_json(path: Path, bench: Bench, machine: dict[str, Any]) -> None:
     """The results as JSON for tracking over time."""
     rows = [{**asdict(row), "median": row.median, "gbps": row.gbps} for row in bench.rows]
@@ -870,6 +943,7 @@ def write_json(path: Path, bench: Bench, machine: dict[str, Any]) -> None:
         "cache_drop": bench.dropper.method,
         "rows": rows,
         "lora": bench.lora,
+        "targets": [{**asdict(t), "met": t.met} for t in targets(bench)],
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
 
@@ -1021,6 +1095,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(bench.rows))
     print()
     print(format_footer(bench, machine))
+    print()
+    print(format_targets(targets(bench)))
     if args.json is not None:
         write_json(args.json, bench, machine)
 
