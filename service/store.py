@@ -265,6 +265,12 @@ class Store:
             raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
         self.blobs.read_into(shard_id, offset, buffer)
 
+    def read_scatter(self, shard_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in turn with shard ``shard_id``'s consecutive bytes from ``offset``."""
+        if not is_digest(shard_id):
+            raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
+        self.blobs.read_scatter(shard_id, offset, buffers)
+
     def shard_size(self, shard_id: str) -> int:
         """Size in bytes of a stored shard; NotFoundError if absent."""
         if not is_digest(shard_id):

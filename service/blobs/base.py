@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from service.format.digest import is_digest
@@ -16,7 +16,8 @@ class BlobStore(ABC):
 
     The store calls the methods in this order over a blob's life: :meth:`put_file` once the
     shard has been validated; :meth:`size` to check presence; :meth:`read_into` (or
-    :meth:`iter_range`) for every read; :meth:`delete` only from garbage collection.
+    :meth:`read_scatter`, :meth:`iter_range`) for every read; :meth:`delete` only from
+    garbage collection.
     :meth:`list_ids` serves scrubbing and collection. Keys are shard ids only, never
     names from a request, so no backend ever builds a path or URL from user input.
     """
@@ -51,6 +52,21 @@ class BlobStore(ABC):
     def list_ids(self) -> Iterator[str]:
         """Every stored blob id."""
 
+    def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in turn with the blob's consecutive bytes starting at ``offset``.
+
+        Backends override this to read the whole range at once; this default reads each
+        buffer with :meth:`read_into`.
+
+        Raises:
+            NotFoundError: the blob is absent.
+            IntegrityError: the blob ends before the last buffer is full.
+            ValueError: ``offset`` is negative.
+        """
+        for buffer in buffers:
+            self.read_into(blob_id, offset, buffer)
+            offset += buffer.nbytes
+
     def iter_range(
         self, blob_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES
     ) -> Iterator[bytes]:
@@ -61,6 +77,11 @@ class BlobStore(ABC):
             self.read_into(blob_id, offset, memoryview(piece))
             offset += len(piece)
             yield bytes(piece)
+
+
+def flat_bytes(buffer: memoryview) -> memoryview:
+    """``buffer`` as a one-dimensional view of unsigned bytes (no copy)."""
+    return buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
 
 
 def check_blob_id(blob_id: str) -> str:

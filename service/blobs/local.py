@@ -6,12 +6,15 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from service.blobs.base import BlobStore, check_blob_id
+from service.blobs.base import BlobStore, check_blob_id, flat_bytes
 from service.errors import IntegrityError, NotFoundError, StorageError
 from service.format.digest import is_digest
+
+#: Most buffers one ``preadv`` call takes (the kernel's IOV_MAX on Linux).
+_IOV_MAX = 1024
 
 
 def fsync_directory(path: Path) -> None:
@@ -21,6 +24,18 @@ def fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _advance(buffers: list[memoryview], count: int) -> list[memoryview]:
+    """The buffers still to fill after ``count`` more bytes arrived."""
+    index = 0
+    while index < len(buffers) and count >= buffers[index].nbytes:
+        count -= buffers[index].nbytes
+        index += 1
+    rest = buffers[index:]
+    if count:
+        rest[0] = rest[0][count:]
+    return rest
 
 
 class LocalBlobStore(BlobStore):
@@ -84,29 +99,44 @@ class LocalBlobStore(BlobStore):
 
     def read_into(self, blob_id: str, offset: int, buffer: memoryview) -> None:
         """Read the range with positional reads into ``buffer``."""
+        self.read_scatter(blob_id, offset, [buffer])
+
+    def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in turn from ``offset`` with vectored positional reads (``preadv``)."""
+        fd = self._open(blob_id, offset)
+        try:
+            self._preadv_all(fd, blob_id, offset, [flat_bytes(b) for b in buffers if b.nbytes])
+        finally:
+            os.close(fd)
+
+    def _open(self, blob_id: str, offset: int) -> int:
+        """A read-only descriptor of the blob's file (the caller closes it)."""
         path = self._path(blob_id)
         if offset < 0:
             raise ValueError(f"offset {offset} is negative")
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise NotFoundError(f"blob {blob_id} is missing from {self.root}") from exc
         except OSError as exc:
             raise StorageError(f"could not open blob {blob_id} in {self.root}: {exc.strerror or exc}") from exc
+
+    def _preadv_all(self, fd: int, blob_id: str, offset: int, buffers: list[memoryview]) -> None:
+        """Fill every buffer, resuming after short reads (which may stop inside any buffer)."""
+        done = 0
+        expected = sum(buffer.nbytes for buffer in buffers)
         try:
-            done = 0
-            while done < len(buffer):
-                count = os.preadv(fd, [buffer[done:]], offset + done)
+            while buffers:
+                count = os.preadv(fd, buffers[:_IOV_MAX], offset + done)
                 if count == 0:
-                    raise IntegrityError(f"blob {blob_id} ends before byte {offset + len(buffer)}; it was truncated")
+                    raise IntegrityError(f"blob {blob_id} ends before byte {offset + expected}; it was truncated")
                 done += count
+                buffers = _advance(buffers, count)
         except OSError as exc:  # EIO from a failing disk, ECONNRESET from a network file system
             raise StorageError(
                 f"reading blob {blob_id} in {self.root} failed at byte {offset + done}: {exc.strerror or exc}; "
                 "retry, and check the disk if it persists"
             ) from exc
-        finally:
-            os.close(fd)
 
     def delete(self, blob_id: str) -> None:
         """Remove the blob's file."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from service.blobs.base import BlobStore, check_blob_id
+from service.blobs.base import BlobStore, check_blob_id, flat_bytes
 from service.errors import IntegrityError, NotFoundError
 
 
@@ -31,15 +31,23 @@ class MemoryBlobStore(BlobStore):
 
     def read_into(self, blob_id: str, offset: int, buffer: memoryview) -> None:
         """Copy the requested range into ``buffer``."""
+        self.read_scatter(blob_id, offset, [buffer])
+
+    def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Copy the consecutive bytes from ``offset`` into ``buffers`` in turn."""
         blob = self._blobs.get(check_blob_id(blob_id))
         if offset < 0:  # a negative slice start would silently read from the end of the blob
             raise ValueError(f"offset {offset} is negative")
         if blob is None:
             raise NotFoundError(f"blob {blob_id} is not in the store")
-        piece = blob[offset : offset + len(buffer)]
-        if len(piece) != len(buffer):
-            raise IntegrityError(f"blob {blob_id} is {len(blob)} bytes; cannot read {len(buffer)} from {offset}")
-        buffer[:] = piece
+        wanted = sum(buffer.nbytes for buffer in buffers)
+        if offset + wanted > len(blob) and wanted:
+            raise IntegrityError(f"blob {blob_id} is {len(blob)} bytes; cannot read {wanted} from {offset}")
+        view = memoryview(blob)
+        for buffer in buffers:
+            flat = flat_bytes(buffer)
+            flat[:] = view[offset : offset + flat.nbytes]
+            offset += flat.nbytes
 
     def delete(self, blob_id: str) -> None:
         """Forget the blob."""

@@ -21,7 +21,7 @@ every read here is, carry no checksum S3 could validate either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.blobs.base import READ_CHUNK_BYTES, BlobStore, check_blob_id
+from service.blobs.base import READ_CHUNK_BYTES, BlobStore, check_blob_id, flat_bytes
 from service.errors import IntegrityError, InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
 
@@ -250,22 +250,41 @@ class S3BlobStore(BlobStore):
             ValueError: ``offset`` is negative.
             StorageError: the bucket is missing or S3 failed.
         """
+        self.read_scatter(blob_id, offset, [buffer])
+
+    def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in turn from one ranged GET, streamed in pieces of at most 4 MiB.
+
+        The pieces are read with ``read`` and copied: urllib3's ``readinto`` reads a
+        temporary bytes object of the buffer's size and copies it too.
+
+        Raises:
+            NotFoundError: the blob is absent.
+            IntegrityError: the blob ends before the last buffer is full.
+            ValueError: ``offset`` is negative.
+            StorageError: the bucket is missing or S3 failed.
+        """
         key = self._key(blob_id)
         if offset < 0:
             raise ValueError(f"offset {offset} is negative")
-        if len(buffer) == 0:  # an HTTP range cannot be empty; only presence is left to check
+        length = sum(buffer.nbytes for buffer in buffers)
+        if length == 0:  # an HTTP range cannot be empty; only presence is left to check
             if self._head(key) is None:
                 raise NotFoundError(f"blob {blob_id} is missing from {self._where(key)}")
             return
-        body = self._open_range(blob_id, key, offset, len(buffer))
+        body = self._open_range(blob_id, key, offset, length)
         try:
-            done = 0
-            while done < len(buffer):
-                piece = self._read_exactly(body, min(READ_CHUNK_BYTES, len(buffer) - done), blob_id, key)
-                buffer[done : done + len(piece)] = piece
-                done += len(piece)
+            for buffer in buffers:
+                self._fill(body, flat_bytes(buffer), blob_id, key)
         finally:
             body.close()
+
+    def _fill(self, body: Any, buffer: memoryview, blob_id: str, key: str) -> None:
+        done = 0
+        while done < buffer.nbytes:
+            piece = self._read_exactly(body, min(READ_CHUNK_BYTES, buffer.nbytes - done), blob_id, key)
+            buffer[done : done + len(piece)] = piece
+            done += len(piece)
 
     def iter_range(
         self, blob_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES

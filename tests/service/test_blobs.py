@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import errno
 import os
 import random
@@ -122,6 +123,43 @@ class BlobStoreContract:
         assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
         assert list(blobs.list_ids()) == []
 
+    def test_read_scatter_fills_the_buffers_in_turn(self, blobs: BlobStore, source: Path) -> None:
+        data = source.read_bytes()
+        blobs.put_file(blob_id(1), source)
+        sizes = [0, 1, 300, 0, 7, 250]
+        buffers = [bytearray(size) for size in sizes]
+        blobs.read_scatter(blob_id(1), 11, [memoryview(buffer) for buffer in buffers])
+        assert b"".join(buffers) == data[11 : 11 + sum(sizes)]
+        blobs.read_scatter(blob_id(1), 0, [])
+        whole = bytearray(len(data))
+        blobs.read_scatter(blob_id(1), 0, [memoryview(whole)])
+        assert whole == data
+
+    def test_read_scatter_takes_typed_views(self, blobs: BlobStore, source: Path) -> None:
+        data = source.read_bytes()
+        blobs.put_file(blob_id(1), source)
+        words = array.array("i", bytes(40))
+        matrix = memoryview(bytearray(24)).cast("B", (4, 6))
+        blobs.read_scatter(blob_id(1), 3, [memoryview(words), matrix])
+        assert words.tobytes() + matrix.tobytes() == data[3:67]
+
+    def test_read_scatter_past_end_raises_integrity_error(self, blobs: BlobStore, source: Path) -> None:
+        size = len(source.read_bytes())
+        blobs.put_file(blob_id(1), source)
+        with pytest.raises(IntegrityError, match=blob_id(1)):
+            blobs.read_scatter(blob_id(1), size - 10, [memoryview(bytearray(6)), memoryview(bytearray(5))])
+
+    def test_read_scatter_refuses_what_read_into_refuses(self, blobs: BlobStore, source: Path) -> None:
+        blobs.put_file(blob_id(1), source)
+        buffer = bytearray(b"untouched")
+        with pytest.raises(ValueError):
+            blobs.read_scatter(blob_id(1), -1, [memoryview(buffer)[:4]])
+        assert buffer == b"untouched"
+        with pytest.raises(NotFoundError, match=blob_id(2)):
+            blobs.read_scatter(blob_id(2), 0, [memoryview(bytearray(1))])
+        with pytest.raises(ValueError):
+            blobs.read_scatter("../" + "a" * 61, 0, [memoryview(bytearray(1))])
+
     @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096])
     def test_iter_range(self, blobs: BlobStore, source: Path, chunk_bytes: int) -> None:
         data = source.read_bytes()
@@ -198,6 +236,31 @@ class TestLocalBlobStore(BlobStoreContract):
         blobs.put_file(blob_id(1), source)
         assert (blobs.root / blob_id(1)[:2] / blob_id(1)).read_bytes() == payload(1)
         assert [p for p in blobs.root.rglob("*") if p.is_file()] == [blobs.root / blob_id(1)[:2] / blob_id(1)]
+
+    def test_read_scatter_resumes_short_reads_inside_and_across_buffers(
+        self, blobs: LocalBlobStore, source: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        data = source.read_bytes()
+        blobs.put_file(blob_id(1), source)
+        real_preadv = os.preadv
+        calls: list[int] = []
+
+        def short_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+            calls.append(len(buffers))
+            limit = 5  # a network file system may return any prefix of the request
+            taken: list[memoryview] = []
+            for buffer in buffers:
+                taken.append(buffer[:limit])
+                limit -= len(taken[-1])
+                if not limit:
+                    break
+            return real_preadv(fd, taken, offset)
+
+        monkeypatch.setattr(local_module.os, "preadv", short_preadv)
+        buffers = [bytearray(size) for size in (3, 4, 1, 9, 0, 2)]
+        blobs.read_scatter(blob_id(1), 100, [memoryview(buffer) for buffer in buffers])
+        assert b"".join(buffers) == data[100:119]
+        assert len(calls) == 4 and calls[0] == 5  # the empty buffer is never passed
 
     def test_blobs_survive_reopening(self, blobs: LocalBlobStore, source: Path) -> None:
         blobs.put_file(blob_id(1), source)

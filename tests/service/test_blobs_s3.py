@@ -197,6 +197,16 @@ class TestS3BlobStore(BlobStoreContract):
         assert len(gets) == 1
         assert gets[0]["range"] == b"bytes=13-312"
 
+    def test_read_scatter_is_one_request(self, blobs: S3BlobStore, source: Path) -> None:
+        data = source.read_bytes()
+        blobs.put_file(blob_id(1), source)
+        gets = record_requests(blobs.client, "GetObject")
+        buffers = [bytearray(size) for size in (100, 0, 1, 199)]
+        blobs.read_scatter(blob_id(1), 13, [memoryview(buffer) for buffer in buffers])
+        assert b"".join(buffers) == data[13:313]
+        assert len(gets) == 1
+        assert gets[0]["range"] == b"bytes=13-312"
+
     def test_read_into_streams_the_body_in_chunks(
         self, blobs: S3BlobStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     ) -> None:
