@@ -314,7 +314,7 @@ class TensorDownload:
 
     filename: str
     nbytes: int
-    chunks: Iterator[bytes]
+    chunks: Iterator[bytes | memoryview]
 
 
 def tensor_download(store: Store, run_id: str, ref: str, key: str) -> TensorDownload:

@@ -280,7 +280,7 @@ class Store:
             raise NotFoundError(f"shard {shard_id} is not in the store")
         return size
 
-    def iter_shard(self, shard_id: str, offset: int, length: int) -> Iterator[bytes]:
+    def iter_shard(self, shard_id: str, offset: int, length: int) -> Iterator[bytes | memoryview]:
         """Stream ``length`` bytes of a shard from ``offset``."""
         if not is_digest(shard_id):
             raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")

@@ -69,14 +69,19 @@ class BlobStore(ABC):
 
     def iter_range(
         self, blob_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES
-    ) -> Iterator[bytes]:
-        """Yield ``length`` bytes of the blob from ``offset`` in pieces of ``chunk_bytes``."""
+    ) -> Iterator[bytes | memoryview]:
+        """Yield ``length`` bytes of the blob from ``offset`` in pieces of ``chunk_bytes``.
+
+        Pieces are yielded as read, without a copy to ``bytes``. Each is a fresh buffer, never
+        reused: an ASGI server may still hold one after asking for the next (uvloop keeps the
+        unsent part of a write as a view of the caller's buffer).
+        """
         end = offset + length
         while offset < end:
-            piece = bytearray(min(chunk_bytes, end - offset))
-            self.read_into(blob_id, offset, memoryview(piece))
+            piece = memoryview(bytearray(min(chunk_bytes, end - offset)))
+            self.read_into(blob_id, offset, piece)
             offset += len(piece)
-            yield bytes(piece)
+            yield piece
 
 
 def flat_bytes(buffer: memoryview) -> memoryview:
