@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 import httpx
 
+from client.bulk_http import BULK_NETWORK_ERRORS, BulkHttp, BulkResponse
 from service import __version__
 from service.errors import (
     CheckpointError,
@@ -39,7 +40,6 @@ from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, Te
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 NETWORK_ERRORS = (httpx.TransportError,)
-READ_CHUNK = 1 << 20
 #: Upload staging folders are ``<tmp>/ckptstore-upload-<pid>-<random>``.
 STAGING_PREFIX = "ckptstore-upload-"
 #: A staging folder untouched this long whose process is gone was left by a killed client.
@@ -94,14 +94,6 @@ def remove_stale_staging(
     return removed
 
 
-class _Busy(Exception):
-    """A retryable status on a streamed read."""
-
-    def __init__(self, status: int, retry_after: str | None) -> None:
-        super().__init__(f"HTTP {status}")
-        self.retry_after = retry_after
-
-
 def raise_for_error(response: httpx.Response) -> None:
     """Raise the CheckpointError an error response stands for; return on success."""
     if response.status_code < 400:
@@ -122,6 +114,14 @@ def raise_for_error(response: httpx.Response) -> None:
         fallback = StorageError if response.status_code >= 500 else CheckpointError
         raise fallback(f"HTTP {response.status_code}: {message}" if message else text)
     raise cls(text)
+
+
+def raise_for_bulk_error(answer: BulkResponse, url: str) -> None:
+    """Raise the CheckpointError a bulk (shard bytes) answer stands for; return on success."""
+    if answer.status < 400:
+        return
+    request = httpx.Request("GET", url)
+    raise_for_error(httpx.Response(answer.status, headers=answer.headers, content=answer.body, request=request))
 
 
 def _ref(ref: int | str) -> str:
@@ -155,6 +155,8 @@ class HttpTransport:
         )
         if http is not None:
             self._http.headers.update(headers)
+        # Shard bytes bypass httpx: sent from and received into tensor memory directly.
+        self._bulk = BulkHttp(self.url, headers, timeout_seconds)
         # A client killed mid-save cannot remove its folder; the next one to start does.
         remove_stale_staging()
         self._staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
@@ -260,37 +262,37 @@ class HttpTransport:
 
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from a byte range of a shard."""
-        length = len(buffer)
+        self.read_scatter(shard_id, offset, [buffer])
+
+    def read_scatter(self, shard_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in turn from one byte range of a shard, received straight into them.
+
+        Network errors and 429/5xx answers are retried (a read is safe to repeat).
+
+        Raises:
+            IntegrityError: the server ignored the range or sent too few or too many bytes.
+        """
+        length = sum(buffer.nbytes for buffer in buffers)
         if length == 0:
             return
+        path = f"/v1/shards/{shard_id}"
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         for attempt in range(self.retries + 1):
+            last = attempt == self.retries
             try:
-                self._read_range(shard_id, headers, buffer)
-                return
-            except (*NETWORK_ERRORS, _Busy) as exc:
-                if attempt == self.retries:
+                answer = self._bulk.get_into(path, headers, buffers)
+            except BULK_NETWORK_ERRORS as exc:
+                if last:
                     raise StorageError(f"reading shard {shard_id} from {self.url} failed: {exc}") from exc
-                self._pause(attempt, exc.retry_after if isinstance(exc, _Busy) else None)
-
-    def _read_range(self, shard_id: str, headers: dict[str, str], buffer: memoryview) -> None:
-        with self._http.stream("GET", f"/v1/shards/{shard_id}", headers=headers) as response:
-            if response.status_code in RETRY_STATUSES:
-                raise _Busy(response.status_code, response.headers.get("retry-after"))
-            if response.status_code >= 400:
-                response.read()
-                raise_for_error(response)
-            if response.status_code != 206:
-                raise IntegrityError(f"the server ignored the byte range for shard {shard_id}")
-            filled = 0
-            for chunk in response.iter_raw(READ_CHUNK):
-                end = filled + len(chunk)
-                if end > len(buffer):
-                    raise IntegrityError(f"shard {shard_id}: the server sent more bytes than asked for")
-                buffer[filled:end] = chunk
-                filled = end
-            if filled != len(buffer):
-                raise IntegrityError(f"shard {shard_id}: got {filled} of {len(buffer)} bytes")
+                self._pause(attempt, None)
+                continue
+            if answer.status in RETRY_STATUSES and not last:
+                self._pause(attempt, answer.headers.get("retry-after"))
+                continue
+            raise_for_bulk_error(answer, f"{self.url}{path}")
+            if answer.status != 206:
+                raise IntegrityError(f"the server ignored the byte range for shard {shard_id} (HTTP {answer.status})")
+            return
 
     def runs(self) -> list[RunInfo]:
         """Every run."""
@@ -347,6 +349,7 @@ class HttpTransport:
     def close(self) -> None:
         """Close connections and remove the upload staging folder."""
         self._http.close()
+        self._bulk.close()
         shutil.rmtree(self._staging, ignore_errors=True)
 
 

@@ -41,6 +41,9 @@ class Transport(Protocol):
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Read a byte range of a shard."""
 
+    def read_scatter(self, shard_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Read consecutive bytes of a shard from ``offset`` into ``buffers`` in turn (one request)."""
+
     def runs(self) -> list[RunInfo]:
         """Every run."""
 
