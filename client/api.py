@@ -252,10 +252,16 @@ class Client:
     ) -> LoadResult:
         """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict).
 
-        Model tensors are copied into the model's own parameters (moved to ``device`` if
-        given); optimizer state lands on each parameter's device with its saved dtype;
+        Model tensors are read into the model's own parameters and buffers (moved to
+        ``device`` if given): a CPU tensor of the stored dtype is filled in place, without an
+        extra copy. Optimizer state lands on each parameter's device with its saved dtype;
         ``dtype`` casts floating model tensors only. Strict by default: missing or
         unexpected model keys raise StateMismatchError before anything is written.
+
+        Every byte is verified. Keys and shapes are all checked before anything is written,
+        but the bytes are checked as they arrive: after an IntegrityError the model may hold
+        some bytes of the corrupt tensor (and of those after it), so load again from a
+        sound version before using it.
         """
         started = time.perf_counter()
         if optim is not None and model is None:

@@ -19,6 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,9 +103,10 @@ def write_safetensors(
         with open(temporary, "wb") as handle:
             handle.write(header)
             handle.truncate(total)
-            for key, tensor in reader.read_many([entry.key for _, entry in layout]):
-                handle.seek(offsets[key])
-                handle.write(byte_view(host_contiguous(tensor, key)))
+            with closing(reader.read_many([entry.key for _, entry in layout])) as stream:
+                for key, tensor in stream:
+                    handle.seek(offsets[key])
+                    handle.write(byte_view(host_contiguous(tensor, key)))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)

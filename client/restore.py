@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from client import jsonstate, keys
 from client.placement import device_for
 from client.reader import TensorReader
 from client.state import parameter_names
-from client.tensors import byte_view
+from client.tensors import NAME_TO_TORCH, byte_view
 from service.errors import StateMismatchError, format_list
 
 
@@ -70,19 +71,33 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
 
 
+def _readable_in_place(target: torch.Tensor, stored: torch.dtype) -> bool:
+    """Whether the reader may fill ``target`` itself: a plain, contiguous CPU tensor of the stored dtype."""
+    return (
+        type(target) in (torch.Tensor, torch.nn.Parameter)
+        and target.device.type == "cpu"
+        and target.layout == torch.strided
+        and target.dtype == stored
+        and target.is_contiguous()
+        and not (target.is_conj() or target.is_neg())
+    )
+
+
 def load_into_model(
     reader: TensorReader,
     model: torch.nn.Module,
     names: list[str],
     device: torch.device | None,
     dtype: torch.dtype | None,
-    before_reallocate: Callable[[torch.Tensor], object] = lambda tensor: None,
+    before_write: Callable[[torch.Tensor], object] = lambda tensor: None,
 ) -> list[str]:
-    """Copy the named tensors into ``model``'s own parameters and buffers; returns casts made.
+    """Read the named tensors into ``model``'s own parameters and buffers; returns casts made.
 
     Shapes are all checked before anything is written. A tensor is re-allocated only when
     ``device`` or ``dtype`` asks for a change, and keeps its identity, so an optimizer that
-    holds it stays valid.
+    holds it stays valid. A CPU tensor of the stored dtype is read into directly; the others
+    are read into fresh memory, then copied (and cast or moved). ``before_write`` sees every
+    tensor before it changes (the digest cache forgets it).
     """
     targets = model.state_dict(keep_vars=True)
     by_key = model_keys(reader)
@@ -95,17 +110,24 @@ def load_into_model(
         raise StateMismatchError(f"shape mismatch for {len(wrong)} tensors: {format_list(wrong, 5)}")
     for name in names:
         target = targets[name]
+        before_write(target)
         want_dtype = _wanted_dtype(target.dtype, dtype)
         want_device = device if device is not None else target.device
         if target.dtype != want_dtype or target.device != want_device:
-            before_reallocate(target)
             _reallocate(target, want_dtype, want_device)
+    direct = {
+        by_key[name]: targets[name]
+        for name in names
+        if _readable_in_place(targets[name], NAME_TO_TORCH[reader.entries[by_key[name]].dtype])
+    }
     casts = []
-    for key, source in reader.read_many((by_key[name] for name in names), reuse_buffer=True):
-        target = targets[keys.model_name(key)]
-        _copy_into(target, source)
-        if source.dtype != target.dtype:
-            casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
+    with closing(reader.read_many((by_key[name] for name in names), into=direct)) as stream:
+        for key, source in stream:
+            target = targets[keys.model_name(key)]
+            if source is not target:
+                _copy_into(target, source)
+            if source.dtype != target.dtype:
+                casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
     return casts
 
 

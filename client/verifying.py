@@ -9,11 +9,10 @@ and keys share it; a problem names the first key that references it and the shar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from client.reader import _spans
 from client.transport import Transport
 from service.errors import CheckpointError, IntegrityError, NotFoundError
 from service.format.digest import shard_id as shard_id_of
@@ -21,6 +20,9 @@ from service.format.digest import tensor_digest
 from service.format.manifest import Manifest
 from service.format.safetensors_header import MAX_HEADER_BYTES
 from service.records import TensorLocation
+
+#: Largest single read when checking back-to-back tensors together.
+SPAN_BYTES = 64 << 20
 
 
 @dataclass
@@ -171,6 +173,22 @@ def _locate(
     found = _locate(transport, digests[:middle], references, report)
     found.update(_locate(transport, digests[middle:], references, report))
     return found
+
+
+def _spans(locations: list[TensorLocation]) -> Iterator[list[TensorLocation]]:
+    """Group locations (sorted by shard and offset) into back-to-back runs of bounded size."""
+    span: list[TensorLocation] = []
+    for location in locations:
+        if span and (
+            location.shard_id != span[0].shard_id
+            or location.offset != span[-1].offset + span[-1].nbytes
+            or location.offset + location.nbytes - span[0].offset > SPAN_BYTES
+        ):
+            yield span
+            span = []
+        span.append(location)
+    if span:
+        yield span
 
 
 def _read_span(

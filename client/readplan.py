@@ -1,0 +1,75 @@
+"""Cutting stored tensors into bounded reads: which bytes of which tensor each read fills.
+
+Tensors stored back to back in one shard are read together; a read never exceeds a byte
+budget, so a big tensor spans several reads and one read may cover pieces of many small
+tensors. Plain integers only: the reader maps the pieces onto tensor memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one item's bytes are: a shard, an offset in it and a length (> 0)."""
+
+    shard_id: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``start`` to ``start + length`` of item ``index``; ``last`` when they end it."""
+
+    index: int
+    start: int
+    length: int
+    last: bool
+
+
+@dataclass
+class ReadUnit:
+    """One read: ``nbytes`` consecutive bytes of a shard from ``offset``, split into pieces."""
+
+    shard_id: str
+    offset: int
+    pieces: list[Piece] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def plan_reads(items: Sequence[Stored], unit_bytes: int) -> list[ReadUnit]:
+    """Cut ``items`` (sorted by shard and offset, not overlapping) into reads of at most ``unit_bytes``.
+
+    A read covers only consecutive bytes: a gap between items, or another shard, starts a
+    new one. Every item's pieces appear in order and together cover it exactly.
+
+    Raises:
+        ValueError: ``unit_bytes`` or an item's length is not positive.
+    """
+    if unit_bytes < 1:
+        raise ValueError(f"unit_bytes {unit_bytes} is not positive")
+    if any(item.nbytes < 1 for item in items):
+        raise ValueError("every item must hold at least one byte")
+    units: list[ReadUnit] = []
+    current: ReadUnit | None = None
+    for index, item in enumerate(items):
+        if current is None or current.shard_id != item.shard_id or current.offset + current.nbytes != item.offset:
+            current = _start(units, item.shard_id, item.offset)
+        done = 0
+        while done < item.nbytes:
+            if current.nbytes == unit_bytes:
+                current = _start(units, item.shard_id, item.offset + done)
+            length = min(unit_bytes - current.nbytes, item.nbytes - done)
+            current.pieces.append(Piece(index, done, length, done + length == item.nbytes))
+            current.nbytes += length
+            done += length
+    return units
+
+
+def _start(units: list[ReadUnit], shard_id: str, offset: int) -> ReadUnit:
+    unit = ReadUnit(shard_id, offset)
+    units.append(unit)
+    return unit

@@ -1,0 +1,190 @@
+"""Loads read straight into their destinations, in bounded pieces, hashed as they arrive."""
+
+from __future__ import annotations
+
+import random
+import threading
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import client
+import client.reader as reader_module
+from client.reader import TensorReader
+from tests.client.conftest import Backend
+from tests.client.models import TinyNet
+from tests.client.test_integrity import only_shard, rewrite
+
+
+class Wide(nn.Module):
+    """One tensor far bigger than a read unit beside small ones, with odd sizes."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.small = nn.Parameter(torch.randn(3, generator=generator))
+        self.big = nn.Parameter(torch.randn(4099, generator=generator))
+        self.steps = nn.Buffer(torch.arange(7, dtype=torch.int64) + seed)
+        self.low = nn.Parameter(torch.randn(33, generator=generator).to(torch.float16))
+
+
+@pytest.fixture
+def small_units(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Reads of 1000 bytes: ``Wide.big`` spans 17 of them and a read covers several tensors."""
+    monkeypatch.setattr(reader_module, "UNIT_BYTES", 1000)
+    return 1000
+
+
+def read_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("ckptstore-read")]
+
+
+def assert_same_values(left: nn.Module, right: nn.Module) -> None:
+    ours, theirs = left.state_dict(), right.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_parameters_are_filled_in_place(ckpt: client.Client) -> None:
+    ckpt.save("run", TinyNet(seed=0))
+    model = TinyNet(seed=1)
+    before = {name: (tensor, tensor.data_ptr()) for name, tensor in model.state_dict(keep_vars=True).items()}
+    assert not torch.equal(model.body[0].weight, TinyNet(seed=0).body[0].weight)
+    ckpt.load("run", model=model)
+    after = model.state_dict(keep_vars=True)
+    for name, (tensor, pointer) in before.items():
+        assert after[name] is tensor and tensor.data_ptr() == pointer, name
+    assert_same_values(model, TinyNet(seed=0))
+    assert model.head.weight is model.embed.weight  # the tie survives
+
+
+def test_a_tensor_spanning_many_reads_round_trips(ckpt: client.Client, small_units: int) -> None:
+    ckpt.save("run", Wide(seed=0))
+    model = Wide(seed=1)
+    assert not torch.equal(model.big, Wide(seed=0).big)
+    result = ckpt.load("run", model=model)
+    assert_same_values(model, Wide(seed=0))
+    assert result.bytes_read == sum(t.numel() * t.element_size() for t in Wide().state_dict().values())
+    loaded = ckpt.load("run").state_dict
+    assert loaded is not None
+    for name, tensor in Wide(seed=0).state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_tied_weights_are_read_once_and_never_aliased(ckpt: client.Client) -> None:
+    ckpt.save("run", TinyNet())
+    loaded = ckpt.load("run").state_dict
+    assert loaded is not None
+    assert torch.equal(loaded["head.weight"], loaded["embed.weight"])
+    assert loaded["head.weight"].data_ptr() != loaded["embed.weight"].data_ptr()
+
+
+def test_keys_sharing_a_digest_get_their_own_destinations(tmp_path: Path) -> None:
+    with client.Client(home=tmp_path / "store") as ckpt:
+        ckpt.save_state_dict("run", {"a": torch.ones(5), "b": torch.ones(5), "c": torch.zeros(5)})
+        reader = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+        first, second = torch.zeros(5), torch.zeros(5)
+        got = dict(reader.read_many(["model/a", "model/b", "model/c"], into={"model/a": first, "model/b": second}))
+    assert got["model/a"] is first and got["model/b"] is second
+    assert torch.equal(first, torch.ones(5)) and torch.equal(second, torch.ones(5))
+    assert torch.equal(got["model/c"], torch.zeros(5))
+    assert reader.bytes_read == 2 * 5 * 4  # the shared digest is read once
+
+
+def test_a_destination_shared_by_two_stored_tensors_gets_the_later_one(tmp_path: Path) -> None:
+    """Two names tied in the model but stored apart: the read of the second never races the first's hash."""
+    with client.Client(home=tmp_path / "store") as ckpt:
+        ckpt.save_state_dict("run", {"a": torch.full((300,), 1.0), "b": torch.full((300,), 2.0)})
+        reader = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+        shared = torch.zeros(300)
+        keys = sorted(reader.entries)
+        order = [key for key, _ in reader.read_many(keys, into={key: shared for key in keys})]
+        last = reader.entries[order[-1]]
+    assert torch.equal(shared, torch.full((300,), 1.0 if last.key.endswith("a") else 2.0))
+
+
+def test_partly_overlapping_destinations_are_filled_in_storage_order(tmp_path: Path) -> None:
+    with client.Client(home=tmp_path / "store") as ckpt:
+        ckpt.save_state_dict("run", {"a": torch.full((1000,), 1.0), "b": torch.full((1000,), 2.0)})
+        reader = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+        memory = torch.zeros(1500)
+        into = {"model/a": memory[:1000], "model/b": memory[500:]}
+        order = [key for key, _ in reader.read_many(["model/a", "model/b"], into=into)]
+    later = 1.0 if order[-1] == "model/a" else 2.0
+    assert torch.equal(into[order[-1]], torch.full((1000,), later))
+
+
+def test_a_wrong_destination_is_refused(tmp_path: Path) -> None:
+    with client.Client(home=tmp_path / "store") as ckpt:
+        ckpt.save_state_dict("run", {"w": torch.ones(4, 4)})
+        reader = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+        (key,) = reader.entries
+        for wrong in (torch.zeros(4, 4, dtype=torch.float64), torch.zeros(16), torch.zeros(4, 4).t()):
+            with pytest.raises(client.InvalidInputError, match=key):
+                list(reader.read_many([key], into={key: wrong}))
+
+
+def test_a_corrupt_byte_in_a_big_tensor_names_it_and_stops_reading(
+    backend: Backend, tmp_path: Path, small_units: int
+) -> None:
+    backend.client.save("run", Wide(seed=0))
+    manifest = backend.client.transport.manifest("run")
+    digest = next(e.digest for e in manifest.tensors if e.key == "model/big")
+    assert digest is not None
+    where = backend.client.transport.locate([digest])[digest]
+
+    def flip(data: bytearray) -> bytes:
+        data[where.offset + random.Random(1).randrange(where.nbytes)] ^= 0x10
+        return bytes(data)
+
+    rewrite(backend.blobs, only_shard(backend.blobs), tmp_path / "corrupt", flip)
+    model = Wide(seed=1)
+    with pytest.raises(client.IntegrityError, match=rf"model/big: bytes read from shard {where.shard_id} at offset"):
+        backend.client.load("run", model=model)
+    assert read_threads() == []
+
+
+def test_an_abandoned_read_stops_its_thread(ckpt: client.Client, small_units: int) -> None:
+    ckpt.save("run", Wide())
+    reader = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+    with closing(reader.read_many(sorted(reader.entries))) as stream:
+        next(stream)
+        assert len(read_threads()) == 1
+    assert read_threads() == []
+
+
+def test_a_missing_shard_mid_load_stops_the_thread(backend: Backend) -> None:
+    backend.client.save("run", Wide())
+    backend.blobs.delete(only_shard(backend.blobs))
+    with pytest.raises(client.NotFoundError):
+        backend.client.load("run", model=Wide(seed=1))
+    assert read_threads() == []
+
+
+def test_a_cast_or_non_contiguous_target_is_copied_into(ckpt: client.Client) -> None:
+    ckpt.save("run", Wide(seed=0))
+    model = Wide(seed=1)
+    model.low.data = model.low.data.float()  # stored F16, held as F32: read fresh, then cast
+    strided = torch.zeros(4099 * 2)[::2]
+    model.big.data = strided
+    result = ckpt.load("run", model=model)
+    assert model.big.data_ptr() == strided.data_ptr()
+    assert torch.equal(model.big, Wide(seed=0).big)
+    assert torch.equal(model.low, Wide(seed=0).low.float())
+    assert result.casts == ["model/low: float16 -> float32"]
+
+
+def test_a_frozen_tensor_loaded_in_place_is_hashed_again_on_the_next_save(tmp_path: Path) -> None:
+    with client.Client(home=tmp_path / "store") as ckpt:
+        model = Wide(seed=0).requires_grad_(False)
+        ckpt.save("run", model)
+        ckpt.save("other", Wide(seed=1))
+        ckpt.load("other", model=model)
+        ckpt.save("run", model)
+        loaded = ckpt.load("run").state_dict
+    assert loaded is not None
+    assert torch.equal(loaded["big"], Wide(seed=1).big)
