@@ -19,7 +19,7 @@ from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
-from client.shards import write_shard
+from client.shards import build_shard
 from client.state import FlatState, TensorRecord, flatten
 from client.tensors import dtype_name
 from client.transport import Transport
@@ -213,27 +213,21 @@ class Client:
                 first[digest] = (record.key, record.tensor)
         plan = plan_shards([(d, sizes[d]) for d in first], self.shard_bytes)
         stored = 0
-        # Write the next shard while earlier ones upload (and are verified by the store):
-        # at most UPLOADS_IN_FLIGHT finished shards wait on disk at any time.
+        # Shards go straight from tensor memory to the store (which writes and hashes each
+        # byte once); UPLOADS_IN_FLIGHT of them at a time, so one's hashing overlaps another's I/O.
         with byte_bar(sum(sizes[d] for d in first), "save") as bar, ThreadPoolExecutor(UPLOADS_IN_FLIGHT) as pool:
-            in_flight: deque[tuple[Future[ShardReceipt], Path]] = deque()
+            in_flight: deque[Future[ShardReceipt]] = deque()
             try:
                 for group in plan:
-                    path = self.transport.staging_path()
-                    try:
-                        stored += write_shard(path, [(d, *first[d]) for d in group], bar.update)
-                    except BaseException:
-                        path.unlink(missing_ok=True)
-                        raise
+                    shard = build_shard([(d, *first[d]) for d in group])
                     if len(in_flight) >= UPLOADS_IN_FLIGHT:
-                        in_flight.popleft()[0].result()
-                    in_flight.append((pool.submit(self.transport.ingest_file, path), path))
+                        stored += in_flight.popleft().result().size
+                    in_flight.append(pool.submit(self.transport.put_shard, shard.header, shard.pieces, bar.update))
                 while in_flight:
-                    in_flight.popleft()[0].result()
+                    stored += in_flight.popleft().result().size
             finally:
-                for future, waiting in in_flight:
-                    if future.cancel():  # never started: its shard file is still ours to remove
-                        waiting.unlink(missing_ok=True)
+                for future in in_flight:
+                    future.cancel()
         return stored, len(plan)
 
     # -- load ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from service.errors import (
     StorageError,
     error_class_for_code,
 )
+from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
 from service.format.safetensors_header import read_header
@@ -226,6 +227,38 @@ class HttpTransport:
             return ShardReceipt.model_validate(response.json())
         finally:
             path.unlink(missing_ok=True)
+
+    def put_shard(
+        self,
+        header: bytes,
+        pieces: Sequence[memoryview],
+        on_bytes: Callable[[int], object] | None = None,
+    ) -> ShardReceipt:
+        """Upload a shard straight from memory: its header bytes, then its tensors' bytes.
+
+        The server checks the id and hashes every tensor as the body arrives. Retried on
+        network errors and 429/5xx answers (an upload is idempotent).
+        """
+        shard_id = digest_shard_id(header)
+        body = [memoryview(header), *pieces]
+        headers = {"Content-Type": "application/octet-stream"}
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                answer = self._bulk.put(f"/v1/shards/{shard_id}", body, headers)
+            except BULK_NETWORK_ERRORS as exc:
+                if last:
+                    raise StorageError(f"uploading shard {shard_id} to {self.url} failed: {exc}") from exc
+                self._pause(attempt, None)
+                continue
+            if answer.status in RETRY_STATUSES and not last:
+                self._pause(attempt, answer.headers.get("retry-after"))
+                continue
+            raise_for_bulk_error(answer, f"{self.url}/v1/shards/{shard_id}")
+            if on_bytes is not None:
+                on_bytes(sum(piece.nbytes for piece in pieces))
+            return ShardReceipt.model_validate_json(answer.body)
+        raise AssertionError("unreachable")
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit a version (never retried: its outcome would be ambiguous)."""

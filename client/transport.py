@@ -6,7 +6,7 @@ transport *is* the engine's :class:`service.store.Store`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +25,11 @@ class Transport(Protocol):
 
     def ingest_file(self, path: Path) -> ShardReceipt:
         """Send the shard at ``path`` to the store (the file is consumed)."""
+
+    def put_shard(
+        self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
+    ) -> ShardReceipt:
+        """Store a shard given as header bytes and its tensors' bytes (verified by the store)."""
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit a version."""

@@ -10,7 +10,7 @@ mode (:mod:`service.gc`), so a sweep never removes what a save in progress relie
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.commit import commit_version
 from service.db import Database
 from service.db.models import Run, Shard, Tag, Tensor, Version, utcnow
-from service.db.session import insert_new
+from service.db.session import insert_missing, insert_new
 from service.errors import InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
@@ -30,6 +30,7 @@ from service.format.names import LATEST, parse_ref, validate_run_id, validate_ta
 from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, read_header
 from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
+from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_policy, check_policy, describe_policy, lock_run, read_policy, write_policy
 
@@ -132,28 +133,77 @@ class Store:
             with open(path, "rb") as handle:
                 header = read_header(handle, path.stat().st_size, max_header_bytes=self.max_header_bytes)
             verified = False
-            for _attempt in range(INGEST_ATTEMPTS):
-                with self.db.transaction() as session:
-                    known = session.get(Shard, header.shard_id) is not None
-                if not known:
-                    # Only a shard not yet stored is hashed: a known id names bytes already verified.
-                    if not verified:
-                        verify_shard_file(path, max_header_bytes=self.max_header_bytes)
-                        verified = True
-                    self.blobs.put_file(header.shard_id, path)
-                created = self._record_shard(header.shard_id, header.file_size, header)
-                if created is not None:
-                    return ShardReceipt(
-                        shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
-                    )
-                if not path.exists():  # the blob store took the file, and a sweep then deleted it
-                    break
-            raise StorageError(
-                f"shard {header.shard_id} was deleted by garbage collection while it was being stored; "
-                "retry the upload"
-            )
+
+            def verify() -> None:
+                nonlocal verified
+                if not verified:
+                    verify_shard_file(path, max_header_bytes=self.max_header_bytes)
+                    verified = True
+
+            return self._store_shard(path, header, verify)
         finally:
             path.unlink(missing_ok=True)
+
+    def receiver(self, *, expected_id: str | None = None, max_bytes: int | None = None) -> ShardReceiver:
+        """A :class:`ShardReceiver` writing into this store's staging folder; pass it to :meth:`ingest_received`."""
+        return ShardReceiver(
+            self.staging_path(), expected_id=expected_id, max_bytes=max_bytes, max_header_bytes=self.max_header_bytes
+        )
+
+    def ingest_received(self, receiver: ShardReceiver) -> ShardReceipt:
+        """Store the shard ``receiver`` took in whole (its bytes were hashed on the way); idempotent.
+
+        The staging file is consumed whatever the outcome.
+        """
+        try:
+            header = receiver.finish()
+            return self._store_shard(receiver.path, header, lambda: None)
+        finally:
+            receiver.discard()
+
+    def put_shard(
+        self,
+        header: bytes,
+        pieces: Sequence[memoryview],
+        on_bytes: Callable[[int], object] | None = None,
+    ) -> ShardReceipt:
+        """Store a shard given as its header bytes and its tensors' bytes in header order.
+
+        Each piece is written to a staging file and hashed from the same memory, then the file
+        is moved into the blob store: one write, one hash, nothing read back. ``on_bytes`` is
+        called with each piece's size once it is written.
+        """
+        receiver = self.receiver()
+        try:
+            receiver.write(header)
+            for piece in pieces:
+                receiver.write(piece)
+                if on_bytes is not None:
+                    on_bytes(piece.nbytes)
+        except BaseException:
+            receiver.discard()
+            raise
+        return self.ingest_received(receiver)
+
+    def _store_shard(self, path: Path, header: ShardHeader, verify: Callable[[], None]) -> ShardReceipt:
+        """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new."""
+        for _attempt in range(INGEST_ATTEMPTS):
+            with self.db.transaction() as session:
+                known = session.get(Shard, header.shard_id) is not None
+            if not known:
+                # Only a shard not yet stored is hashed: a known id names bytes already verified.
+                verify()
+                self.blobs.put_file(header.shard_id, path)
+            created = self._record_shard(header.shard_id, header.file_size, header)
+            if created is not None:
+                return ShardReceipt(
+                    shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
+                )
+            if not path.exists():  # the blob store took the file, and a sweep then deleted it
+                break
+        raise StorageError(
+            f"shard {header.shard_id} was deleted by garbage collection while it was being stored; retry the upload"
+        )
 
     def _record_shard(self, shard_id: str, size: int, header: ShardHeader) -> bool | None:
         """Record the shard and its tensors not stored elsewhere; whether the shard row is new.
@@ -183,7 +233,7 @@ class Store:
             with self.db.transaction() as session:
                 hold_shared(session)
                 created = insert_new(session, Shard, [{"id": shard_id, "size": size}]) > 0
-                insert_new(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
+                insert_missing(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
                 if self.blobs.size(shard_id) is None:
                     raise _BlobSwept
                 return created

@@ -35,9 +35,11 @@ def tensor_preamble(dtype: str, shape: Sequence[int]) -> bytes:
 class TensorHasher:
     """Incremental digest of one tensor; feed its bytes in order with :meth:`update`."""
 
-    def __init__(self, dtype: str, shape: Sequence[int]) -> None:
-        # BLAKE3 only spreads an update over threads when the piece is large enough.
-        self._hasher = blake3.blake3(tensor_preamble(dtype, shape), max_threads=blake3.blake3.AUTO)
+    def __init__(self, dtype: str, shape: Sequence[int], *, parallel: bool = True) -> None:
+        # BLAKE3 only spreads an update over threads when the piece is large enough. Callers
+        # feeding many small pieces (a request body) hash on one thread: it is cheaper then.
+        threads = blake3.blake3.AUTO if parallel else 1
+        self._hasher = blake3.blake3(tensor_preamble(dtype, shape), max_threads=threads)
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         """Add the next piece of the tensor's raw bytes."""
