@@ -346,13 +346,18 @@ class Ckptstore(Method):
         touch(state_tensors(model, optim))
 
 
+#: Worker processes of the benchmarked server, as docker-compose.yml deploys the service.
+SERVER_WORKERS = 2
+
+
 @contextlib.contextmanager
 def served(home: Path) -> Iterator[str]:
-    """``ckptstore serve`` on ``home`` in its own process (uvicorn with httptools/uvloop); yields its URL."""
+    """``ckptstore serve`` on ``home`` with SERVER_WORKERS uvicorn workers (httptools/uvloop); yields its URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "CKPTSTORE_HOME": str(home), "CKPTSTORE_PORT": str(port)}
+    env["CKPTSTORE_WORKERS"] = str(SERVER_WORKERS)
     env.pop("CKPTSTORE_URL", None)
     server = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -533,7 +538,67 @@ class DistributedCheckpoint(Method):
         touch(state_tensors(model, optim))
 
 
-METHODS: list[Method] = [Safetensors(), Ckptstore(), CkptstoreHttp(), TorchSave(), DistributedCheckpoint()]
+class RawIO(Method):
+    """The device's floor, not a format: every tensor's bytes back to back in one file, written
+    and fsynced, then read with ``preadv`` straight into the destination tensors. No header
+    beyond a JSON index, no hashing, no copies: what any checkpoint format pays at least."""
+
+    name = "raw-io"
+
+    def save(self, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> float:
+        def work() -> None:
+            named = [(f"model.{k}", v) for k, v in model.state_dict().items()]
+            named += [(f"optim.{i}", v) for i, v in enumerate(optim_tensors(optim))]
+            index, offset = [], 0
+            with open(path / "data.bin", "wb") as handle:
+                for name, tensor in named:
+                    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    handle.write(data)
+                    index.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+                    offset += data.nbytes
+                handle.flush()
+                os.fsync(handle.fileno())
+            (path / "index.json").write_text(json.dumps(index))
+            fsync_path(path / "index.json")
+            fsync_path(path)
+
+        return timed(work)[0]
+
+    @staticmethod
+    def _read(path: Path, targets: list[tuple[torch.Tensor, int]]) -> None:
+        fd = os.open(path / "data.bin", os.O_RDONLY)
+        try:
+            for tensor, offset in targets:
+                view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < len(view):
+                    count = os.preadv(fd, [view[done:]], offset + done)
+                    if count == 0:
+                        raise RuntimeError("data.bin is truncated")
+                    done += count
+        finally:
+            os.close(fd)
+
+    def load(self, path: Path) -> dict[str, torch.Tensor]:
+        index = json.loads((path / "index.json").read_text())
+        state = {
+            name.removeprefix("model."): torch.empty(shape, dtype=getattr(torch, dtype))
+            for name, dtype, shape, _ in index
+            if name.startswith("model.")
+        }
+        offsets = [offset for name, _, _, offset in index if name.startswith("model.")]
+        self._read(path, list(zip(state.values(), offsets, strict=True)))
+        touch(state.values())
+        return state
+
+    def load_into(self, path: Path, model: nn.Module, optim: torch.optim.Optimizer | None) -> None:
+        index = json.loads((path / "index.json").read_text())
+        targets = state_tensors(model, optim)
+        self._read(path, list(zip(targets, [entry[3] for entry in index], strict=True)))
+        touch(targets)
+
+
+METHODS: list[Method] = [Safetensors(), Ckptstore(), CkptstoreHttp(), TorchSave(), DistributedCheckpoint(), RawIO()]
 BY_NAME = {m.name: m for m in METHODS}
 
 
@@ -853,7 +918,19 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
             f"v2 wrote {v2['bytes_new'] / MIB:.2f} MiB of {lora['bytes_total'] / GIB:.3f} GiB and took "
             f"{statistics.median(v2['seconds']) / full:.3f}x the time of the first full save "
             f"({statistics.median(fresh['seconds']) / full:.3f}x from a new client)",
+            floor_line(bench),
         ]
+    )
+
+
+def floor_line(bench: Bench) -> str:
+    """How close each method's load into a model comes to the device's raw read (raw-io)."""
+    t = {(r.method, r.operation): r.median for r in bench.rows}
+    floor = t[("raw-io", LOAD_INTO)]
+    speeds = ", ".join(f"{m.name} {floor / t[(m.name, LOAD_INTO)]:.2f}x" for m in METHODS if m.name != "raw-io")
+    return (
+        f"device floor (raw-io, no format, no hashing): save {t[('raw-io', 'save')]:.3f} s, cold read into the "
+        f"model {floor:.3f} s; load-into-model speed as a share of it: {speeds}"
     )
 
 

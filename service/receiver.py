@@ -19,6 +19,9 @@ from service.errors import IntegrityError, InvalidInputError, InvalidShardError,
 from service.format.digest import TensorHasher
 from service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader, parse_header
 
+#: Staging-file buffer: small pieces are gathered into writes of up to this size.
+WRITE_BUFFER_BYTES = 1 << 20
+
 
 class ShardReceiver:
     """Writes one shard to ``path`` from bytes given in order to :meth:`write`, verifying as it goes.
@@ -105,7 +108,9 @@ class ShardReceiver:
 
     def _open(self) -> BinaryIO:
         try:
-            self._handle = open(self.path, "wb")  # noqa: SIM115 - closed by finish() or discard()
+            # A large buffer turns the many small tensors of an adapter's shard into few writes;
+            # pieces larger than it go straight to the file.
+            self._handle = open(self.path, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed by finish() or discard()
         except OSError as exc:
             raise self._storage_error(exc) from exc
         return self._handle
