@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -19,10 +17,10 @@ from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
-from client.shards import build_shard
 from client.state import FlatState, TensorRecord, flatten
 from client.tensors import dtype_name
 from client.transport import Transport
+from client.uploading import ShardUploader
 from service import __version__
 from service.errors import (
     InvalidInputError,
@@ -35,13 +33,15 @@ from service.errors import (
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.names import validate_run_id, validate_tag
-from service.format.sharding import DEFAULT_SHARD_BYTES, plan_shards
-from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, VersionInfo
+from service.format.sharding import DEFAULT_SHARD_BYTES
+from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
 from service.retention import Policy, check_policy
 from service.store import Store
 
 DEFAULT_HOME = "~/.ckptstore"
 UPLOADS_IN_FLIGHT = 2
+#: Stands in for digests while a save's manifest is checked before its tensors are hashed.
+PLACEHOLDER_DIGEST = "0" * 64
 
 
 def default_home() -> Path:
@@ -171,19 +171,46 @@ class Client:
         tags: list[str],
         started: float,
     ) -> SaveResult:
-        """The one save path: hash, ask what is missing, write and upload shards, commit."""
-        digests = digest_all([(r.key, r.tensor) for r in flat.records], self.digest_cache)
-        entries = [_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)]
-        body = ManifestBody(
-            tensors=entries,
-            state=cast(dict[Any, Any], flat.state),
-            step=step,
-            metrics=dict(metrics or {}),
-            library={"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()},
-        )
-        sizes = {e.digest: e.nbytes for e in entries if e.digest is not None and e.nbytes > 0}
-        missing = set(self.transport.missing(list(sizes)))
-        stored, shards = self._upload(flat, digests, missing, sizes)
+        """The one save path: hash, ask what is missing, send shards, commit.
+
+        Tensors are hashed in groups of about one shard of bytes not hashed before; while a
+        group is hashed, the missing tensors of the groups before it are being written, so
+        hashing overlaps the store's I/O. Everything the manifest holds besides the digests is
+        checked before the first byte is sent.
+        """
+        records = flat.records
+        groups = self._hash_groups(records)
+        if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
+            self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
+        digests = [""] * len(records)
+        sizes: dict[str, int] = {}
+        missing: set[str] = set()
+        total = sum(_nbytes(r.tensor) for r in records)
+        with (
+            byte_bar(total, "save") as bar,
+            ShardUploader(self.transport, self.shard_bytes, bar.update, UPLOADS_IN_FLIGHT) as uploader,
+        ):
+            for group in groups:
+                hashed = digest_all([(records[i].key, records[i].tensor) for i in group], self.digest_cache)
+                fresh: dict[str, int] = {}
+                for index, digest in zip(group, hashed, strict=True):
+                    digests[index] = digest
+                    nbytes = _nbytes(records[index].tensor)
+                    if nbytes > 0 and digest not in sizes:
+                        fresh[digest] = nbytes
+                absent = set(self.transport.missing(list(fresh))) if fresh else set()
+                sizes.update(fresh)
+                skipped = 0
+                for index in group:
+                    record, digest, nbytes = records[index], digests[index], _nbytes(records[index].tensor)
+                    if digest in absent and digest not in missing:
+                        uploader.add(digest, record.key, record.tensor, nbytes)
+                        missing.add(digest)
+                    else:  # stored already, sent by an earlier key, or empty
+                        skipped += nbytes
+                bar.update(skipped)
+            stored, shards = uploader.finish()
+        body = self._manifest_body(flat, digests, step, metrics)
         try:
             info = self.transport.commit(run_id, body, tags=tags)
         except MissingTensorsError:
@@ -191,7 +218,13 @@ class Client:
             # was shorter than the save took, or the version holding them was deleted and
             # collected meanwhile). The commit changed nothing: send what is missing now, once.
             again = set(self.transport.missing(list(sizes)))
-            more_stored, more_shards = self._upload(flat, digests, again, sizes)
+            with ShardUploader(self.transport, self.shard_bytes, None, UPLOADS_IN_FLIGHT) as uploader:
+                queued: set[str] = set()
+                for record, digest in zip(records, digests, strict=True):
+                    if digest in again and digest not in queued:
+                        uploader.add(digest, record.key, record.tensor, sizes[digest])
+                        queued.add(digest)
+                more_stored, more_shards = uploader.finish()
             stored, shards, missing = stored + more_stored, shards + more_shards, missing | again
             info = self.transport.commit(run_id, body, tags=tags)
         return SaveResult(
@@ -200,35 +233,41 @@ class Client:
             bytes_total=info.bytes_total,
             bytes_new=sum(sizes[d] for d in missing),
             bytes_stored=stored,
-            tensors_total=len(entries),
+            tensors_total=len(body.tensors),
             tensors_new=len(missing),
             shards=shards,
             seconds=time.perf_counter() - started,
         )
 
-    def _upload(self, flat: FlatState, digests: list[str], missing: set[str], sizes: dict[str, int]) -> tuple[int, int]:
-        first: dict[str, tuple[str, torch.Tensor]] = {}
-        for record, digest in zip(flat.records, digests, strict=True):
-            if digest in missing and digest not in first:
-                first[digest] = (record.key, record.tensor)
-        plan = plan_shards([(d, sizes[d]) for d in first], self.shard_bytes)
-        stored = 0
-        # Shards go straight from tensor memory to the store (which writes and hashes each
-        # byte once); UPLOADS_IN_FLIGHT of them at a time, so one's hashing overlaps another's I/O.
-        with byte_bar(sum(sizes[d] for d in first), "save") as bar, ThreadPoolExecutor(UPLOADS_IN_FLIGHT) as pool:
-            in_flight: deque[Future[ShardReceipt]] = deque()
-            try:
-                for group in plan:
-                    shard = build_shard([(d, *first[d]) for d in group])
-                    if len(in_flight) >= UPLOADS_IN_FLIGHT:
-                        stored += in_flight.popleft().result().size
-                    in_flight.append(pool.submit(self.transport.put_shard, shard.header, shard.pieces, bar.update))
-                while in_flight:
-                    stored += in_flight.popleft().result().size
-            finally:
-                for future in in_flight:
-                    future.cancel()
-        return stored, len(plan)
+    def _hash_groups(self, records: list[TensorRecord]) -> list[list[int]]:
+        """Record indexes in order, cut so that each group holds about one shard of bytes to hash."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        current_bytes = 0
+        for index, record in enumerate(records):
+            cached = self.digest_cache is not None and self.digest_cache.holds(record.tensor)
+            nbytes = 0 if cached else _nbytes(record.tensor)
+            if current and current_bytes + nbytes > self.shard_bytes:
+                groups.append(current)
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += nbytes
+        if current:
+            groups.append(current)
+        return groups
+
+    @staticmethod
+    def _manifest_body(
+        flat: FlatState, digests: list[str], step: int | None, metrics: dict[str, float] | None
+    ) -> ManifestBody:
+        """The manifest body of a save, validated (StateEncodingError/InvalidManifestError naming the problem)."""
+        return ManifestBody(
+            tensors=[_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)],
+            state=cast(dict[Any, Any], flat.state),
+            step=step,
+            metrics=dict(metrics or {}),
+            library={"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        )
 
     # -- load ----------------------------------------------------------------------------
 
@@ -380,6 +419,10 @@ class Client:
             current = None
         if current is None or Policy(current.keep_last, current.keep_best, current.metric, current.mode) != wanted:
             self.set_retention(run_id, wanted.keep_last, wanted.keep_best, wanted.metric, wanted.mode or "min")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _entry(record: TensorRecord, digest: str) -> TensorEntry:

@@ -67,6 +67,14 @@ class DigestCache:
         self.hits += 1
         return entry.digest
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`get` would return a digest for ``tensor`` (not counted as a hit)."""
+        if tensor.requires_grad:
+            return False
+        with self._lock:
+            entry = self._entries.get(id(tensor))
+        return entry is not None and entry.ref() is tensor and entry.fingerprint == _fingerprint(tensor)
+
     def forget(self, tensor: torch.Tensor) -> None:
         """Drop ``tensor``'s entry (and with it the weak reference that blocks swap_tensors)."""
         with self._lock:

@@ -81,7 +81,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
     def asked(digests: Any) -> list[str]:
         phases("missing")
         answer = list(missing(digests))
-        recorder.missing = answer
+        recorder.missing += answer  # a save asks once per group of tensors it hashes
         return answer
 
     def put(header: bytes, pieces: Any, on_bytes: Callable[[int], object] | None = None) -> Any:

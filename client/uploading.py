@@ -1,0 +1,88 @@
+"""Sending a save's missing tensors as shards, a few at a time, while the caller goes on hashing.
+
+Tensors are added in the order the save finds them missing; a shard closes when the next
+tensor would take it past the target size (a tensor larger than the target gets one of its
+own), and goes to the store on a worker thread straight from tensor memory. At most
+``in_flight`` shards are sent at once; adding more waits for the oldest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from client.shards import build_shard
+from client.transport import Transport
+from service.format.sharding import MAX_TENSORS_PER_SHARD
+from service.records import ShardReceipt
+
+
+class ShardUploader:
+    """Groups ``(digest, key, tensor)`` items into shards and sends them in the background.
+
+    Use as a context manager: leaving it by an exception cancels shards not yet started and
+    waits for those being sent.
+
+    Args:
+        transport: where shards go (``put_shard``).
+        shard_bytes: target shard size.
+        on_bytes: progress callback, given each tensor's size as it is stored.
+        in_flight: shards sent at the same time.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        shard_bytes: int,
+        on_bytes: Callable[[int], object] | None = None,
+        in_flight: int = 2,
+    ) -> None:
+        self.transport = transport
+        self.shard_bytes = shard_bytes
+        self.on_bytes = on_bytes
+        self.in_flight = in_flight
+        self.stored = 0
+        self.shards = 0
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
+        self._sending: deque[Future[ShardReceipt]] = deque()
+        self._pending: list[tuple[str, str, torch.Tensor]] = []
+        self._pending_bytes = 0
+
+    def __enter__(self) -> ShardUploader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for future in self._sending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+    def add(self, digest: str, key: str, tensor: torch.Tensor, nbytes: int) -> None:
+        """Queue one tensor (of ``nbytes`` bytes, more than zero) for the current shard."""
+        if self._pending and (
+            self._pending_bytes + nbytes > self.shard_bytes or len(self._pending) >= MAX_TENSORS_PER_SHARD
+        ):
+            self._send_pending()
+        self._pending.append((digest, key, tensor))
+        self._pending_bytes += nbytes
+
+    def finish(self) -> tuple[int, int]:
+        """Send what is queued, wait for every shard; returns (bytes stored, shards sent)."""
+        if self._pending:
+            self._send_pending()
+        while self._sending:
+            self._collect()
+        return self.stored, self.shards
+
+    def _send_pending(self) -> None:
+        shard = build_shard(self._pending)
+        self._pending, self._pending_bytes = [], 0
+        while len(self._sending) >= self.in_flight:
+            self._collect()
+        self._sending.append(self._pool.submit(self.transport.put_shard, shard.header, shard.pieces, self.on_bytes))
+        self.shards += 1
+
+    def _collect(self) -> None:
+        self.stored += self._sending.popleft().result().size
