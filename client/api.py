@@ -40,6 +40,8 @@ from service.store import Store
 
 DEFAULT_HOME = "~/.ckptstore"
 UPLOADS_IN_FLIGHT = 2
+HTTP_UPLOADS_IN_FLIGHT = 4
+HTTP_READS_IN_PARALLEL = 2
 #: Stands in for digests while a save's manifest is checked before its tensors are hashed.
 PLACEHOLDER_DIGEST = "0" * 64
 
@@ -188,7 +190,7 @@ class Client:
         total = sum(_nbytes(r.tensor) for r in records)
         with (
             byte_bar(total, "save") as bar,
-            ShardUploader(self.transport, self.shard_bytes, bar.update, UPLOADS_IN_FLIGHT) as uploader,
+            ShardUploader(self.transport, self.shard_bytes, bar.update, self._widths()[1]) as uploader,
         ):
             for group in groups:
                 hashed = digest_all([(records[i].key, records[i].tensor) for i in group], self.digest_cache)
@@ -218,7 +220,7 @@ class Client:
             # was shorter than the save took, or the version holding them was deleted and
             # collected meanwhile). The commit changed nothing: send what is missing now, once.
             again = set(self.transport.missing(list(sizes)))
-            with ShardUploader(self.transport, self.shard_bytes, None, UPLOADS_IN_FLIGHT) as uploader:
+            with ShardUploader(self.transport, self.shard_bytes, None, self._widths()[1]) as uploader:
                 queued: set[str] = set()
                 for record, digest in zip(records, digests, strict=True):
                     if digest in again and digest not in queued:
@@ -238,6 +240,13 @@ class Client:
             shards=shards,
             seconds=time.perf_counter() - started,
         )
+
+    def _widths(self) -> tuple[int, int]:
+        """(reads in parallel, shards sent at once): a server spreads requests over its workers,
+        a local disk gains nothing from more than one reader."""
+        if isinstance(self.transport, HttpTransport):
+            return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
+        return 1, UPLOADS_IN_FLIGHT
 
     def _hash_groups(self, records: list[TensorRecord]) -> list[list[int]]:
         """Record indexes in order, cut so that each group holds about one shard of bytes to hash."""
@@ -304,7 +313,7 @@ class Client:
         target = torch.device(device) if device is not None else None
         manifest = self.transport.manifest(validate_run_id(run_id), version)
         with byte_bar(sum(e.nbytes for e in manifest.tensors), "load") as bar:
-            reader = TensorReader(self.transport, manifest, on_bytes=bar.update)
+            reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self._widths()[0])
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
             if model is None:
                 result.state_dict, result.casts = restore.materialize_model(

@@ -66,9 +66,15 @@ class TensorReader:
     """Reads the tensors of one manifest from a transport."""
 
     def __init__(
-        self, transport: Transport, manifest: Manifest, *, on_bytes: Callable[[int], object] | None = None
+        self,
+        transport: Transport,
+        manifest: Manifest,
+        *,
+        on_bytes: Callable[[int], object] | None = None,
+        read_threads: int = 1,
     ) -> None:
         self.transport = transport
+        self.read_threads = read_threads
         self.manifest = manifest
         self.entries = {entry.key: entry for entry in manifest.tensors}
         stored = [d for entry in manifest.tensors for d in _stored_digests(entry)]
@@ -152,12 +158,12 @@ class TensorReader:
     def _fetched(
         self, jobs: list[_Job], units: list[ReadUnit]
     ) -> Generator[tuple[ReadUnit, list[memoryview]], None, None]:
-        """Yield each unit with its pieces' byte views once read, keeping ``READ_AHEAD`` reads in flight.
+        """Yield each unit with its pieces' byte views once read, ``READ_AHEAD`` reads ahead on ``read_threads``.
 
         However the consumer stops (an error, an abandoned iterator), queued reads are
         cancelled and the running one is waited for, so no thread outlives the generator.
         """
-        pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-read")
+        pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ckptstore-read")
         waiting: deque[tuple[ReadUnit, list[memoryview], Future[None]]] = deque()
         try:
             for unit in units:

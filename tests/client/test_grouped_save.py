@@ -1,0 +1,82 @@
+"""A save hashed in groups while earlier groups are sent: same versions, each tensor sent once,
+bad manifests refused before any byte is stored."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from client import Client
+from client.state import flatten
+from service.format.safetensors_header import read_header
+from tests.client.conftest import Backend
+
+SHARD = 64 << 10  # small shards: the 1 MiB model below is hashed in many groups
+
+
+class Wide(nn.Module):
+    """Sixteen 64 KiB weights, a first and last layer tied, and two equal all-zero buffers far apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(128, 128, bias=False) for _ in range(16))
+        self.layers[-1].weight = self.layers[0].weight
+        self.register_buffer("zeros_a", torch.zeros(128, 128))
+        self.register_buffer("zeros_b", torch.zeros(128, 128))
+
+
+def stored_digests(backend: Backend) -> list[str]:
+    """Every tensor digest held in any stored shard, with repeats."""
+    digests = []
+    for blob_id in backend.blobs.list_ids():
+        size = backend.blobs.size(blob_id)
+        assert size is not None
+        data = bytearray(size)
+        backend.blobs.read_into(blob_id, 0, memoryview(data))
+        digests += [e.digest for e in read_header(io.BytesIO(bytes(data)), size).entries]
+    return digests
+
+
+def test_a_grouped_save_sends_each_distinct_tensor_once_and_loads_exactly(backend: Backend) -> None:
+    torch.manual_seed(0)
+    model = Wide()
+    backend.client.shard_bytes = SHARD
+    result = backend.client.save("grouped", model)
+    assert result.tensors_total == len(model.state_dict()) == 18
+    # 15 distinct weights + one zero buffer: the tied weight and the second zero buffer are not sent again.
+    assert result.tensors_new == 16
+    assert result.bytes_new == 16 * 128 * 128 * 4
+    assert result.shards > 4
+    digests = stored_digests(backend)
+    assert len(digests) == len(set(digests)) == 16
+    fresh = Wide()
+    backend.client.load("grouped", model=fresh)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    again = backend.client.save("grouped", model)
+    assert (again.tensors_new, again.bytes_stored) == (0, 0)
+
+
+def test_a_grouped_save_with_a_bad_metric_stores_nothing(backend: Backend) -> None:
+    backend.client.shard_bytes = SHARD
+    with pytest.raises(Exception, match="metric|finite|nan|NaN") as raised:
+        backend.client.save("bad", Wide(), metrics={"loss": math.nan})
+    assert not isinstance(raised.value, AssertionError)
+    assert list(backend.blobs.list_ids()) == []
+
+
+def test_groups_follow_the_bytes_still_to_hash(tmp_path: Path) -> None:
+    model = Wide()
+    with Client(home=tmp_path, shard_bytes=SHARD) as ckpt:
+        records = flatten(model, None, None, None).records
+        groups = ckpt._hash_groups(records)
+        assert len(groups) >= 8
+        assert [i for group in groups for i in group] == list(range(len(records)))
+        model.requires_grad_(False)
+        ckpt.save("frozen", model)  # every tensor is now in the digest cache
+        assert len(ckpt._hash_groups(flatten(model, None, None, None).records)) == 1
