@@ -242,22 +242,31 @@ class HttpTransport:
         shard_id = digest_shard_id(header)
         body = [memoryview(header), *pieces]
         headers = {"Content-Type": "application/octet-stream"}
+        path = f"/v1/shards/{shard_id}"
+        answer = self._bulk_retried(f"uploading shard {shard_id}", path, lambda: self._bulk.put(path, body, headers))
+        if on_bytes is not None:
+            on_bytes(sum(piece.nbytes for piece in pieces))
+        return ShardReceipt.model_validate_json(answer.body)
+
+    def _bulk_retried(self, what: str, path: str, request: Callable[[], BulkResponse]) -> BulkResponse:
+        """Run a bulk request, retrying network errors and 429/5xx answers (bulk requests are idempotent).
+
+        Raises the CheckpointError an error answer stands for, or StorageError once retries run out.
+        """
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                answer = self._bulk.put(f"/v1/shards/{shard_id}", body, headers)
+                answer = request()
             except BULK_NETWORK_ERRORS as exc:
                 if last:
-                    raise StorageError(f"uploading shard {shard_id} to {self.url} failed: {exc}") from exc
+                    raise StorageError(f"{what} at {self.url} failed: {exc}") from exc
                 self._pause(attempt, None)
                 continue
             if answer.status in RETRY_STATUSES and not last:
                 self._pause(attempt, answer.headers.get("retry-after"))
                 continue
-            raise_for_bulk_error(answer, f"{self.url}/v1/shards/{shard_id}")
-            if on_bytes is not None:
-                on_bytes(sum(piece.nbytes for piece in pieces))
-            return ShardReceipt.model_validate_json(answer.body)
+            raise_for_bulk_error(answer, f"{self.url}{path}")
+            return answer
         raise AssertionError("unreachable")
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
@@ -310,22 +319,11 @@ class HttpTransport:
             return
         path = f"/v1/shards/{shard_id}"
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
-            try:
-                answer = self._bulk.get_into(path, headers, buffers)
-            except BULK_NETWORK_ERRORS as exc:
-                if last:
-                    raise StorageError(f"reading shard {shard_id} from {self.url} failed: {exc}") from exc
-                self._pause(attempt, None)
-                continue
-            if answer.status in RETRY_STATUSES and not last:
-                self._pause(attempt, answer.headers.get("retry-after"))
-                continue
-            raise_for_bulk_error(answer, f"{self.url}{path}")
-            if answer.status != 206:
-                raise IntegrityError(f"the server ignored the byte range for shard {shard_id} (HTTP {answer.status})")
-            return
+        answer = self._bulk_retried(
+            f"reading shard {shard_id}", path, lambda: self._bulk.get_into(path, headers, buffers)
+        )
+        if answer.status != 206:
+            raise IntegrityError(f"the server ignored the byte range for shard {shard_id} (HTTP {answer.status})")
 
     def runs(self) -> list[RunInfo]:
         """Every run."""
