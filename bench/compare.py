@@ -1086,7 +1086,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="number of blocks (default: picked from --size-gib)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--with-optimizer", action="store_true", help="also save/load AdamW state after one step")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3; 1 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 5; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1; 0 with --quick)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: 64 MiB, d=512, one repeat")
     parser.add_argument(
@@ -1100,7 +1100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.size_gib = args.size_gib if args.size_gib is not None else (1 / 16 if quick else 1.0)
     args.hidden = args.hidden or (512 if quick else 1024)
     args.vocab = args.vocab or (8192 if quick else 32000)
-    args.repeats = args.repeats or (1 if quick else 3)
+    args.repeats = args.repeats or (1 if quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (0 if quick else 1)
     return args
 
