@@ -10,6 +10,7 @@ into the same exception classes the embedded store raises.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import random
 import shutil
@@ -207,24 +208,21 @@ class HttpTransport:
         return self._staging / f"{uuid.uuid4().hex}.shard"
 
     def ingest_file(self, path: Path) -> ShardReceipt:
-        """Upload the shard at ``path`` (streamed from disk) and delete the file."""
+        """Upload the shard file at ``path`` (mapped, sent like :meth:`put_shard`) and delete the file."""
         path = Path(path)
         try:
-            size = path.stat().st_size
             with open(path, "rb") as handle:
-                shard_id = read_header(handle, size).shard_id
-
-            def put() -> httpx.Response:
-                with open(path, "rb") as body:
-                    return self._http.put(
-                        f"/v1/shards/{shard_id}",
-                        content=body,
-                        headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
-                    )
-
-            response = self._send(True, put)
-            raise_for_error(response)
-            return ShardReceipt.model_validate(response.json())
+                header = read_header(handle, os.fstat(handle.fileno()).st_size)
+                if header.data_length == 0:
+                    return self.put_shard(header.header_bytes, [])
+                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    data = memoryview(mapped)
+                    tensors = data[header.data_start :]
+                    try:
+                        return self.put_shard(header.header_bytes, [tensors])
+                    finally:  # no view may outlive the mapping, even one held by a traceback
+                        tensors.release()
+                        data.release()
         finally:
             path.unlink(missing_ok=True)
 
