@@ -33,7 +33,7 @@ from service.errors import (
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.names import validate_run_id, validate_tag
-from service.format.sharding import DEFAULT_SHARD_BYTES
+from service.format.sharding import DEFAULT_SHARD_BYTES, ShardPacker
 from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
 from service.retention import Policy, check_policy
 from service.store import Store
@@ -181,15 +181,15 @@ class Client:
         checked before the first byte is sent.
         """
         records = flat.records
-        groups = self._hash_groups(records)
+        lengths = [_nbytes(record.tensor) for record in records]
+        groups = self._hash_groups(records, lengths)
         if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
             self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
         digests = [""] * len(records)
         sizes: dict[str, int] = {}
         missing: set[str] = set()
-        total = sum(_nbytes(r.tensor) for r in records)
         with (
-            byte_bar(total, "save") as bar,
+            byte_bar(sum(lengths), "save") as bar,
             ShardUploader(self.transport, self.shard_bytes, bar.update, self._widths()[1]) as uploader,
         ):
             for group in groups:
@@ -197,14 +197,13 @@ class Client:
                 fresh: dict[str, int] = {}
                 for index, digest in zip(group, hashed, strict=True):
                     digests[index] = digest
-                    nbytes = _nbytes(records[index].tensor)
-                    if nbytes > 0 and digest not in sizes:
-                        fresh[digest] = nbytes
+                    if lengths[index] > 0 and digest not in sizes:
+                        fresh[digest] = lengths[index]
                 absent = set(self.transport.missing(list(fresh))) if fresh else set()
                 sizes.update(fresh)
                 skipped = 0
                 for index in group:
-                    record, digest, nbytes = records[index], digests[index], _nbytes(records[index].tensor)
+                    record, digest, nbytes = records[index], digests[index], lengths[index]
                     if digest in absent and digest not in missing:
                         uploader.add(digest, record.key, record.tensor, nbytes)
                         missing.add(digest)
@@ -248,22 +247,17 @@ class Client:
             return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
         return 1, UPLOADS_IN_FLIGHT
 
-    def _hash_groups(self, records: list[TensorRecord]) -> list[list[int]]:
+    def _hash_groups(self, records: list[TensorRecord], sizes: list[int]) -> list[list[int]]:
         """Record indexes in order, cut so that each group holds about one shard of bytes to hash."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        current_bytes = 0
-        for index, record in enumerate(records):
+        packer: ShardPacker[int] = ShardPacker(self.shard_bytes, keep_empty=True)
+        groups = []
+        for index, (record, nbytes) in enumerate(zip(records, sizes, strict=True)):
             cached = self.digest_cache is not None and self.digest_cache.holds(record.tensor)
-            nbytes = 0 if cached else _nbytes(record.tensor)
-            if current and current_bytes + nbytes > self.shard_bytes:
-                groups.append(current)
-                current, current_bytes = [], 0
-            current.append(index)
-            current_bytes += nbytes
-        if current:
-            groups.append(current)
-        return groups
+            closed = packer.add(index, 0 if cached else nbytes)
+            if closed is not None:
+                groups.append(closed)
+        last = packer.flush()
+        return groups + [last] if last is not None else groups
 
     @staticmethod
     def _manifest_body(

@@ -161,7 +161,7 @@ class HttpTransport:
         self._bulk = BulkHttp(self.url, headers, timeout_seconds)
         # A client killed mid-save cannot remove its folder; the next one to start does.
         remove_stale_staging()
-        self._staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
+        self._staging: Path | None = None  # made on first use: saves stream from memory and need none
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -205,6 +205,8 @@ class HttpTransport:
 
     def staging_path(self) -> Path:
         """A local temporary path for the next shard."""
+        if self._staging is None:
+            self._staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
         return self._staging / f"{uuid.uuid4().hex}.shard"
 
     def ingest_file(self, path: Path) -> ShardReceipt:
@@ -379,7 +381,8 @@ class HttpTransport:
         """Close connections and remove the upload staging folder."""
         self._http.close()
         self._bulk.close()
-        shutil.rmtree(self._staging, ignore_errors=True)
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
 
 
 __all__ = ["HttpTransport", "raise_for_error", "remove_stale_staging"]

@@ -7,7 +7,6 @@ transport *is* the engine's :class:`service.store.Store`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Protocol
 
 from service.format.manifest import Manifest, ManifestBody
@@ -19,12 +18,6 @@ class Transport(Protocol):
 
     def missing(self, digests: Iterable[str]) -> list[str]:
         """Digests the store lacks."""
-
-    def staging_path(self) -> Path:
-        """A local path to write the next shard to."""
-
-    def ingest_file(self, path: Path) -> ShardReceipt:
-        """Send the shard at ``path`` to the store (the file is consumed)."""
 
     def put_shard(
         self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None

@@ -1,8 +1,8 @@
 """Sending a save's missing tensors as shards, a few at a time, while the caller goes on hashing.
 
-Tensors are added in the order the save finds them missing; a shard closes when the next
-tensor would take it past the target size (a tensor larger than the target gets one of its
-own), and goes to the store on a worker thread straight from tensor memory. At most
+Tensors are added in the order the save finds them missing and packed into shards by
+:class:`service.format.sharding.ShardPacker`; each closed shard goes to the store on a worker
+thread straight from tensor memory. At most
 ``in_flight`` shards are sent at once; adding more waits for the oldest.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from client.shards import build_shard
 from client.transport import Transport
-from service.format.sharding import MAX_TENSORS_PER_SHARD
+from service.format.sharding import ShardPacker
 from service.records import ShardReceipt
 
 
@@ -48,8 +48,7 @@ class ShardUploader:
         self.shards = 0
         self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
         self._sending: deque[Future[ShardReceipt]] = deque()
-        self._pending: list[tuple[str, str, torch.Tensor]] = []
-        self._pending_bytes = 0
+        self._packer: ShardPacker[tuple[str, str, torch.Tensor]] = ShardPacker(shard_bytes)
 
     def __enter__(self) -> ShardUploader:
         return self
@@ -61,24 +60,21 @@ class ShardUploader:
 
     def add(self, digest: str, key: str, tensor: torch.Tensor, nbytes: int) -> None:
         """Queue one tensor (of ``nbytes`` bytes, more than zero) for the current shard."""
-        if self._pending and (
-            self._pending_bytes + nbytes > self.shard_bytes or len(self._pending) >= MAX_TENSORS_PER_SHARD
-        ):
-            self._send_pending()
-        self._pending.append((digest, key, tensor))
-        self._pending_bytes += nbytes
+        closed = self._packer.add((digest, key, tensor), nbytes)
+        if closed is not None:
+            self._send(closed)
 
     def finish(self) -> tuple[int, int]:
         """Send what is queued, wait for every shard; returns (bytes stored, shards sent)."""
-        if self._pending:
-            self._send_pending()
+        last = self._packer.flush()
+        if last is not None:
+            self._send(last)
         while self._sending:
             self._collect()
         return self.stored, self.shards
 
-    def _send_pending(self) -> None:
-        shard = build_shard(self._pending)
-        self._pending, self._pending_bytes = [], 0
+    def _send(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
+        shard = build_shard(items)
         while len(self._sending) >= self.in_flight:
             self._collect()
         self._sending.append(self._pool.submit(self.transport.put_shard, shard.header, shard.pieces, self.on_bytes))

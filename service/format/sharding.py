@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -12,30 +12,58 @@ DEFAULT_SHARD_BYTES = 256 << 20
 MAX_TENSORS_PER_SHARD = 50_000
 
 
+class ShardPacker(Generic[T]):
+    """Packs items, in the order given, into groups of about ``target_bytes`` each.
+
+    A group closes when the next item would push it past the target or past ``max_tensors``
+    items; an item larger than the target gets a group of its own. Items of no bytes are
+    dropped unless ``keep_empty`` (then they ride along and weigh nothing).
+    """
+
+    def __init__(
+        self,
+        target_bytes: int = DEFAULT_SHARD_BYTES,
+        max_tensors: int = MAX_TENSORS_PER_SHARD,
+        *,
+        keep_empty: bool = False,
+    ) -> None:
+        if target_bytes <= 0 or max_tensors <= 0:
+            raise ValueError("target_bytes and max_tensors must be positive")
+        self.target_bytes = target_bytes
+        self.max_tensors = max_tensors
+        self.keep_empty = keep_empty
+        self._current: list[T] = []
+        self._current_bytes = 0
+
+    def add(self, item: T, nbytes: int) -> list[T] | None:
+        """Add ``item``; returns the group it closed, if adding it closed one."""
+        if nbytes <= 0 and not self.keep_empty:
+            return None
+        closed = None
+        if self._current and (
+            self._current_bytes + nbytes > self.target_bytes or len(self._current) >= self.max_tensors
+        ):
+            closed, self._current, self._current_bytes = self._current, [], 0
+        self._current.append(item)
+        self._current_bytes += max(nbytes, 0)
+        return closed
+
+    def flush(self) -> list[T] | None:
+        """The last, open group (None if empty); the packer starts afresh."""
+        closed, self._current, self._current_bytes = self._current or None, [], 0
+        return closed
+
+
 def plan_shards(
     items: Sequence[tuple[T, int]],
     target_bytes: int = DEFAULT_SHARD_BYTES,
     max_tensors: int = MAX_TENSORS_PER_SHARD,
 ) -> list[list[T]]:
-    """Group ``(item, nbytes)`` pairs into shards of about ``target_bytes`` each.
+    """Group ``(item, nbytes)`` pairs into shards of about ``target_bytes`` each (see :class:`ShardPacker`).
 
-    Items keep their order. A shard closes when the next item would push it past the
-    target or past ``max_tensors``; an item larger than the target gets a shard of its own.
-    Empty items are not placed (they need no storage).
+    Items keep their order. Empty items are not placed (they need no storage).
     """
-    if target_bytes <= 0 or max_tensors <= 0:
-        raise ValueError("target_bytes and max_tensors must be positive")
-    shards: list[list[T]] = []
-    current: list[T] = []
-    current_bytes = 0
-    for item, nbytes in items:
-        if nbytes <= 0:
-            continue
-        if current and (current_bytes + nbytes > target_bytes or len(current) >= max_tensors):
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(item)
-        current_bytes += nbytes
-    if current:
-        shards.append(current)
-    return shards
+    packer: ShardPacker[T] = ShardPacker(target_bytes, max_tensors)
+    shards = [group for item, nbytes in items if (group := packer.add(item, nbytes)) is not None]
+    last = packer.flush()
+    return shards + [last] if last is not None else shards
