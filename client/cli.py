@@ -134,8 +134,10 @@ def serve(
     typer.echo(
         f"ckptstore serving {settings.resolved_database_url.split('@')[-1]} on http://{settings.host}:{settings.port}"
     )
+    from service.api.server import http_protocol
+
     if settings.workers == 1:
-        uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+        uvicorn.run(application, host=settings.host, port=settings.port, http=http_protocol(), log_level="info")
     else:
         uvicorn.run(
             "service.api.server:app_from_env",
@@ -143,6 +145,7 @@ def serve(
             host=settings.host,
             port=settings.port,
             workers=settings.workers,
+            http=http_protocol(),
             log_level="info",
         )
 

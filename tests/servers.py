@@ -14,16 +14,23 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from service.api.server import http_protocol, tune_uvicorn
+
 
 @contextmanager
 def running_server(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free loopback port; yields its base URL."""
+    """Serve ``app`` with uvicorn on a free loopback port, set up as ``ckptstore serve`` runs it.
+
+    Yields the server's base URL.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+    tune_uvicorn()
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=http_protocol())
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -37,6 +37,16 @@ def tune_uvicorn() -> None:
             setattr(module, "HIGH_WATER_LIMIT", max(current, BODY_BUFFER_BYTES))  # noqa: B010
 
 
+def http_protocol() -> str:
+    """uvicorn's ``http`` setting: its httptools protocol that hands request bodies over without
+    copying them (:mod:`service.api.protocol`), or uvicorn's own choice without httptools."""
+    try:
+        import service.api.protocol  # noqa: F401  (imports httptools)
+    except ImportError:
+        return "auto"
+    return "service.api.protocol:PiecewiseBodyProtocol"
+
+
 def app_from_env() -> FastAPI:
     """The application for the current ``CKPTSTORE_*`` settings.
 

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 
 from service.api import create_app
 from service.api.deps import ScopeCheck
+from service.api.server import http_protocol
 from service.errors import AuthenticationError
 from service.format.manifest import validate_body
 from service.settings import Settings
@@ -318,7 +319,9 @@ def test_query_string_tokens_are_masked_in_the_servers_access_log(
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     # log_config=None: uvicorn leaves logging alone, so its records reach caplog through the root.
-    config = uvicorn.Config(app, log_config=None, log_level="info", access_log=True, lifespan="off")
+    config = uvicorn.Config(
+        app, log_config=None, log_level="info", access_log=True, lifespan="off", http=http_protocol()
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
