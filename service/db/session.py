@@ -20,17 +20,17 @@ from service.errors import CheckpointError, StorageError
 INSERT_BATCH = 500
 
 
-def _insert(session: Session) -> Callable[[type[Base]], Any]:
+def _insert(session: Session) -> Callable[[Any], Any]:
     """The dialect's INSERT construct, which knows ON CONFLICT DO NOTHING."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        return cast(Callable[[type[Base]], Any], pg_insert)
+        return cast(Callable[[Any], Any], pg_insert)
     if dialect == "sqlite":
         from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-        return cast(Callable[[type[Base]], Any], sqlite_insert)
+        return cast(Callable[[Any], Any], sqlite_insert)
     raise StorageError(f"the metadata database must be SQLite or PostgreSQL, not {dialect}")
 
 
@@ -57,11 +57,14 @@ def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str,
 
     One single-row statement run for every row (``executemany``): it is compiled once and
     cached, where a multi-row VALUES list is compiled anew for each size, which for a shard
-    of a few hundred small tensors cost more than storing its bytes.
+    of a few hundred small tensors cost more than storing its bytes. It runs on the session's
+    connection as a Core statement.
     """
-    statement = _insert(session)(model).on_conflict_do_nothing()
+    # On the table, not the mapped class: the ORM's bulk path handles every row in Python first.
+    statement = _insert(session)(model.__table__).on_conflict_do_nothing()
+    connection = session.connection()
     for start in range(0, len(rows), INSERT_BATCH):
-        session.execute(statement, list(rows[start : start + INSERT_BATCH]))
+        connection.execute(statement, list(rows[start : start + INSERT_BATCH]))
 
 
 def _configure_sqlite(engine: Engine) -> None:
