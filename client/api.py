@@ -210,8 +210,10 @@ class Client:
                     else:  # stored already, sent by an earlier key, or empty
                         skipped += nbytes
                 bar.update(skipped)
+            uploader.flush()
+            # Built while the last shards are still being sent.
+            body = self._manifest_body(flat, digests, step, metrics)
             stored, shards = uploader.finish()
-        body = self._manifest_body(flat, digests, step, metrics)
         try:
             info = self.transport.commit(run_id, body, tags=tags)
         except MissingTensorsError:

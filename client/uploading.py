@@ -64,11 +64,15 @@ class ShardUploader:
         if closed is not None:
             self._send(closed)
 
-    def finish(self) -> tuple[int, int]:
-        """Send what is queued, wait for every shard; returns (bytes stored, shards sent)."""
+    def flush(self) -> None:
+        """Start sending the shard being filled, without waiting for it."""
         last = self._packer.flush()
         if last is not None:
             self._send(last)
+
+    def finish(self) -> tuple[int, int]:
+        """Send what is queued, wait for every shard; returns (bytes stored, shards sent)."""
+        self.flush()
         while self._sending:
             self._collect()
         return self.stored, self.shards
