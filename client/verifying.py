@@ -1,28 +1,37 @@
 """Re-reading and re-hashing every stored byte a set of versions references.
 
 Every tensor's bytes are hashed against its digest, and every shard's header against the
-shard's id. Works through the transport only (``locate`` + ``read_into`` + a digest check), so
+shard's id. Works through the transport only (``locate`` + ``read_scatter`` + a digest check), so
 it checks an embedded store and a server alike. Each digest is read once however many versions
 and keys share it; a problem names the first key that references it and the shard holding it.
+
+Tensors are read in shard-and-offset order in bounded reads (:func:`client.readplan.plan_reads`)
+into two buffers that take turns: a background thread reads the next unit while the calling
+thread hashes the current one, so memory stays near two reads whatever the tensor sizes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from client.readplan import ReadUnit, Stored, plan_reads
 from client.transport import Transport
 from service.errors import CheckpointError, IntegrityError, NotFoundError
+from service.format.digest import TensorHasher, tensor_digest
 from service.format.digest import shard_id as shard_id_of
-from service.format.digest import tensor_digest
 from service.format.manifest import Manifest
 from service.format.safetensors_header import MAX_HEADER_BYTES
 from service.records import TensorLocation
 
-#: Largest single read when checking back-to-back tensors together.
-SPAN_BYTES = 64 << 20
+#: Largest single read, and the size of each of the two buffers reads take turns in (the
+#: same size as a load's reads: over HTTP every request costs a round trip).
+UNIT_BYTES = 64 << 20
 
 
 @dataclass
@@ -89,7 +98,7 @@ def verify(
     Args:
         transport: the store.
         versions: ``(run_id, ref)`` pairs.
-        on_bytes: called with the size of each piece once it is read.
+        on_bytes: called with the size of each tensor once its bytes are checked.
         on_total: called once with the total bytes to read, before reading.
         strict_refs: raise if a version cannot be fetched; else skip versions deleted meanwhile
             and report unreadable manifests as problems.
@@ -123,12 +132,7 @@ def verify(
         firsts.setdefault(location.shard_id, location)
     for shard_id, first in firsts.items():
         _check_header(transport, shard_id, references[first.digest], report)
-    for span in _spans(order):
-        pieces = _read_span(transport, span, references, report)
-        for location, data in pieces:
-            _check(location, data, references[location.digest], report)
-            if on_bytes is not None:
-                on_bytes(location.nbytes)
+    _check_tensors(transport, order, references, report, on_bytes)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -175,40 +179,6 @@ def _locate(
     return found
 
 
-def _spans(locations: list[TensorLocation]) -> Iterator[list[TensorLocation]]:
-    """Group locations (sorted by shard and offset) into back-to-back runs of bounded size."""
-    span: list[TensorLocation] = []
-    for location in locations:
-        if span and (
-            location.shard_id != span[0].shard_id
-            or location.offset != span[-1].offset + span[-1].nbytes
-            or location.offset + location.nbytes - span[0].offset > SPAN_BYTES
-        ):
-            yield span
-            span = []
-        span.append(location)
-    if span:
-        yield span
-
-
-def _read_span(
-    transport: Transport, span: list[TensorLocation], references: dict[str, _Reference], report: VerifyReport
-) -> list[tuple[TensorLocation, memoryview]]:
-    """Read back-to-back pieces with one read; if that fails, piece by piece to say which."""
-    start = span[0].offset
-    buffer = bytearray(span[-1].offset + span[-1].nbytes - start)
-    try:
-        transport.read_into(span[0].shard_id, start, memoryview(buffer))
-    except CheckpointError as exc:
-        if len(span) > 1:
-            return [piece for location in span for piece in _read_span(transport, [location], references, report)]
-        location = span[0]
-        report.problems.append(_problem(references[location.digest], location.digest, location.shard_id, str(exc)))
-        return []
-    view = memoryview(buffer)
-    return [(loc, view[loc.offset - start : loc.offset - start + loc.nbytes]) for loc in span]
-
-
 def _check_header(transport: Transport, shard_id: str, reference: _Reference, report: VerifyReport) -> None:
     """Re-hash the shard's length prefix and header, which its id is the digest of.
 
@@ -236,9 +206,120 @@ def _check_header(transport: Transport, shard_id: str, reference: _Reference, re
         )
 
 
-def _check(location: TensorLocation, data: memoryview, reference: _Reference, report: VerifyReport) -> None:
-    actual = tensor_digest(reference.dtype, reference.shape, data)
-    report.bytes += len(data)
+def _check_tensors(
+    transport: Transport,
+    order: list[TensorLocation],
+    references: dict[str, _Reference],
+    report: VerifyReport,
+    on_bytes: Callable[[int], object] | None,
+) -> None:
+    """Hash each tensor (``order`` is sorted by shard and offset) as its pieces arrive, and check it.
+
+    A tensor whose bytes cannot be read is reported once and not checked further.
+    """
+    units = plan_reads([Stored(loc.shard_id, loc.offset, loc.nbytes) for loc in order], UNIT_BYTES)
+    hashers: dict[int, TensorHasher] = {}
+    unreadable: set[int] = set()
+    with closing(_fetched(transport, units)) as fetched:
+        for unit, views, error in fetched:
+            if error is not None:
+                for index, exc in _unreadable(transport, unit, views, error, order, unreadable).items():
+                    location = order[index]
+                    unreadable.add(index)
+                    hashers.pop(index, None)
+                    report.problems.append(
+                        _problem(references[location.digest], location.digest, location.shard_id, str(exc))
+                    )
+            for piece, view in zip(unit.pieces, views, strict=True):
+                if piece.index in unreadable:
+                    continue
+                location = order[piece.index]
+                reference = references[location.digest]
+                if piece.start == 0:
+                    hashers[piece.index] = TensorHasher(reference.dtype, reference.shape)
+                hashers[piece.index].update(view)
+                if piece.last:
+                    _check(location, hashers.pop(piece.index).hexdigest(), reference, report)
+                    if on_bytes is not None:
+                        on_bytes(location.nbytes)
+
+
+def _fetched(
+    transport: Transport, units: list[ReadUnit]
+) -> Generator[tuple[ReadUnit, list[memoryview], CheckpointError | None], None, None]:
+    """Yield each unit with its pieces' bytes, or the error reading them, the next read running meanwhile.
+
+    Two buffers take turns, so a unit's bytes stay valid only until the next unit is asked
+    for. However the consumer stops, the queued read is cancelled and the running one waited
+    for, so no thread outlives the generator.
+    """
+    size = max((unit.nbytes for unit in units), default=0)
+    buffers = [memoryview(bytearray(size)) for _ in range(min(2, len(units)))]
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-verify")
+    waiting: deque[tuple[ReadUnit, list[memoryview], Future[None]]] = deque()
+    try:
+        for number, unit in enumerate(units):
+            # The unit read into this buffer two turns ago has been handed out and dealt with.
+            views = _views(unit, buffers[number % 2])
+            waiting.append((unit, views, pool.submit(transport.read_scatter, unit.shard_id, unit.offset, views)))
+            if len(waiting) > 1:
+                yield _arrived(*waiting.popleft())
+        while waiting:
+            yield _arrived(*waiting.popleft())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _views(unit: ReadUnit, buffer: memoryview) -> list[memoryview]:
+    """The stretch of ``buffer`` each of the unit's pieces is read into, in order."""
+    views = []
+    start = 0
+    for piece in unit.pieces:
+        views.append(buffer[start : start + piece.length])
+        start += piece.length
+    return views
+
+
+def _arrived(
+    unit: ReadUnit, views: list[memoryview], future: Future[None]
+) -> tuple[ReadUnit, list[memoryview], CheckpointError | None]:
+    try:
+        future.result()
+    except CheckpointError as exc:
+        return unit, views, exc
+    return unit, views, None
+
+
+def _unreadable(
+    transport: Transport,
+    unit: ReadUnit,
+    views: list[memoryview],
+    error: CheckpointError,
+    order: list[TensorLocation],
+    skip: set[int],
+) -> dict[int, CheckpointError]:
+    """The tensors whose bytes in ``unit`` cannot be read, with why, after the unit's read failed with ``error``.
+
+    Each tensor's piece is read again on its own, into its view, so the readable ones can still
+    be hashed. Tensors in ``skip`` (already reported) are left out.
+    """
+    if len(unit.pieces) == 1:
+        (piece,) = unit.pieces
+        return {} if piece.index in skip else {piece.index: error}
+    errors: dict[int, CheckpointError] = {}
+    for piece, view in zip(unit.pieces, views, strict=True):
+        if piece.index in skip:
+            continue
+        location = order[piece.index]
+        try:
+            transport.read_into(location.shard_id, location.offset + piece.start, view)
+        except CheckpointError as exc:
+            errors[piece.index] = exc
+    return errors
+
+
+def _check(location: TensorLocation, actual: str, reference: _Reference, report: VerifyReport) -> None:
+    report.bytes += location.nbytes
     if actual != location.digest:
         report.problems.append(
             _problem(
