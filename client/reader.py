@@ -9,13 +9,12 @@ ahead while the calling thread hashes what has arrived.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 
 import torch
 
+from client.readahead import read_ahead
 from client.readplan import ReadUnit, Stored, plan_reads
 from client.tensors import NAME_TO_TORCH, byte_view
 from client.transport import Transport
@@ -163,19 +162,22 @@ class TensorReader:
         However the consumer stops (an error, an abandoned iterator), queued reads are
         cancelled and the running one is waited for, so no thread outlives the generator.
         """
-        pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ckptstore-read")
-        waiting: deque[tuple[ReadUnit, list[memoryview], Future[None]]] = deque()
-        try:
-            for unit in units:
-                views = [jobs[p.index].bytes()[p.start : p.start + p.length] for p in unit.pieces]
-                future = pool.submit(self.transport.read_scatter, unit.shard_id, unit.offset, views)
-                waiting.append((unit, views, future))
-                if len(waiting) > READ_AHEAD:
-                    yield _arrived(waiting.popleft())
-            while waiting:
-                yield _arrived(waiting.popleft())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+
+        def views_for(_number: int, unit: ReadUnit) -> list[memoryview]:
+            return [jobs[p.index].bytes()[p.start : p.start + p.length] for p in unit.pieces]
+
+        reads = read_ahead(
+            self.transport.read_scatter,
+            units,
+            views_for,
+            ahead=READ_AHEAD,
+            threads=self.read_threads,
+            name="ckptstore-read",
+        )
+        with closing(reads):
+            for unit, views, future in reads:
+                future.result()
+                yield unit, views
 
     def read(self, key: str) -> torch.Tensor:
         """The verified tensor stored under ``key``, as a new CPU tensor."""
@@ -213,12 +215,6 @@ class TensorReader:
         self.bytes_read += nbytes
         if self._on_bytes is not None:
             self._on_bytes(nbytes)
-
-
-def _arrived(item: tuple[ReadUnit, list[memoryview], Future[None]]) -> tuple[ReadUnit, list[memoryview]]:
-    unit, views, future = item
-    future.result()
-    return unit, views
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -13,13 +13,13 @@ thread hashes the current one, so memory stays near two reads whatever the tenso
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from client.readahead import read_ahead
 from client.readplan import ReadUnit, Stored, plan_reads
 from client.transport import Transport
 from service.errors import CheckpointError, IntegrityError, NotFoundError
@@ -255,19 +255,18 @@ def _fetched(
     """
     size = max((unit.nbytes for unit in units), default=0)
     buffers = [memoryview(bytearray(size)) for _ in range(min(2, len(units)))]
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-verify")
-    waiting: deque[tuple[ReadUnit, list[memoryview], Future[None]]] = deque()
-    try:
-        for number, unit in enumerate(units):
-            # The unit read into this buffer two turns ago has been handed out and dealt with.
-            views = _views(unit, buffers[number % 2])
-            waiting.append((unit, views, pool.submit(transport.read_scatter, unit.shard_id, unit.offset, views)))
-            if len(waiting) > 1:
-                yield _arrived(*waiting.popleft())
-        while waiting:
-            yield _arrived(*waiting.popleft())
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    # The unit read into a buffer two turns ago has been handed out and dealt with.
+    reads = read_ahead(
+        transport.read_scatter,
+        units,
+        lambda number, unit: _views(unit, buffers[number % 2]),
+        ahead=1,
+        threads=1,
+        name="ckptstore-verify",
+    )
+    with closing(reads):
+        for unit, views, future in reads:
+            yield _arrived(unit, views, future)
 
 
 def _views(unit: ReadUnit, buffer: memoryview) -> list[memoryview]:

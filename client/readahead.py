@@ -1,0 +1,42 @@
+"""Running a read plan's reads ahead of their consumer on a small thread pool."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from client.readplan import ReadUnit
+
+#: Reads one unit into its pieces' views: ``read_scatter(shard_id, offset, views)``.
+ReadScatter = Callable[[str, int, Sequence[memoryview]], None]
+
+
+def read_ahead(
+    read_scatter: ReadScatter,
+    units: Sequence[ReadUnit],
+    views_for: Callable[[int, ReadUnit], list[memoryview]],
+    *,
+    ahead: int,
+    threads: int,
+    name: str,
+) -> Generator[tuple[ReadUnit, list[memoryview], Future[None]], None, None]:
+    """Yield ``(unit, views, future)`` in order, with up to ``ahead`` later reads started meanwhile.
+
+    ``views_for(number, unit)`` gives the memory the unit's pieces are read into; the caller
+    calls ``future.result()`` to wait for (or raise the error of) that unit's read. However
+    the consumer stops, queued reads are cancelled and running ones waited for, so no thread
+    outlives the generator.
+    """
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    waiting: deque[tuple[ReadUnit, list[memoryview], Future[None]]] = deque()
+    try:
+        for number, unit in enumerate(units):
+            views = views_for(number, unit)
+            waiting.append((unit, views, pool.submit(read_scatter, unit.shard_id, unit.offset, views)))
+            if len(waiting) > ahead:
+                yield waiting.popleft()
+        while waiting:
+            yield waiting.popleft()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
