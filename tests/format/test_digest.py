@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from service.format.digest import (
     ALGORITHM,
     DIGEST_PATTERN,
+    JOIN_BYTES,
     TensorHasher,
     is_digest,
     shard_id,
@@ -68,6 +69,32 @@ def test_incremental_hasher_equals_one_shot(split: int) -> None:
     hasher = TensorHasher("F32", [2])
     hasher.update(DATA[:split])
     hasher.update(memoryview(DATA)[split:])
+    assert hasher.hexdigest() == GOLDEN_F32_2
+
+
+@pytest.mark.parametrize("first", [0, 1, 1000, JOIN_BYTES, JOIN_BYTES + 1, 3 * JOIN_BYTES])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_hasher_equals_plain_blake3_whatever_the_first_piece(first: int, parallel: bool) -> None:
+    # A small first piece is hashed joined to the preamble, a large one after it: same digest.
+    data = bytes(range(256)) * (4 * JOIN_BYTES // 256) + b"tail"
+    shape = [len(data)]
+    expected = blake3.blake3(tensor_preamble("U8", shape) + data).hexdigest()
+    hasher = TensorHasher("U8", shape, parallel=parallel)
+    hasher.update(memoryview(data)[:first])
+    hasher.update(memoryview(data)[first:])
+    assert hasher.hexdigest() == expected
+    assert tensor_digest("U8", shape, data) == expected
+
+
+def test_hasher_fed_nothing_digests_the_preamble() -> None:
+    assert TensorHasher("F32", [0]).hexdigest() == blake3.blake3(b"F32[0]\n").hexdigest()
+    assert tensor_digest("F32", [0], b"") == blake3.blake3(b"F32[0]\n").hexdigest()
+
+
+def test_hasher_takes_typed_memoryviews() -> None:
+    typed = memoryview(DATA).cast("f")
+    hasher = TensorHasher("F32", [2])
+    hasher.update(typed)
     assert hasher.hexdigest() == GOLDEN_F32_2
 
 
