@@ -7,7 +7,7 @@ import platform
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 
@@ -31,7 +31,7 @@ from service.errors import (
     StateMismatchError,
 )
 from service.format.dtypes import dtype_class
-from service.format.manifest import ManifestBody, TensorEntry
+from service.format.manifest import ManifestBody, validate_body
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES, ShardPacker
 from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
@@ -265,13 +265,23 @@ class Client:
     def _manifest_body(
         flat: FlatState, digests: list[str], step: int | None, metrics: dict[str, float] | None
     ) -> ManifestBody:
-        """The manifest body of a save, validated (StateEncodingError/InvalidManifestError naming the problem)."""
-        return ManifestBody(
-            tensors=[_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)],
-            state=cast(dict[Any, Any], flat.state),
-            step=step,
-            metrics=dict(metrics or {}),
-            library={"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        """The manifest body of a save, validated (StateEncodingError/InvalidManifestError naming the problem).
+
+        Entries are built as plain dicts and the whole body is validated once: a TensorEntry
+        built on its own is checked again when the body holds it.
+        """
+        return validate_body(
+            {
+                "tensors": [_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)],
+                "state": flat.state,
+                "step": step,
+                "metrics": dict(metrics or {}),
+                "library": {
+                    "ckptstore": __version__,
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                },
+            }
         )
 
     # -- load ----------------------------------------------------------------------------
@@ -430,18 +440,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _entry(record: TensorRecord, digest: str) -> TensorEntry:
+def _entry(record: TensorRecord, digest: str) -> dict[str, Any]:
     tensor = record.tensor
     name = dtype_name(tensor, record.key)
-    shape = list(tensor.shape)
-    return TensorEntry(
-        key=record.key,
-        dtype=name,
-        shape=shape,
-        dtype_class=dtype_class(name),
-        digest=digest,
-        placement=record.placement,
-        param=record.param,
-        device_type=tensor.device.type,
-        trainable=record.trainable,
-    )
+    return {
+        "key": record.key,
+        "dtype": name,
+        "shape": list(tensor.shape),
+        "dtype_class": dtype_class(name),
+        "digest": digest,
+        "placement": record.placement,
+        "param": record.param,
+        "device_type": tensor.device.type,
+        "trainable": record.trainable,
+    }
