@@ -48,4 +48,5 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
             from service.db.schema import require_current
 
             require_current(database)
-    return Store(database, open_blob_store(settings.resolved_blobs, settings), settings.staging_dir)
+    blobs = open_blob_store(settings.resolved_blobs, settings)
+    return Store(database, blobs, settings.staging_dir, direct_writes=settings.direct_writes)

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import BinaryIO
 
+from service.direct_file import DirectFileWriter
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
 from service.format.digest import TensorHasher
 from service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader, parse_header
-
-#: Staging-file buffer: small pieces are gathered into writes of up to this size.
-WRITE_BUFFER_BYTES = 1 << 20
 
 
 class ShardReceiver:
@@ -31,6 +28,8 @@ class ShardReceiver:
         expected_id: the shard id the upload claims; checked once the header is complete.
         max_bytes: refuse shards larger than this (PayloadTooLargeError).
         max_header_bytes: refuse headers larger than this.
+        direct_writes: write the staging file around the page cache where the file system
+            allows it (see :mod:`service.direct_file`).
     """
 
     def __init__(
@@ -40,15 +39,17 @@ class ShardReceiver:
         expected_id: str | None = None,
         max_bytes: int | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
+        direct_writes: bool = True,
     ) -> None:
         self.path = Path(path)
         self.expected_id = expected_id
         self.max_bytes = max_bytes
         self.max_header_bytes = max_header_bytes
+        self.direct_writes = direct_writes
         self.received = 0
         self.header: ShardHeader | None = None
         self._head = bytearray()
-        self._handle: BinaryIO | None = None
+        self._handle: DirectFileWriter | None = None
         self._entry = 0  # index of the tensor the next data byte belongs to
         self._hasher: TensorHasher | None = None
 
@@ -106,11 +107,10 @@ class ShardReceiver:
             raise InvalidShardError(f"shard header length is {length}; it must be at least 2")
         return PREFIX_BYTES + int(length)
 
-    def _open(self) -> BinaryIO:
+    def _open(self) -> DirectFileWriter:
         try:
-            # A large buffer turns the many small tensors of an adapter's shard into few writes;
-            # pieces larger than it go straight to the file.
-            self._handle = open(self.path, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed by finish() or discard()
+            # Its buffer also turns the many small tensors of an adapter's shard into few writes.
+            self._handle = DirectFileWriter(self.path, direct=self.direct_writes)
         except OSError as exc:
             raise self._storage_error(exc) from exc
         return self._handle
@@ -184,7 +184,7 @@ class ShardReceiver:
         """Close and remove the staging file (a no-op once the store has moved it away)."""
         if self._handle is not None:
             try:
-                self._handle.close()
+                self._handle.abort()
             except OSError:
                 pass
         self.path.unlink(missing_ok=True)

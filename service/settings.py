@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     s3_part_bytes: int = Field(default=64 << 20, ge=5 << 20)
     #: Largest shard upload accepted, in bytes.
     max_shard_bytes: int = Field(default=8 << 30, ge=1 << 20)
+    #: Write shards around the page cache (O_DIRECT) where the file system allows it.
+    direct_writes: bool = True
     #: Largest JSON request body accepted, in bytes.
     max_json_bytes: int = Field(default=256 << 20, ge=1 << 16)
 

@@ -33,6 +33,7 @@ from service.ingest import verify_shard_file
 from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_policy, check_policy, describe_policy, lock_run, read_policy, write_policy
+from service.settings import Settings
 
 QUERY_BATCH = 500
 MAX_DIGESTS_PER_QUERY = 100_000
@@ -63,23 +64,38 @@ class Store:
         blobs: where shard files live.
         staging_dir: a local folder for shards being received or written.
         max_header_bytes: cap on a shard's JSON header.
+        direct_writes: write shards around the page cache where the file system allows it
+            (:mod:`service.direct_file`).
     """
 
     def __init__(
-        self, db: Database, blobs: BlobStore, staging_dir: Path, *, max_header_bytes: int = MAX_HEADER_BYTES
+        self,
+        db: Database,
+        blobs: BlobStore,
+        staging_dir: Path,
+        *,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        direct_writes: bool = True,
     ) -> None:
         self.db = db
         self.blobs = blobs
         self.staging_dir = Path(staging_dir)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.max_header_bytes = max_header_bytes
+        self.direct_writes = direct_writes
 
     @classmethod
-    def open_home(cls, home: Path | str) -> Store:
-        """The embedded store in folder ``home``: ``metadata.db``, ``blobs/`` and ``staging/``."""
+    def open_home(cls, home: Path | str, *, direct_writes: bool | None = None) -> Store:
+        """The embedded store in folder ``home``: ``metadata.db``, ``blobs/`` and ``staging/``.
+
+        ``direct_writes`` defaults to the ``CKPTSTORE_DIRECT_WRITES`` setting (on).
+        """
         home = Path(home).expanduser()
         home.mkdir(parents=True, exist_ok=True)
-        return cls(Database.sqlite_file(home / "metadata.db"), LocalBlobStore(home / "blobs"), home / "staging")
+        if direct_writes is None:
+            direct_writes = Settings().direct_writes
+        database = Database.sqlite_file(home / "metadata.db")
+        return cls(database, LocalBlobStore(home / "blobs"), home / "staging", direct_writes=direct_writes)
 
     def close(self) -> None:
         """Release database connections."""
@@ -147,7 +163,11 @@ class Store:
     def receiver(self, *, expected_id: str | None = None, max_bytes: int | None = None) -> ShardReceiver:
         """A :class:`ShardReceiver` writing into this store's staging folder; pass it to :meth:`ingest_received`."""
         return ShardReceiver(
-            self.staging_path(), expected_id=expected_id, max_bytes=max_bytes, max_header_bytes=self.max_header_bytes
+            self.staging_path(),
+            expected_id=expected_id,
+            max_bytes=max_bytes,
+            max_header_bytes=self.max_header_bytes,
+            direct_writes=self.direct_writes,
         )
 
     def ingest_received(self, receiver: ShardReceiver) -> ShardReceipt:

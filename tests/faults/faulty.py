@@ -33,7 +33,7 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 from urllib3.exceptions import ProtocolError
@@ -242,48 +242,28 @@ class FaultyBlobStore(BlobStore):
         return self.inner.list_ids()
 
 
-class _FailingWrites:
-    """A staging file whose first write puts half its bytes on disk, then fails."""
-
-    def __init__(self, handle: IO[bytes], error: OSError, partial_files: list[tuple[Path, int]]) -> None:
-        self._handle = handle
-        self._error = error
-        self._partial_files = partial_files
-
-    def __enter__(self) -> _FailingWrites:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handle.close()
-
-    def close(self) -> None:
-        self._handle.close()
-
-    def write(self, data: bytes | memoryview) -> None:
-        data = bytes(data)
-        self._handle.write(data[: len(data) // 2])
-        self._handle.flush()
-        name = Path(str(self._handle.name))
-        self._partial_files.append((name, name.stat().st_size))
-        raise self._error
-
-
 def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[tuple[Path, int]]:
     """Make the server's next staging file fail with ``error`` once half its bytes are written.
 
-    Returns the list that records the file cut short (path, bytes on disk at the failure).
+    The failure comes from the staging writer's own ``os.write`` (direct or buffered), as a
+    full disk would report it. Returns the list that records the file cut short (path, bytes
+    on disk at the failure).
     """
-    from service import receiver
+    from service import direct_file
 
     partial_files: list[tuple[Path, int]] = []
 
-    def failing_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        handle = open(file, mode, *args, **kwargs)
-        if "w" in mode and not partial_files:
-            return _FailingWrites(handle, error, partial_files)
-        return handle
+    def failing_write(fd: int, data: Any) -> int:
+        if partial_files:
+            return os.write(fd, data)
+        view = memoryview(data).cast("B")
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        with open(path, "ab") as handle:  # half the bytes land, whatever O_DIRECT would allow
+            handle.write(view[: max(1, view.nbytes // 2)])
+        partial_files.append((path, path.stat().st_size))
+        raise error
 
-    monkeypatch.setattr(receiver, "open", failing_open, raising=False)
+    monkeypatch.setattr(direct_file, "os", _Overlay(os, write=failing_write))
     return partial_files
 
 

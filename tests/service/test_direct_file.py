@@ -1,0 +1,115 @@
+"""DirectFileWriter: exact files whatever the write sizes, written around the page cache."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
+from service.store import Store
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (``mincore`` on a mapping that touches none)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        vector = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        del address
+        return sum(byte & 1 for byte in vector)
+
+
+def write_in_pieces(path: Path, data: bytes, sizes: list[int], *, direct: bool) -> DirectFileWriter:
+    writer = DirectFileWriter(path, direct=direct)
+    start = 0
+    for size in sizes:
+        writer.write(memoryview(data)[start : start + size])
+        start += size
+    writer.write(memoryview(data)[start:])
+    writer.close()
+    return writer
+
+
+piece_sizes = st.lists(
+    st.one_of(st.integers(0, 3 * ALIGNMENT), st.integers(BUFFER_BYTES - 2, BUFFER_BYTES + ALIGNMENT)), max_size=5
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=piece_sizes, direct=st.booleans())
+def test_the_file_holds_exactly_the_bytes_written_whatever_the_piece_sizes(
+    tmp_path: Path, sizes: list[int], direct: bool
+) -> None:
+    data = os.urandom(sum(sizes) + 17)
+    path = tmp_path / f"f{os.urandom(4).hex()}"
+    writer = write_in_pieces(path, data, sizes, direct=direct)
+    assert writer.size == len(data)
+    assert path.stat().st_size == len(data)  # the padded last block was cut off again
+    assert path.read_bytes() == data
+
+
+def test_direct_writes_leave_the_page_cache_empty_and_buffered_ones_fill_it(tmp_path: Path) -> None:
+    data = os.urandom(3 * BUFFER_BYTES + 12345)
+    sizes = [1000, 5 * ALIGNMENT + 3, BUFFER_BYTES]
+    direct = write_in_pieces(tmp_path / "direct", data, sizes, direct=True)
+    buffered = write_in_pieces(tmp_path / "buffered", data, sizes, direct=False)
+    assert direct.direct, f"{tmp_path}'s file system refused O_DIRECT"
+    assert not buffered.direct
+    pages = -(-len(data) // mmap.PAGESIZE)
+    assert cached_pages(tmp_path / "direct") == 0
+    assert cached_pages(tmp_path / "buffered") == pages
+    assert (tmp_path / "direct").read_bytes() == (tmp_path / "buffered").read_bytes() == data
+
+
+def test_a_direct_write_the_file_system_refuses_is_done_buffered_instead(tmp_path: Path) -> None:
+    writer = DirectFileWriter(tmp_path / "f", direct=True)
+    assert writer.direct
+    unaligned = memoryview(bytearray(b"x" * 4097))[1:]  # O_DIRECT refuses this memory (EINVAL)
+    writer._write_all(unaligned)  # as a file system that took the flag at open but refuses the write
+    assert not writer.direct
+    writer.write(b"tail")
+    writer.close()
+    assert (tmp_path / "f").read_bytes() == b"x" * 4096 + b"tail"
+
+
+def test_abort_closes_the_file_without_writing_what_is_buffered(tmp_path: Path) -> None:
+    writer = DirectFileWriter(tmp_path / "f")
+    writer.write(b"never written")
+    writer.abort()
+    writer.abort()  # idempotent, as is close() after it
+    writer.close()
+    assert (tmp_path / "f").read_bytes() == b""
+
+
+def test_an_existing_file_is_never_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"keep")
+    with pytest.raises(FileExistsError):
+        DirectFileWriter(tmp_path / "f")
+    assert (tmp_path / "f").read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("0", False), ("false", False), ("1", True)])
+def test_the_embedded_store_takes_direct_writes_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bool
+) -> None:
+    if value is None:
+        monkeypatch.delenv("CKPTSTORE_DIRECT_WRITES", raising=False)
+    else:
+        monkeypatch.setenv("CKPTSTORE_DIRECT_WRITES", value)
+    store = Store.open_home(tmp_path)
+    try:
+        assert store.direct_writes is expected
+        assert store.receiver().direct_writes is expected
+    finally:
+        store.close()
