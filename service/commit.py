@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, cast
 
-from sqlalchemy import Table, insert, select
+from sqlalchemy import Table, Text, insert, select, type_coerce
 from sqlalchemy.orm import Session
 
 from service.db.models import Run, Tag, Tensor, Version, VersionRef, utcnow
@@ -32,55 +33,84 @@ def _lock_run(session: Session, run_id: str) -> Run:
     return session.execute(locked).scalar_one()
 
 
+_TENSORS = cast(Table, Tensor.__table__)
+_REFS = cast(Table, VersionRef.__table__)
+
+
 def _stored_tensors(session: Session, digests: list[str]) -> dict[str, Any]:
-    # Plain rows, not ORM objects: a commit of 100,000 tensors should not churn the garbage collector.
+    """``digest -> row`` of (digest, dtype, shape, nbytes, referenced) for those of ``digests`` stored.
+
+    ``referenced``: whether some committed version references the digest already. EXISTS stops
+    at a digest's first reference, where reading the references themselves would take every
+    version's, and a run's commits would slow down as versions sharing its weights add up.
+    """
+    # Core rows on the session's connection, not ORM objects or ORM statements: a small commit
+    # to a large manifest spends its time here, and a commit of 100,000 tensors should not
+    # churn the garbage collector.
     found: dict[str, Any] = {}
-    columns = select(Tensor.digest, Tensor.dtype, Tensor.shape, Tensor.nbytes)
+    referenced = select(_REFS.c.digest).where(_REFS.c.digest == _TENSORS.c.digest).exists().label("referenced")
+    # The shape as the database holds it: see _Shapes.
+    shape = type_coerce(_TENSORS.c.shape, Text).label("shape")
+    columns = select(_TENSORS.c.digest, _TENSORS.c.dtype, shape, _TENSORS.c.nbytes, referenced)
+    connection = session.connection()
     for start in range(0, len(digests), BATCH):
         batch = digests[start : start + BATCH]
-        found.update((row.digest, row) for row in session.execute(columns.where(Tensor.digest.in_(batch))))
+        found.update((row.digest, row) for row in connection.execute(columns.where(_TENSORS.c.digest.in_(batch))))
     return found
 
 
-def _referenced_before(session: Session, sizes: dict[str, int]) -> set[str]:
-    """Those digests of ``sizes`` (digest -> bytes) that some committed version references."""
+class _Shapes:
+    """Stored shapes read as lists, each distinct JSON text parsed once.
+
+    A model's tensors share a few shapes, so parsing every row's text anew was a good part of
+    checking a manifest. PostgreSQL's driver hands JSON over already parsed.
+    """
+
+    def __init__(self) -> None:
+        self._parsed: dict[str, list[int]] = {}
+
+    def __call__(self, value: Any) -> list[int]:
+        if not isinstance(value, str):
+            return list(value)
+        parsed = self._parsed.get(value)
+        if parsed is None:
+            parsed = self._parsed[value] = list(json.loads(value))
+        return parsed
+
+
+def _empty_referenced(session: Session, empty: list[str]) -> set[str]:
+    """Those digests of empty tensors that some committed version references (they have no tensor row)."""
     seen: set[str] = set()
-    stored = [d for d, n in sizes.items() if n > 0]
-    for start in range(0, len(stored), BATCH):
-        batch = stored[start : start + BATCH]
-        # Each has a tensor row (checked in this transaction, which holds off sweeps). EXISTS stops
-        # at a digest's first reference, where reading the references themselves would take every
-        # version's, and a run's commits would slow down as versions sharing its weights add up.
-        referenced = select(VersionRef.digest).where(VersionRef.digest == Tensor.digest).exists()
-        seen.update(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch), referenced)))
-    # Empty tensors need no tensor row; there are few distinct ones.
-    empty = [d for d, n in sizes.items() if n == 0]
+    connection = session.connection()
     for start in range(0, len(empty), BATCH):
         batch = empty[start : start + BATCH]
-        seen.update(session.scalars(select(VersionRef.digest).where(VersionRef.digest.in_(batch)).distinct()))
+        seen.update(connection.scalars(select(_REFS.c.digest).where(_REFS.c.digest.in_(batch)).distinct()))
     return seen
 
 
 def _add_references(session: Session, run_id: str, version: int, digests: list[str]) -> None:
-    # Core executemany, not ORM objects: a version of 100,000 tensors adds as many rows, and
-    # building, tracking and flushing an object per row was most of a small commit's time.
-    table = cast(Table, VersionRef.__table__)
+    # Core executemany on the connection, not ORM objects: a version of 100,000 tensors adds as
+    # many rows, and building, tracking and flushing an object per row was most of a small
+    # commit's time.
+    connection = session.connection()
+    statement = insert(_REFS)
     for start in range(0, len(digests), BATCH):
         rows = [{"run_id": run_id, "version": version, "digest": d} for d in digests[start : start + BATCH]]
-        session.execute(insert(table), rows)
+        connection.execute(statement, rows)
 
 
 def _pieces(entry: TensorEntry) -> list[tuple[str, list[int]]]:
     if entry.digest is not None:
-        return [(entry.digest, list(entry.shape))]
-    return [(c.digest, list(c.shape)) for c in entry.chunks or ()]
+        return [(entry.digest, entry.shape)]
+    return [(c.digest, c.shape) for c in entry.chunks or ()]
 
 
-def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
+def check_references(session: Session, body: ManifestBody) -> tuple[dict[str, int], set[str]]:
     """Check every digest is stored with the dtype and shape the manifest claims.
 
-    Returns the byte size of every distinct stored digest. Empty pieces need no storage;
-    their digest must be the digest of no bytes.
+    Returns the byte size of every distinct stored digest, and those of them some committed
+    version references already. Empty pieces need no storage; their digest must be the
+    digest of no bytes.
     """
     # Every claim is kept, not only the first: two keys may share a digest and each must agree.
     expected: dict[str, list[tuple[str, list[int], str]]] = {}
@@ -92,7 +122,11 @@ def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
                     raise InvalidManifestError(f"{entry.key}: empty tensor has a digest that is not of no bytes")
                 sizes[digest] = 0
                 continue
-            expected.setdefault(digest, []).append((entry.dtype, shape, entry.key))
+            claims = expected.get(digest)
+            if claims is None:
+                expected[digest] = [(entry.dtype, shape, entry.key)]
+            else:
+                claims.append((entry.dtype, shape, entry.key))
     stored = _stored_tensors(session, list(expected))
     absent = [d for d in expected if d not in stored]
     if absent:
@@ -101,15 +135,21 @@ def check_references(session: Session, body: ManifestBody) -> dict[str, int]:
             "upload their shards first",
             absent,
         )
+    empty = [d for d, n in sizes.items() if n == 0]
+    seen = _empty_referenced(session, empty) if empty else set()
+    shapes = _Shapes()
     for digest, claims in expected.items():
         row = stored[digest]
+        row_shape = shapes(row.shape)
         for dtype, shape, key in claims:
-            if row.dtype != dtype or list(row.shape) != shape:
+            if row.dtype != dtype or row_shape != shape:
                 raise InvalidManifestError(
-                    f"{key}: manifest says {dtype}{shape} but digest {digest[:16]}… is stored as {row.dtype}{row.shape}"
+                    f"{key}: manifest says {dtype}{shape} but digest {digest[:16]}… is stored as {row.dtype}{row_shape}"
                 )
         sizes[digest] = row.nbytes
-    return sizes
+        if row.referenced:
+            seen.add(digest)
+    return sizes, seen
 
 
 def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequence[str]) -> VersionInfo:
@@ -121,8 +161,10 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     # Before the reference check: a sweep either finished (the check sees what it removed) or
     # waits for this commit to end (and then sees its references).
     hold_shared(session)
-    sizes = check_references(session, body)
+    # The run is locked first: the references this commit finds already there are then those
+    # every earlier commit to the run left, so its figures count what it alone adds.
     run = _lock_run(session, run_id)
+    sizes, seen_before = check_references(session, body)
     parent = session.scalar(
         select(Version.version).where(Version.run_id == run_id).order_by(Version.version.desc()).limit(1)
     )
@@ -130,8 +172,13 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     number = run.version_counter
     now = utcnow()
     run.updated_at = now
-    seen_before = _referenced_before(session, sizes)
     new_digests = [d for d in sizes if d not in seen_before]
+    bytes_total = bytes_trainable = 0
+    for entry in body.tensors:
+        nbytes = entry.nbytes
+        bytes_total += nbytes
+        if entry.trainable:
+            bytes_trainable += nbytes
     manifest = stamp(body, run_id=run_id, version=number, parent=parent, created_at=now)
     row = Version(
         run_id=run_id,
@@ -142,9 +189,9 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
         metrics=dict(body.metrics),
         tensors_total=len(body.tensors),
         tensors_new=len(new_digests),
-        bytes_total=sum(e.nbytes for e in body.tensors),
+        bytes_total=bytes_total,
         bytes_new=sum(sizes[d] for d in new_digests),
-        bytes_trainable=sum(e.nbytes for e in body.tensors if e.trainable),
+        bytes_trainable=bytes_trainable,
         manifest=manifest_to_json(manifest),
     )
     session.add(row)

@@ -641,3 +641,17 @@ def test_every_entry_sharing_a_digest_is_checked(store: Store, ingest: Ingest) -
         with pytest.raises(InvalidManifestError, match="model/lm_head"):
             store.commit(RUN, body(honest, lying))
     assert store.runs() == []
+
+
+def test_shapes_are_checked_per_stored_tensor_when_many_share_them(store: Store, ingest: Ingest) -> None:
+    # Stored shapes are parsed once per distinct text: each claim is still held to its own row.
+    same = [raw("F32", (2, 3), seed) for seed in (1, 2, 3)]
+    other = raw("F32", (3, 2), 4)
+    for tensor in (*same, other):
+        ingest(tensor)
+    honest = [entry(f"model/w{i}", tensor) for i, tensor in enumerate(same)]
+    lying = entry("model/other", other).model_copy(update={"shape": [2, 3]})
+    with pytest.raises(InvalidManifestError, match=r"model/other: manifest says F32\[2, 3\] .* stored as F32\[3, 2\]"):
+        store.commit(RUN, body(*honest, lying))
+    assert store.runs() == []
+    assert store.commit(RUN, body(*honest, entry("model/other", other))).tensors_new == 4
