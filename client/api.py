@@ -182,7 +182,9 @@ class Client:
         """
         records = flat.records
         lengths = [_nbytes(record.tensor) for record in records]
-        groups = self._hash_groups(records, lengths)
+        cache = self.digest_cache
+        known: list[str | None] = [cache.get(r.tensor) if cache is not None else None for r in records]
+        groups = self._hash_groups(records, lengths, known)
         if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
             self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
         digests = [""] * len(records)
@@ -193,7 +195,9 @@ class Client:
             ShardUploader(self.transport, self.shard_bytes, bar.update, self._widths()[1]) as uploader,
         ):
             for group in groups:
-                hashed = digest_all([(records[i].key, records[i].tensor) for i in group], self.digest_cache)
+                hashed = digest_all(
+                    [(records[i].key, records[i].tensor) for i in group], cache, known=[known[i] for i in group]
+                )
                 fresh: dict[str, int] = {}
                 for index, digest in zip(group, hashed, strict=True):
                     digests[index] = digest
@@ -249,13 +253,21 @@ class Client:
             return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
         return 1, UPLOADS_IN_FLIGHT
 
-    def _hash_groups(self, records: list[TensorRecord], sizes: list[int]) -> list[list[int]]:
-        """Record indexes in order, cut so that each group holds about one shard of bytes to hash."""
+    def _hash_groups(
+        self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None
+    ) -> list[list[int]]:
+        """Record indexes in order, cut so that each group holds about one shard of bytes to hash.
+
+        ``known``: the digests the cache holds (None where a record must be hashed); by default
+        the cache is asked.
+        """
+        if known is None:
+            cache = self.digest_cache
+            known = [cache.get(r.tensor) if cache is not None else None for r in records]
         packer: ShardPacker[int] = ShardPacker(self.shard_bytes, keep_empty=True)
         groups = []
-        for index, (record, nbytes) in enumerate(zip(records, sizes, strict=True)):
-            cached = self.digest_cache is not None and self.digest_cache.holds(record.tensor)
-            closed = packer.add(index, 0 if cached else nbytes)
+        for index, (digest, nbytes) in enumerate(zip(known, sizes, strict=True)):
+            closed = packer.add(index, 0 if digest is not None else nbytes)
             if closed is not None:
                 groups.append(closed)
         last = packer.flush()

@@ -58,22 +58,30 @@ class DigestCache:
 
     def get(self, tensor: torch.Tensor) -> str | None:
         """The cached digest of ``tensor`` if it is the same object, unchanged since hashing."""
-        if tensor.requires_grad:
-            return None
-        with self._lock:
-            entry = self._entries.get(id(tensor))
-        if entry is None or entry.ref() is not tensor or entry.fingerprint != _fingerprint(tensor):
-            return None
-        self.hits += 1
-        return entry.digest
+        digest = self._lookup(tensor)
+        if digest is not None:
+            self.hits += 1
+        return digest
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether :meth:`get` would return a digest for ``tensor`` (not counted as a hit)."""
+        return self._lookup(tensor) is not None
+
+    def _lookup(self, tensor: torch.Tensor) -> str | None:
         if tensor.requires_grad:
-            return False
+            return None
         with self._lock:
             entry = self._entries.get(id(tensor))
-        return entry is not None and entry.ref() is tensor and entry.fingerprint == _fingerprint(tensor)
+        if entry is None or entry.ref() is not tensor:
+            return None
+        try:
+            # The version counter first: a tensor changed in place (optimizer state, every
+            # step) is told apart without building its whole fingerprint.
+            if tensor._version != entry.fingerprint[-1]:
+                return None
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+        return entry.digest if entry.fingerprint == _fingerprint(tensor) else None
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Drop ``tensor``'s entry (and with it the weak reference that blocks swap_tensors)."""
@@ -88,6 +96,11 @@ class DigestCache:
         if tensor.requires_grad or fingerprint is None:
             return
         key = id(tensor)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.ref() is tensor:  # hashed before: keep its weak reference
+                entry.fingerprint, entry.digest = fingerprint, digest
+                return
 
         def forget(_ref: weakref.ref[torch.Tensor], key: int = key) -> None:
             with self._lock:
@@ -110,13 +123,24 @@ def _is_large(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and tensor.nelement() * tensor.element_size() >= INLINE_BYTES
 
 
-def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: DigestCache | None, threads: int = 2) -> list[str]:
+def digest_all(
+    tensors: list[tuple[str, torch.Tensor]],
+    cache: DigestCache | None,
+    threads: int = 2,
+    known: list[str | None] | None = None,
+) -> list[str]:
     """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe.
 
-    Tensors of at least ``INLINE_BYTES`` are hashed on ``threads`` threads; smaller ones in
-    the calling thread meanwhile, since handing them to a thread costs more than hashing them.
+    ``known`` holds digests the caller already took from the cache (None: hash that one);
+    without it the cache is asked here. Tensors of at least ``INLINE_BYTES`` are hashed on
+    ``threads`` threads; smaller ones in the calling thread meanwhile, since handing them to a
+    thread costs more than hashing them.
     """
-    results: list[str | None] = [cache.get(t) if cache else None for _, t in tensors]
+    results: list[str | None]
+    if known is not None:
+        results = list(known)
+    else:
+        results = [cache.get(t) if cache else None for _, t in tensors]
     # The same tensor object under several keys (tied weights) is hashed once.
     first_index: dict[int, int] = {}
     large: list[int] = []

@@ -61,12 +61,20 @@ def host_contiguous(tensor: torch.Tensor, key: str) -> torch.Tensor:
     return tensor.contiguous()
 
 
+#: dtypes whose numpy view has the tensor's own bytes: their views skip reshaping and reinterpreting.
+_NUMPY_NATIVE = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.float16, torch.float32, torch.float64, torch.complex64}
+)
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
+    if tensor.numel() == 0:
         return memoryview(b"")
-    return flat.view(torch.uint8).numpy().data.cast("B")
+    if tensor.dtype in _NUMPY_NATIVE:
+        return tensor.numpy().data.cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def tensor_from_buffer(buffer: memoryview | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:

@@ -94,3 +94,34 @@ def test_an_unstorable_small_tensor_fails_while_large_ones_hash(monkeypatch: pyt
     ]
     with pytest.raises(StateEncodingError, match="bad"):
         digest_all(pairs, None, threads=2)
+
+
+def test_a_tensor_whose_data_is_swapped_is_hashed_afresh() -> None:
+    model = frozen_model()
+    cache = DigestCache()
+    pairs = [("norm.weight", model.norm.weight)]
+    (first,) = digest_all(pairs, cache)
+    model.norm.weight.data = torch.full((16,), 5.0)  # the same object, other storage
+    (second,) = digest_all(pairs, cache)
+    assert cache.hits == 0
+    assert second != first and second == digest_all(pairs, None)[0]
+
+
+def test_a_changed_tensor_is_remembered_with_its_new_digest() -> None:
+    tensor = torch.zeros(8)
+    cache = DigestCache()
+    (first,) = digest_all([("t", tensor)], cache)
+    tensor.add_(1.0)
+    (second,) = digest_all([("t", tensor)], cache)
+    assert cache.hits == 0 and second != first
+    assert digest_all([("t", tensor)], cache) == [second]
+    assert cache.hits == 1
+    tensor.add_(1.0)
+    assert digest_all([("t", tensor)], cache) == digest_all([("t", tensor)], None)
+    assert cache.hits == 1
+
+
+def test_known_digests_are_used_as_given() -> None:
+    given = "a" * 64
+    pairs = [("a", torch.zeros(2)), ("b", torch.ones(2))]
+    assert digest_all(pairs, None, known=[given, None]) == [given, digest_all(pairs[1:], None)[0]]
