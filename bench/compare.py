@@ -539,9 +539,11 @@ class DistributedCheckpoint(Method):
 
 
 class RawIO(Method):
-    """The device's floor, not a format: every tensor's bytes back to back in one file, written
-    and fsynced, then read with ``preadv`` straight into the destination tensors. No header
-    beyond a JSON index, no hashing, no copies: what any checkpoint format pays at least."""
+    """The plain I/O floor, not a format: every tensor's bytes back to back in one file, written
+    (buffered, through the page cache, as every other method here writes) and fsynced, then read
+    with ``preadv`` straight into the destination tensors. No header beyond a JSON index, no
+    hashing: what a format writing through the page cache pays at least. ckptstore's direct
+    writes skip the page cache and can beat this save."""
 
     name = "raw-io"
 
@@ -929,8 +931,8 @@ def floor_line(bench: Bench) -> str:
     floor = t[("raw-io", LOAD_INTO)]
     speeds = ", ".join(f"{m.name} {floor / t[(m.name, LOAD_INTO)]:.2f}x" for m in METHODS if m.name != "raw-io")
     return (
-        f"device floor (raw-io, no format, no hashing): save {t[('raw-io', 'save')]:.3f} s, cold read into the "
-        f"model {floor:.3f} s; load-into-model speed as a share of it: {speeds}"
+        f"I/O floor (raw-io: buffered write, no format, no hashing): save {t[('raw-io', 'save')]:.3f} s, "
+        f"cold read into the model {floor:.3f} s; load-into-model speed as a share of it: {speeds}"
     )
 
 
