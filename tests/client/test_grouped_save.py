@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,3 +82,41 @@ def test_groups_follow_the_bytes_still_to_hash(tmp_path: Path) -> None:
         ckpt.save("frozen", model)  # every tensor is now in the digest cache
         frozen = flatten(model, None, None, None).records
         assert len(ckpt._hash_groups(frozen, [r.tensor.numel() * r.tensor.element_size() for r in frozen])) == 1
+
+
+def test_cached_tensors_the_store_lost_are_sent_again_in_their_group(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Frozen weights the client hashed before are asked about apart from the others; after
+    # their only version is deleted and collected, the next save must send them again, in
+    # whichever group they fall.
+    torch.manual_seed(0)
+    model = Wide()
+    for index, layer in enumerate(model.layers):
+        for param in layer.parameters():
+            param.requires_grad_(index % 2 == 1)  # even layers frozen (and cached), odd ones trainable
+    backend.client.shard_bytes = SHARD
+    first = backend.client.save("lost", model)
+    backend.client.delete("lost", first.version)
+    backend.client.gc(grace_seconds=0)
+    assert list(backend.blobs.list_ids()) == []
+    with torch.no_grad():
+        model.layers[1].weight.add_(1.0)
+    transport = backend.client.transport
+    commits: list[object] = []
+    commit = transport.commit
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        commits.append(args)
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(transport, "commit", counted)
+    again = backend.client.save("lost", model)
+    assert len(commits) == 1  # sent before the commit, not after it was refused
+    assert (again.tensors_new, again.bytes_new) == (first.tensors_new, first.bytes_new)
+    digests = stored_digests(backend)
+    assert len(digests) == len(set(digests)) == 16
+    fresh = Wide()
+    backend.client.load("lost", model=fresh)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
