@@ -21,17 +21,21 @@ import fcntl
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 #: Alignment of O_DIRECT writes: a multiple of every common logical block size (512, 4096).
 ALIGNMENT = 4096
 #: Bytes gathered before each write.
 BUFFER_BYTES = 4 << 20
-#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory).
+#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory; a file uses two).
 MAX_IDLE_BUFFERS = 8
+#: Threads writing full buffers, shared by every file being written in the process.
+WRITER_THREADS = 4
 
 _idle_buffers: list[mmap.mmap] = []
 _idle_lock = threading.Lock()
+_writers: ThreadPoolExecutor | None = None
 
 
 def _take_buffer() -> mmap.mmap:
@@ -46,21 +50,42 @@ def _give_back(buffer: mmap.mmap) -> None:
         if len(_idle_buffers) < MAX_IDLE_BUFFERS:
             _idle_buffers.append(buffer)
             return
-    buffer.close()
+    try:
+        buffer.close()
+    except BufferError:
+        pass  # a view of it is still alive somewhere: the mapping goes when that view does
+
+
+def _writer_pool() -> ThreadPoolExecutor:
+    """The threads that write full buffers while their files' next bytes are gathered."""
+    global _writers
+    with _idle_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="ckptstore-write")
+        return _writers
 
 
 class DirectFileWriter:
     """A new file at ``path`` written front to back with :meth:`write`, then :meth:`close`.
 
+    With ``write_behind``, two buffers take turns: while one is written to the file on a
+    background thread, the next bytes are gathered in the other, so a caller that hashes and
+    copies as bytes arrive (an HTTP upload) overlaps the device's write. Without it each full
+    buffer is written before ``write`` returns, which is faster where the caller's other
+    threads already keep both cores busy (an embedded save hashing its next shard).
+
     Args:
         path: the file to create; it must not exist.
         direct: bypass the page cache if the file system supports it.
+        write_behind: write full buffers on a background thread.
 
-    Raises OSError from the file system (ENOSPC, EIO, EEXIST) unchanged.
+    Raises OSError from the file system (ENOSPC, EIO, EEXIST) unchanged; an error of a
+    background write is raised by the next :meth:`write` or by :meth:`close`.
     """
 
-    def __init__(self, path: Path | str, *, direct: bool = True) -> None:
+    def __init__(self, path: Path | str, *, direct: bool = True, write_behind: bool = False) -> None:
         self.path = Path(path)
+        self.write_behind = write_behind
         self.size = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self.direct = direct and hasattr(os, "O_DIRECT")
@@ -73,9 +98,12 @@ class DirectFileWriter:
                     raise
                 self.direct = False  # tmpfs and others refuse the flag at open
         self._fd = fd if fd >= 0 else os.open(self.path, flags, 0o666)
-        self._buffer: mmap.mmap | None = _take_buffer()
-        self._view = memoryview(self._buffer)
+        self._buffers: list[mmap.mmap] = [_take_buffer() for _ in range(2 if write_behind else 1)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._view = self._views[0]
         self._filled = 0
+        self._writing: Future[None] | None = None
+        self._closed = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data`` to the file."""
@@ -83,21 +111,22 @@ class DirectFileWriter:
         self.size += view.nbytes
         while view.nbytes:
             if not self.direct and self._filled == 0 and view.nbytes >= BUFFER_BYTES:
-                self._write_all(view)  # buffered: large pieces go to the kernel as they are
+                self._wait()  # buffered: large pieces go to the kernel as they are, in order
+                self._write_all(view)
                 return
             take = min(view.nbytes, BUFFER_BYTES - self._filled)
             self._view[self._filled : self._filled + take] = view[:take]
             self._filled += take
             view = view[take:]
             if self._filled == BUFFER_BYTES:
-                self._write_all(self._view)
-                self._filled = 0
+                self._write_full_buffer()
 
     def close(self) -> None:
         """Write what is buffered and close the file (its length is exactly the bytes written)."""
-        if self._buffer is None:
+        if self._closed:
             return
         try:
+            self._wait()
             if self._filled:
                 if self.direct:
                     padded = -(-self._filled // ALIGNMENT) * ALIGNMENT
@@ -113,16 +142,41 @@ class DirectFileWriter:
 
     def abort(self) -> None:
         """Close without writing what is buffered (the caller removes the file)."""
-        if self._buffer is not None:
+        if self._closed:
+            return
+        try:
+            self._wait()
+        except OSError:
+            pass  # the file is being given up anyway
+        finally:
             self._release()
 
+    def _write_full_buffer(self) -> None:
+        """Write the full buffer (or hand it to a writer thread) and gather into the other one."""
+        self._wait()
+        full = self._view
+        if not self.write_behind:
+            self._write_all(full)
+            self._filled = 0
+            return
+        self._writing = _writer_pool().submit(self._write_all, full)
+        self._view = self._views[1] if full is self._views[0] else self._views[0]
+        self._filled = 0
+
+    def _wait(self) -> None:
+        """Wait for the background write (raising its error), so the file is written in order."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
     def _release(self) -> None:
-        buffer, self._buffer = self._buffer, None
-        self._view.release()
+        self._closed = True
+        for view in self._views:
+            view.release()
         try:
             os.close(self._fd)
         finally:
-            if buffer is not None:
+            for buffer in self._buffers:
                 _give_back(buffer)
 
     def _write_all(self, view: memoryview) -> None:

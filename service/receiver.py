@@ -30,6 +30,8 @@ class ShardReceiver:
         max_header_bytes: refuse headers larger than this.
         direct_writes: write the staging file around the page cache where the file system
             allows it (see :mod:`service.direct_file`).
+        write_behind: write the staging file on a background thread while the next bytes are
+            hashed (for uploads, whose bytes arrive while earlier ones are written).
     """
 
     def __init__(
@@ -40,12 +42,14 @@ class ShardReceiver:
         max_bytes: int | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
         direct_writes: bool = True,
+        write_behind: bool = False,
     ) -> None:
         self.path = Path(path)
         self.expected_id = expected_id
         self.max_bytes = max_bytes
         self.max_header_bytes = max_header_bytes
         self.direct_writes = direct_writes
+        self.write_behind = write_behind
         self.received = 0
         self.header: ShardHeader | None = None
         self._head = bytearray()
@@ -110,7 +114,7 @@ class ShardReceiver:
     def _open(self) -> DirectFileWriter:
         try:
             # Its buffer also turns the many small tensors of an adapter's shard into few writes.
-            self._handle = DirectFileWriter(self.path, direct=self.direct_writes)
+            self._handle = DirectFileWriter(self.path, direct=self.direct_writes, write_behind=self.write_behind)
         except OSError as exc:
             raise self._storage_error(exc) from exc
         return self._handle

@@ -31,7 +31,7 @@ async def receive_shard(
             raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
         if int(declared_length) > max_bytes:
             raise PayloadTooLargeError(f"shard of {declared_length} bytes exceeds the limit of {max_bytes}")
-    receiver = store.receiver(expected_id=shard_id, max_bytes=max_bytes)
+    receiver = store.receiver(expected_id=shard_id, max_bytes=max_bytes, write_behind=True)
     try:
         pending: list[bytes] = []
         pending_bytes = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from service import direct_file
 from service.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
 from service.store import Store
 
@@ -30,8 +32,10 @@ def cached_pages(path: Path) -> int:
         return sum(byte & 1 for byte in vector)
 
 
-def write_in_pieces(path: Path, data: bytes, sizes: list[int], *, direct: bool) -> DirectFileWriter:
-    writer = DirectFileWriter(path, direct=direct)
+def write_in_pieces(
+    path: Path, data: bytes, sizes: list[int], *, direct: bool, write_behind: bool = False
+) -> DirectFileWriter:
+    writer = DirectFileWriter(path, direct=direct, write_behind=write_behind)
     start = 0
     for size in sizes:
         writer.write(memoryview(data)[start : start + size])
@@ -47,13 +51,13 @@ piece_sizes = st.lists(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(sizes=piece_sizes, direct=st.booleans())
+@given(sizes=piece_sizes, direct=st.booleans(), write_behind=st.booleans())
 def test_the_file_holds_exactly_the_bytes_written_whatever_the_piece_sizes(
-    tmp_path: Path, sizes: list[int], direct: bool
+    tmp_path: Path, sizes: list[int], direct: bool, write_behind: bool
 ) -> None:
     data = os.urandom(sum(sizes) + 17)
     path = tmp_path / f"f{os.urandom(4).hex()}"
-    writer = write_in_pieces(path, data, sizes, direct=direct)
+    writer = write_in_pieces(path, data, sizes, direct=direct, write_behind=write_behind)
     assert writer.size == len(data)
     assert path.stat().st_size == len(data)  # the padded last block was cut off again
     assert path.read_bytes() == data
@@ -81,6 +85,38 @@ def test_a_direct_write_the_file_system_refuses_is_done_buffered_instead(tmp_pat
     writer.write(b"tail")
     writer.close()
     assert (tmp_path / "f").read_bytes() == b"x" * 4096 + b"tail"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_failed_background_write_is_raised_by_the_next_call_and_nothing_is_written_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    calls: list[int] = []
+
+    class FullDisk:
+        """``os`` whose second write finds the disk full."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd: int, data: memoryview) -> int:
+            calls.append(memoryview(data).nbytes)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return os.write(fd, data)
+
+    monkeypatch.setattr(direct_file, "os", FullDisk())
+    writer = DirectFileWriter(tmp_path / "f", direct=direct, write_behind=True)
+    block = bytes(BUFFER_BYTES)
+    with pytest.raises(OSError) as caught:
+        for _ in range(5):  # direct: the second buffer's write fails in the background
+            writer.write(block)
+        writer.close()
+    assert caught.value.errno == errno.ENOSPC
+    assert calls == [BUFFER_BYTES, BUFFER_BYTES]  # nothing was written after the failure
+    writer.abort()  # still closes cleanly
+    assert (tmp_path / "f").stat().st_size == BUFFER_BYTES
 
 
 def test_abort_closes_the_file_without_writing_what_is_buffered(tmp_path: Path) -> None:
@@ -111,5 +147,6 @@ def test_the_embedded_store_takes_direct_writes_from_the_environment(
     try:
         assert store.direct_writes is expected
         assert store.receiver().direct_writes is expected
+        assert store.receiver(write_behind=True).write_behind
     finally:
         store.close()
