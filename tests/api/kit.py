@@ -7,7 +7,6 @@ format's own :func:`tensor_digest`, and a shard is :func:`encode_header` followe
 from __future__ import annotations
 
 import queue
-import random
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,28 +16,16 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from service.format.digest import shard_id, tensor_digest
-from service.format.dtypes import byte_length, dtype_class
+from service.format.digest import shard_id
+from service.format.dtypes import dtype_class
 from service.format.safetensors_header import encode_header
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """A tensor as the service sees it: dtype name, shape and raw bytes."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-    @property
-    def digest(self) -> str:
-        """The tensor's content digest."""
-        return tensor_digest(self.dtype, self.shape, self.data)
+from tests.service.shardkit import RawTensor as Tensor
+from tests.service.shardkit import raw
 
 
 def tensor(seed: int, dtype: str = "F32", shape: Sequence[int] = (4, 4)) -> Tensor:
     """A tensor whose bytes are drawn from ``seed`` (distinct seeds give distinct digests)."""
-    return Tensor(dtype, tuple(shape), random.Random(seed).randbytes(byte_length(dtype, list(shape))))
+    return raw(dtype, list(shape), seed)
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,15 @@ metric ``loss`` in a scrambled order and ``val_loss`` on every tenth version.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from service.format.digest import tensor_digest
-from service.format.dtypes import byte_length, dtype_class
+from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.safetensors_header import encode_header
 from service.store import Store
+from tests.service import shardkit
+from tests.service.shardkit import RawTensor as Raw
 
 READ_TOKEN = "pages-read-token-5c1e9a7f30b2"
 WRITE_TOKEN = "pages-write-token-84d2b6f1e07c"
@@ -29,23 +28,9 @@ LONG_VERSIONS = 120
 LONG_TAGS = {120: ["lowest-loss"], 100: ["release-1"]}
 
 
-@dataclass(frozen=True)
-class Raw:
-    """A tensor as the store sees it: dtype, shape and little-endian bytes."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-    @property
-    def digest(self) -> str:
-        """The tensor's content digest."""
-        return tensor_digest(self.dtype, self.shape, self.data)
-
-
 def raw(seed: int, shape: Sequence[int] = (4, 4), dtype: str = "F32") -> Raw:
     """A tensor of random bytes drawn from ``seed`` (distinct seeds give distinct digests)."""
-    return Raw(dtype, tuple(shape), random.Random(seed).randbytes(byte_length(dtype, list(shape))))
+    return shardkit.raw(dtype, list(shape), seed)
 
 
 def ingest(store: Store, *tensors: Raw) -> None:
