@@ -920,7 +920,7 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
             f"v2 wrote {v2['bytes_new'] / MIB:.2f} MiB of {lora['bytes_total'] / GIB:.3f} GiB and took "
             f"{statistics.median(v2['seconds']) / full:.3f}x the time of the first full save "
             f"({statistics.median(fresh['seconds']) / full:.3f}x from a new client)",
-            floor_line(bench),
+            *([floor_line(bench)] if any(r.operation == LOAD_INTO for r in bench.rows) else []),
         ]
     )
 
@@ -960,8 +960,20 @@ def targets(bench: Bench) -> list[Target]:
     t = {(r.method, r.operation): r.median for r in bench.rows}
     rss = {(r.method, r.operation): r.peak_rss_mib for r in bench.rows}
     full = t[("ckptstore", "save")]
-    found = [
+    save_targets = [
         Target("embedded save speed vs safetensors save_file+fsync", t[("safetensors", "save")] / full, 0.8, 1.0),
+        Target(
+            "LoRA v2 save time / first full save time (same client)",
+            statistics.median(bench.lora["save_lora_v2"]["seconds"]) / full,
+            0.10,
+            at_most=True,
+        ),
+        Target("HTTP save speed vs embedded", full / t[("ckptstore-http", "save")], 0.6, 0.8),
+    ]
+    if ("ckptstore", LOAD_INTO) not in t:  # --skip-loads
+        return save_targets
+    found = [
+        save_targets[0],
         Target(
             "embedded load-into-model speed vs safetensors load_file",
             t[("safetensors", LOAD)] / t[("ckptstore", LOAD_INTO)],
@@ -973,14 +985,10 @@ def targets(bench: Bench) -> list[Target]:
             t[("dcp", LOAD_INTO)] / t[("ckptstore", LOAD_INTO)],
             1.5,
         ),
-        Target(
-            "LoRA v2 save time / first full save time (same client)",
-            statistics.median(bench.lora["save_lora_v2"]["seconds"]) / full,
-            0.10,
-            at_most=True,
-        ),
+        save_targets[1],
+        save_targets[2],
     ]
-    for operation in ("save", LOAD, LOAD_INTO):
+    for operation in (LOAD, LOAD_INTO):
         found.append(
             Target(
                 f"HTTP {operation} speed vs embedded",
@@ -1094,6 +1102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="scratch folder parent (default: a temp dir on /work)"
     )
+    parser.add_argument(
+        "--skip-loads", action="store_true", help="time only the saves and the LoRA version (large or wide models)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-path", default=None, help=argparse.SUPPRESS)
@@ -1152,7 +1163,8 @@ def run_bench(args: argparse.Namespace, shape: Shape) -> Bench:
             f"state {bench.total_bytes / GIB:.3f} GiB in {workdir}; cold reads via {bench.dropper.method}",
             file=sys.stderr,
         )
-        for phase in (time_saves, time_loads, measure_rss, time_lora):
+        phases = (time_saves, time_lora) if args.skip_loads else (time_saves, time_loads, measure_rss, time_lora)
+        for phase in phases:
             print(f"{time.strftime('%H:%M:%S')} {phase.__name__}", file=sys.stderr, flush=True)
             phase(bench)
     finally:
