@@ -9,7 +9,7 @@ the same bytes went to the device in 0.44-0.64 s with ``O_DIRECT``.
 ``O_DIRECT`` wants every write aligned in memory, in length and in file position, so bytes are
 gathered in a page-aligned buffer (reused across files, so its memory stays resident) and
 written a whole buffer at a time; the last block is padded and the file then cut to its true
-length. File systems without ``O_DIRECT`` (tmpfs, some network and FUSE mounts) get ordinary
+length. File systems without ``O_DIRECT`` (tmpfs before Linux 6.6, some network and FUSE mounts) get ordinary
 buffered writes through the same interface, as does every file when direct writes are turned
 off (``CKPTSTORE_DIRECT_WRITES=0``). Either way the caller still fsyncs the file.
 """
@@ -28,7 +28,8 @@ from pathlib import Path
 ALIGNMENT = 4096
 #: Bytes gathered before each write.
 BUFFER_BYTES = 4 << 20
-#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory; a file uses two).
+#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory; a file uses one,
+#: two with write-behind).
 MAX_IDLE_BUFFERS = 8
 #: Threads writing full buffers, shared by every file being written in the process.
 WRITER_THREADS = 4
