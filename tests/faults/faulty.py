@@ -30,6 +30,7 @@ import errno
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -242,16 +243,16 @@ class FaultyBlobStore(BlobStore):
         return self.inner.list_ids()
 
 
-def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[tuple[Path, int]]:
+def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[tuple[Path, int, str]]:
     """Make the server's next staging file fail with ``error`` once half its bytes are written.
 
     The failure comes from the staging writer's own ``os.write`` (direct or buffered), as a
     full disk would report it. Returns the list that records the file cut short (path, bytes
-    on disk at the failure).
+    on disk at the failure, the name of the thread whose write failed).
     """
     from service import direct_file
 
-    partial_files: list[tuple[Path, int]] = []
+    partial_files: list[tuple[Path, int, str]] = []
 
     def failing_write(fd: int, data: Any) -> int:
         if partial_files:
@@ -260,7 +261,7 @@ def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list
         path = Path(os.readlink(f"/proc/self/fd/{fd}"))
         with open(path, "ab") as handle:  # half the bytes land, whatever O_DIRECT would allow
             handle.write(view[: max(1, view.nbytes // 2)])
-        partial_files.append((path, path.stat().st_size))
+        partial_files.append((path, path.stat().st_size, threading.current_thread().name))
         raise error
 
     monkeypatch.setattr(direct_file, "os", _Overlay(os, write=failing_write))

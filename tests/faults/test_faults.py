@@ -226,21 +226,25 @@ def test_a_failed_put_over_http_is_a_503_and_changes_nothing(make_rig: Callable[
         assert_retry_stores(rig, case, retry.json())
 
 
+@pytest.mark.parametrize("shard", [SMALL, BIG], ids=["written-at-the-end", "written-behind-the-upload"])
 def test_a_full_staging_disk_while_receiving_an_upload_is_a_503_and_changes_nothing(
-    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, shard: Shard
 ) -> None:
+    # SMALL fits one staging buffer, written when the body is complete; BIG fills several, so
+    # the failing write runs on a writer thread while the body is still arriving.
     rig = make_rig("local", serve=True)
-    case = Case("local", "staging", lambda: os_error(errno.ENOSPC), SMALL)
+    case = Case("local", "staging", lambda: os_error(errno.ENOSPC), shard)
     partial = fail_staging_writes(monkeypatch, os_error(errno.ENOSPC))
     with rig.http() as http:
-        response = http.put(f"/v1/shards/{SMALL.shard_id}", content=SMALL.data)
+        response = http.put(f"/v1/shards/{shard.shard_id}", content=shard.data)
         assert_storage_response(response)
         assert "No space left on device" in response.json()["message"]
-        ((path, size),) = partial
+        ((path, size, thread),) = partial
         assert size > 0 and not path.exists()
+        assert thread.startswith("ckptstore-write") is (shard is BIG)
         assert rig.leftovers() == [] and rig.stored() == []
-        assert rig.store.missing(SMALL.digests) == SMALL.digests
-        retry = http.put(f"/v1/shards/{SMALL.shard_id}", content=SMALL.data)
+        assert rig.store.missing(shard.digests) == shard.digests
+        retry = http.put(f"/v1/shards/{shard.shard_id}", content=shard.data)
         assert retry.status_code == 201, retry.text
         assert_retry_stores(rig, case, retry.json())
 
