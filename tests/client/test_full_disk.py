@@ -1,0 +1,36 @@
+"""A store disk that fills up during a save: never a partial version, and the save goes through once
+there is room (over HTTP by the client's own retry of the refused upload, embedded by saving again)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import client
+from tests.client.conftest import Backend
+from tests.faults.faulty import fail_staging_writes
+
+
+def test_a_save_that_fills_the_store_disk_stores_no_partial_version(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 16))  # 8 MiB: several staging buffers
+    partial = fail_staging_writes(monkeypatch, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    if backend.name == "embedded":
+        with pytest.raises(client.StorageError, match="No space left on device"):
+            backend.client.save("full-disk", model)
+        assert backend.client.runs() == []
+        saved = backend.client.save("full-disk", model)
+    else:
+        saved = backend.client.save("full-disk", model)  # the 503 for the shard is retried
+    assert len(partial) == 1  # the fault fired once, in the middle of the first shard
+    assert saved.version == 1 and [v.version for v in backend.client.versions("full-disk")] == [1]
+    target = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 16))
+    backend.client.load("full-disk", model=target)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
