@@ -51,7 +51,8 @@ PAGE = 4096
 MIB = 1 << 20
 GIB = 1 << 30
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LORA_RANK = 8
+#: Share of the model's parameters the LoRA adapters train (the rank is chosen to match it).
+LORA_SHARE = 0.01
 PROJECTIONS = ("q", "k", "v", "o")
 LOAD = "load"
 LOAD_INTO = "load_into_model"
@@ -755,6 +756,13 @@ def measure_rss(bench: Bench) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def lora_rank(model: Transformer, share: float = LORA_SHARE) -> int:
+    """The adapter rank whose A/B pairs on every attention projection train ``share`` of the model."""
+    d = model.blocks[0].q.weight.shape[1]
+    per_rank = len(model.blocks) * len(PROJECTIONS) * 2 * d
+    return max(1, round(share * sum(p.numel() for p in model.parameters()) / per_rank))
+
+
 def add_adapters(model: Transformer, rank: int) -> list[nn.Parameter]:
     """Freeze the model and give every attention projection a trainable rank-``rank`` A/B pair."""
     model.requires_grad_(False)
@@ -801,12 +809,17 @@ def time_lora(bench: Bench) -> None:
     frozen base, and once from a new client (as a resumed process would), which re-hashes the
     base but still writes only what changed. The adapters' AdamW state is saved with them.
     """
-    adapters = add_adapters(bench.model, LORA_RANK)
+    adapters = add_adapters(bench.model, lora_rank(bench.model))
     optim = torch.optim.AdamW(adapters, lr=1e-4)
     results = [lora_round(bench, adapters, optim) for _ in range(bench.repeats)]
     last = results[-1]
     total = last["save_lora_v1"][1].bytes_total
-    bench.lora = {"adapter_bytes": tensor_bytes(adapters), "bytes_total": total}
+    bench.lora = {
+        "adapter_bytes": tensor_bytes(adapters),
+        "adapter_share": sum(a.numel() for a in adapters) / sum(p.numel() for p in bench.model.parameters()),
+        "rank": adapters[0].shape[0],
+        "bytes_total": total,
+    }
     for name in last:
         bench.lora[name] = {"seconds": [r[name][0] for r in results], "bytes_new": last[name][1].bytes_new}
     for name, note in LORA_SAVES.items():
@@ -916,7 +929,8 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
             f"vocab={shape.vocab}, {shape.dtype}), optimizer {(bench.total_bytes - bench.model_bytes) / GIB:.3f} GiB; "
             f"median of {bench.repeats} after {bench.warmup} warm-up; cold reads via {bench.dropper.method}; "
             "GB/s = logical bytes / 1e9 / s",
-            f"LoRA: adapters {lora['adapter_bytes'] / MIB:.2f} MiB + AdamW state; "
+            f"LoRA: rank {lora['rank']} on {', '.join(PROJECTIONS)}, {lora['adapter_share']:.2%} of the parameters "
+            f"trainable, adapters {lora['adapter_bytes'] / MIB:.2f} MiB + AdamW state; "
             f"v2 wrote {v2['bytes_new'] / MIB:.2f} MiB of {lora['bytes_total'] / GIB:.3f} GiB and took "
             f"{statistics.median(v2['seconds']) / full:.3f}x the time of the first full save "
             f"({statistics.median(fresh['seconds']) / full:.3f}x from a new client)",
