@@ -182,8 +182,7 @@ class Client:
         """
         records = flat.records
         lengths = [_nbytes(record.tensor) for record in records]
-        cache = self.digest_cache
-        known: list[str | None] = [cache.get(r.tensor) if cache is not None else None for r in records]
+        known = self._cached_digests(records)
         groups = self._hash_groups(records, lengths, known)
         if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
             self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
@@ -196,7 +195,9 @@ class Client:
         ):
             for group in groups:
                 hashed = digest_all(
-                    [(records[i].key, records[i].tensor) for i in group], cache, known=[known[i] for i in group]
+                    [(records[i].key, records[i].tensor) for i in group],
+                    self.digest_cache,
+                    known=[known[i] for i in group],
                 )
                 fresh: dict[str, int] = {}
                 for index, digest in zip(group, hashed, strict=True):
@@ -253,6 +254,11 @@ class Client:
             return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
         return 1, UPLOADS_IN_FLIGHT
 
+    def _cached_digests(self, records: list[TensorRecord]) -> list[str | None]:
+        """Each record's digest from this client's cache, or None where it must be hashed."""
+        cache = self.digest_cache
+        return [cache.get(r.tensor) if cache is not None else None for r in records]
+
     def _hash_groups(
         self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None
     ) -> list[list[int]]:
@@ -262,8 +268,7 @@ class Client:
         the cache is asked.
         """
         if known is None:
-            cache = self.digest_cache
-            known = [cache.get(r.tensor) if cache is not None else None for r in records]
+            known = self._cached_digests(records)
         packer: ShardPacker[int] = ShardPacker(self.shard_bytes, keep_empty=True)
         groups = []
         for index, (digest, nbytes) in enumerate(zip(known, sizes, strict=True)):

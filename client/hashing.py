@@ -63,10 +63,6 @@ class DigestCache:
             self.hits += 1
         return digest
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether :meth:`get` would return a digest for ``tensor`` (not counted as a hit)."""
-        return self._lookup(tensor) is not None
-
     def _lookup(self, tensor: torch.Tensor) -> str | None:
         if tensor.requires_grad:
             return None

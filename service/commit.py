@@ -122,11 +122,7 @@ def check_references(session: Session, body: ManifestBody) -> tuple[dict[str, in
                     raise InvalidManifestError(f"{entry.key}: empty tensor has a digest that is not of no bytes")
                 sizes[digest] = 0
                 continue
-            claims = expected.get(digest)
-            if claims is None:
-                expected[digest] = [(entry.dtype, shape, entry.key)]
-            else:
-                claims.append((entry.dtype, shape, entry.key))
+            expected.setdefault(digest, []).append((entry.dtype, shape, entry.key))
     stored = _stored_tensors(session, list(expected))
     absent = [d for d in expected if d not in stored]
     if absent:

@@ -129,17 +129,20 @@ class DirectFileWriter:
         try:
             self._wait()
             if self._filled:
-                if self.direct:
-                    padded = -(-self._filled // ALIGNMENT) * ALIGNMENT
-                    self._view[self._filled : padded] = bytes(padded - self._filled)
-                    self._write_all(self._view[:padded])
-                    if padded != self._filled:
-                        os.ftruncate(self._fd, self.size)
-                else:
-                    self._write_all(self._view[: self._filled])
-                self._filled = 0
+                self._write_tail()
         finally:
             self._release()
+
+    def _write_tail(self) -> None:
+        """Write the partly filled buffer; a direct write pads it to a block, then cuts the file back."""
+        if not self.direct:
+            self._write_all(self._view[: self._filled])
+            return
+        padded = -(-self._filled // ALIGNMENT) * ALIGNMENT
+        self._view[self._filled : padded] = bytes(padded - self._filled)
+        self._write_all(self._view[:padded])
+        if padded != self._filled:
+            os.ftruncate(self._fd, self.size)
 
     def abort(self) -> None:
         """Close without writing what is buffered (the caller removes the file)."""
@@ -155,13 +158,11 @@ class DirectFileWriter:
     def _write_full_buffer(self) -> None:
         """Write the full buffer (or hand it to a writer thread) and gather into the other one."""
         self._wait()
-        full = self._view
-        if not self.write_behind:
-            self._write_all(full)
-            self._filled = 0
-            return
-        self._writing = _writer_pool().submit(self._write_all, full)
-        self._view = self._views[1] if full is self._views[0] else self._views[0]
+        if self.write_behind:
+            self._writing = _writer_pool().submit(self._write_all, self._view)
+            self._view = self._views[1] if self._view is self._views[0] else self._views[0]
+        else:
+            self._write_all(self._view)
         self._filled = 0
 
     def _wait(self) -> None:

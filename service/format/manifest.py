@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints,
 
 from service.errors import InvalidManifestError
 from service.format.digest import DIGEST_PATTERN
-from service.format.dtypes import DTYPES, byte_length, element_count
+from service.format.dtypes import byte_length, dtype_class, element_count
 from service.format.names import MetricName, RunId
 
 FORMAT_VERSION = "ckptstore.manifest/1"
@@ -88,13 +88,11 @@ class TensorEntry(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> TensorEntry:
-        # Runs for every entry of every manifest, so it looks the dtype up once.
-        width, klass = DTYPES[self.dtype]
-        if self.dtype_class != klass:
+        if self.dtype_class != dtype_class(self.dtype):
             raise ValueError(f"{self.key}: dtype_class {self.dtype_class} does not match dtype {self.dtype}")
         if (self.digest is None) == (self.chunks is None):
             raise ValueError(f"{self.key}: give exactly one of digest and chunks")
-        if width * math.prod(self.shape) > INT64_MAX:
+        if byte_length(self.dtype, self.shape) > INT64_MAX:
             raise ValueError(f"{self.key}: shape {self.shape} is too large")
         if (self.placement == "param") != (self.param is not None):
             raise ValueError(f"{self.key}: 'param' is required with placement 'param' and only then")
