@@ -256,8 +256,9 @@ class Client:
 
     def _cached_digests(self, records: list[TensorRecord]) -> list[str | None]:
         """Each record's digest from this client's cache, or None where it must be hashed."""
-        cache = self.digest_cache
-        return [cache.get(r.tensor) if cache is not None else None for r in records]
+        if self.digest_cache is None:
+            return [None] * len(records)
+        return self.digest_cache.get_many([r.tensor for r in records])
 
     def _hash_groups(
         self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None
