@@ -13,8 +13,9 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore, LocalBlobStore
@@ -54,6 +55,21 @@ def _check_digests(digests: Iterable[str]) -> list[str]:
         if not is_digest(digest):
             raise InvalidInputError(f"{str(digest)[:80]!r} is not a digest (64 lowercase hex characters)")
     return unique
+
+
+_TENSORS = cast(Table, Tensor.__table__)
+# The write path's statements, built once and run on the session's connection: building them
+# per call and the ORM's handling of their results took about half of Store.missing.
+_PRESENT = select(_TENSORS.c.digest).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
+# Rows another transaction is stamping right now are skipped rather than waited for: two saves
+# asking about overlapping digests in different orders would otherwise deadlock, and the other
+# stamp is as fresh as this one.
+_STAMP_SEEN = (
+    update(_TENSORS)
+    .where(_TENSORS.c.digest.in_(_PRESENT.with_for_update(skip_locked=True).scalar_subquery()))
+    .values(last_seen_at=bindparam("now"))
+)
+_SHARD_KNOWN = select(Shard.id).where(Shard.id == bindparam("shard_id"))
 
 
 class Store:
@@ -127,8 +143,9 @@ class Store:
             # Under the collection lock: a sweep either ran before (they are reported missing)
             # or runs after and sees the stamp.
             hold_shared(session)
+            connection = session.connection()
             for batch in _batches(wanted):
-                found = sorted(session.scalars(select(Tensor.digest).where(Tensor.digest.in_(batch))))
+                found = sorted(connection.execute(_PRESENT, {"digests": batch}).scalars())
                 if found:
                     _stamp_seen(session, found, now)
                 present.update(found)
@@ -217,7 +234,7 @@ class Store:
         """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new."""
         for _attempt in range(INGEST_ATTEMPTS):
             with self.db.transaction() as session:
-                known = session.get(Shard, header.shard_id) is not None
+                known = session.connection().execute(_SHARD_KNOWN, {"shard_id": header.shard_id}).first() is not None
             if not known:
                 # Only a shard not yet stored is hashed: a known id names bytes already verified.
                 verify()
@@ -494,14 +511,7 @@ class _BlobSwept(Exception):
 
 
 def _stamp_seen(session: Session, digests: Sequence[str], now: datetime) -> None:
-    # Rows another transaction is stamping right now are skipped rather than waited for: two
-    # saves asking about overlapping digests in different orders would otherwise deadlock,
-    # and the other stamp is as fresh as this one.
-    free = select(Tensor.digest).where(Tensor.digest.in_(digests)).with_for_update(skip_locked=True)
-    session.execute(
-        update(Tensor).where(Tensor.digest.in_(free.scalar_subquery())).values(last_seen_at=now),
-        execution_options={"synchronize_session": False},
-    )
+    session.connection().execute(_STAMP_SEEN, {"digests": digests, "now": now})
 
 
 def version_info(row: Version, tags: list[str]) -> VersionInfo:

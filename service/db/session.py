@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import Table, create_engine, event
 from sqlalchemy.engine import CursorResult, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -16,22 +17,30 @@ from service.db import schema
 from service.db.models import Base
 from service.errors import CheckpointError, StorageError
 
-#: Rows per INSERT statement: far below SQLite's and PostgreSQL's bound-parameter limits.
+#: Rows per executemany of an INSERT: bounds the parameter lists built at once.
 INSERT_BATCH = 500
 
 
-def _insert(session: Session) -> Callable[[Any], Any]:
-    """The dialect's INSERT construct, which knows ON CONFLICT DO NOTHING."""
-    dialect = session.get_bind().dialect.name
+@functools.cache
+def _insert_or_skip(dialect: str, table: Table) -> Any:
+    """``INSERT … ON CONFLICT DO NOTHING`` of one row into ``table``, built once per dialect.
+
+    A single-row statement with bound parameters is compiled once and cached, where a multi-row
+    VALUES list has no cache key and was compiled anew on every call (~0.3 ms each).
+    """
     if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        return cast(Callable[[Any], Any], pg_insert)
+        return pg_insert(table).on_conflict_do_nothing()
     if dialect == "sqlite":
         from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-        return cast(Callable[[Any], Any], sqlite_insert)
+        return sqlite_insert(table).on_conflict_do_nothing()
     raise StorageError(f"the metadata database must be SQLite or PostgreSQL, not {dialect}")
+
+
+def _statement_for(session: Session, model: type[Base]) -> Any:
+    return _insert_or_skip(session.get_bind().dialect.name, cast(Table, model.__table__))
 
 
 def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> int:
@@ -42,14 +51,12 @@ def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any
     succeed. Callers that may race on several rows pass them in key order, so two such
     transactions never wait for each other in a cycle.
     """
-    build = _insert(session)
-    inserted = 0
-    for start in range(0, len(rows), INSERT_BATCH):
-        statement = build(model).values(list(rows[start : start + INSERT_BATCH])).on_conflict_do_nothing()
-        # SQLAlchemy reports an INSERT's row count only when asked to keep it.
-        result = session.execute(statement.execution_options(preserve_rowcount=True))
-        inserted += cast(CursorResult[Any], result).rowcount
-    return inserted
+    # One execution per row (callers pass one) on the session's connection: each reports its
+    # own row count, where drivers do not agree on an executemany's. SQLAlchemy reports an
+    # INSERT's row count only when asked to keep it.
+    statement = _statement_for(session, model).execution_options(preserve_rowcount=True)
+    connection = session.connection()
+    return sum(cast(CursorResult[Any], connection.execute(statement, row)).rowcount for row in rows)
 
 
 def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> None:
@@ -61,7 +68,7 @@ def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str,
     connection as a Core statement.
     """
     # On the table, not the mapped class: the ORM's bulk path handles every row in Python first.
-    statement = _insert(session)(model.__table__).on_conflict_do_nothing()
+    statement = _statement_for(session, model)
     connection = session.connection()
     for start in range(0, len(rows), INSERT_BATCH):
         connection.execute(statement, list(rows[start : start + INSERT_BATCH]))
