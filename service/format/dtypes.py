@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -42,10 +43,7 @@ def dtype_class(dtype: str) -> DTypeClass:
 
 def element_count(shape: Sequence[int]) -> int:
     """Number of elements of ``shape`` (1 for a scalar), exact for any size."""
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+    return math.prod(shape)
 
 
 def byte_length(dtype: str, shape: Sequence[int]) -> int:
