@@ -9,7 +9,7 @@ import torch
 from client.tensors import byte_view, dtype_name, host_contiguous
 from service.format.digest import shard_id
 from service.format.dtypes import itemsize
-from service.format.safetensors_header import encode_header
+from service.format.safetensors_header import header_bytes
 
 SHARD_METADATA = {"format": "ckptstore.shard/1"}
 
@@ -43,6 +43,6 @@ def build_shard(tensors: list[tuple[str, str, torch.Tensor]]) -> ShardPayload:
     files the safetensors library writes. Tensors on other devices are copied to the host.
     """
     hosts = [(digest, host_contiguous(tensor, key)) for digest, key, tensor in tensors]
-    hosts.sort(key=lambda item: -itemsize(dtype_name(item[1], item[0])))
-    header, _ = encode_header([(digest, dtype_name(t, digest), list(t.shape)) for digest, t in hosts], SHARD_METADATA)
-    return ShardPayload(header, [byte_view(t) for _, t in hosts], [t for _, t in hosts])
+    layout = sorted(((digest, dtype_name(t, digest), t) for digest, t in hosts), key=lambda item: -itemsize(item[1]))
+    header = header_bytes([(digest, name, t.shape) for digest, name, t in layout], SHARD_METADATA)
+    return ShardPayload(header, [byte_view(t) for _, _, t in layout], [t for _, _, t in layout])
