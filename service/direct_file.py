@@ -110,6 +110,11 @@ class DirectFileWriter:
         """Append ``data`` to the file."""
         view = memoryview(data).cast("B")
         self.size += view.nbytes
+        end = self._filled + view.nbytes
+        if end < BUFFER_BYTES:  # the common case for small tensors: it fits, one copy, no loop
+            self._view[self._filled : end] = view
+            self._filled = end
+            return
         while view.nbytes:
             if not self.direct and self._filled == 0 and view.nbytes >= BUFFER_BYTES:
                 self._wait()  # buffered: large pieces go to the kernel as they are, in order
