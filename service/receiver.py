@@ -16,7 +16,7 @@ from pathlib import Path
 
 from service.direct_file import DirectFileWriter
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
-from service.format.digest import TensorHasher
+from service.format.digest import TensorHasher, tensor_digest
 from service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader, parse_header
 
 
@@ -55,7 +55,7 @@ class ShardReceiver:
         self._head = bytearray()
         self._handle: DirectFileWriter | None = None
         self._entry = 0  # index of the tensor the next data byte belongs to
-        self._hasher: TensorHasher | None = None
+        self._hasher: TensorHasher | None = None  # None until the tensor's first bytes arrive
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Take the next bytes of the shard."""
@@ -99,7 +99,6 @@ class ShardReceiver:
             handle.write(self._head)
         except OSError as exc:
             raise self._storage_error(exc) from exc
-        self._hasher = self._hasher_for(0)
         return view
 
     def _header_end(self) -> int:
@@ -119,13 +118,6 @@ class ShardReceiver:
             raise self._storage_error(exc) from exc
         return self._handle
 
-    def _hasher_for(self, index: int) -> TensorHasher | None:
-        assert self.header is not None
-        if index >= len(self.header.entries):
-            return None
-        entry = self.header.entries[index]
-        return TensorHasher(entry.dtype, entry.shape, parallel=False)
-
     def _take_data(self, view: memoryview) -> None:
         """Hash ``view`` tensor by tensor and append it to the staging file."""
         header = self.header
@@ -135,21 +127,33 @@ class ShardReceiver:
             raise InvalidShardError(
                 f"shard upload has trailing bytes after the {header.data_length} bytes of tensor data its header lists"
             )
+        entry = header.entries[self._entry]
+        if position == entry.begin and position + view.nbytes == entry.end:
+            # An embedded save hands over whole tensors: one hash call, no slicing or hasher state.
+            self._check(entry.digest, tensor_digest(entry.dtype, entry.shape, view, parallel=False))
+            self._entry += 1
+        else:
+            self._hash_pieces(view, position)
+        try:
+            self._handle.write(view)
+        except OSError as exc:
+            raise self._storage_error(exc) from exc
+
+    def _hash_pieces(self, view: memoryview, position: int) -> None:
+        """Feed ``view``, starting at data offset ``position``, to the hashers of the tensors it spans."""
+        assert self.header is not None
         done = 0
         while done < view.nbytes:
-            entry = header.entries[self._entry]
+            entry = self.header.entries[self._entry]
             piece = view[done : done + entry.end - (position + done)]
-            assert self._hasher is not None
+            if self._hasher is None:
+                self._hasher = TensorHasher(entry.dtype, entry.shape, parallel=False)
             self._hasher.update(piece)
             done += piece.nbytes
             if position + done == entry.end:
                 self._check(entry.digest, self._hasher.hexdigest())
                 self._entry += 1
-                self._hasher = self._hasher_for(self._entry)
-        try:
-            self._handle.write(view)
-        except OSError as exc:
-            raise self._storage_error(exc) from exc
+                self._hasher = None
 
     @staticmethod
     def _check(expected: str, actual: str) -> None:

@@ -74,9 +74,11 @@ class TensorHasher:
         return self._hasher.hexdigest()
 
 
-def tensor_digest(dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview) -> str:
-    """Digest of a whole tensor held in ``data``, using every core for large tensors."""
-    hasher = TensorHasher(dtype, shape)
+def tensor_digest(
+    dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview, *, parallel: bool = True
+) -> str:
+    """Digest of a whole tensor held in ``data``, using every core for large tensors unless not ``parallel``."""
+    hasher = TensorHasher(dtype, shape, parallel=parallel)
     hasher.update(data)
     return hasher.hexdigest()
 

@@ -53,6 +53,20 @@ def test_a_wrong_id_is_refused_as_soon_as_the_header_is_complete(tmp_path: Path)
     assert not (tmp_path / "s").exists()  # no data byte was written anywhere
 
 
+@pytest.mark.parametrize("index", range(len(TENSORS)))
+def test_a_flipped_byte_in_a_tensor_given_whole_is_caught(tmp_path: Path, index: int) -> None:
+    # One write() per whole tensor, as an embedded save gives them: each is hashed in one call.
+    pieces = [bytearray(t.data) for t in TENSORS]
+    pieces[index][-1] ^= 0x01
+    receiver = ShardReceiver(tmp_path / "s", expected_id=SHARD.shard_id)
+    receiver.write(SHARD.data[: SHARD.header_length])
+    with pytest.raises(IntegrityError, match=f"shard tensor {TENSORS[index].digest[:16]}"):
+        for piece in pieces:
+            receiver.write(piece)
+    receiver.discard()
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize(
     "position", [0, 1, 64 * 33 * 4 - 1, 64 * 33 * 4 + 3, len(SHARD.data) - SHARD.header_length - 1]
 )
