@@ -22,7 +22,7 @@ from service.format.digest import tensor_digest
 #: Tensors below this size are hashed in the calling thread (see :func:`digest_all`).
 INLINE_BYTES = 1 << 20
 
-_Fingerprint = tuple[int, int, torch.Size, tuple[int, ...], torch.dtype, torch.device, int]
+_Fingerprint = tuple[int, int | torch.SymInt, torch.Size, tuple[int, ...], torch.dtype, torch.device, int]
 
 
 def _fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
