@@ -51,7 +51,7 @@ def _lock_run(session: Session, run_id: str) -> int:
     then queue on its lock (``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE`` has already
     serialized them). Each sees the counter as the previous holder committed it.
     """
-    insert_new(session, Run, [{"id": run_id, "version_counter": 0}])
+    insert_new(session, Run, {"id": run_id, "version_counter": 0})
     return cast(int, session.connection().execute(_LOCK_RUN, {"run_id": run_id}).scalar_one())
 
 

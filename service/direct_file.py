@@ -9,9 +9,10 @@ the same bytes went to the device in 0.44-0.64 s with ``O_DIRECT``.
 ``O_DIRECT`` wants every write aligned in memory, in length and in file position, so bytes are
 gathered in a page-aligned buffer (reused across files, so its memory stays resident) and
 written a whole buffer at a time; the last block is padded and the file then cut to its true
-length. File systems without ``O_DIRECT`` (tmpfs before Linux 6.6, some network and FUSE mounts) get ordinary
-buffered writes through the same interface, as does every file when direct writes are turned
-off (``CKPTSTORE_DIRECT_WRITES=0``). Either way the caller still fsyncs the file.
+length. File systems without ``O_DIRECT`` (tmpfs before Linux 6.6, some network and FUSE
+mounts) get ordinary buffered writes through the same interface, as does every file when
+direct writes are turned off (``CKPTSTORE_DIRECT_WRITES=0``). Either way the caller still
+fsyncs the file.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def _lock(session: Session, *, exclusive: bool) -> None:
     statement = select(StoreLock.name).where(StoreLock.name == GC_LOCK).with_for_update(read=not exclusive)
     if session.execute(statement).first() is None:
         # Migration 0002 inserts the row; a database emptied by hand gets it back here.
-        insert_new(session, StoreLock, [{"name": GC_LOCK}])
+        insert_new(session, StoreLock, {"name": GC_LOCK})
         session.execute(statement)
 
 

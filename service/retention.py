@@ -171,7 +171,7 @@ def lock_run(session: Session, run_id: str, *, create: bool = False) -> None:
     transaction is already serialized by ``BEGIN IMMEDIATE``.
     """
     if create:
-        insert_new(session, Run, [{"id": run_id, "version_counter": 0}])
+        insert_new(session, Run, {"id": run_id, "version_counter": 0})
     found = session.execute(select(Run.id).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
     if found is None:
         raise NotFoundError(f"run {run_id!r} does not exist")

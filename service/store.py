@@ -277,7 +277,7 @@ class Store:
         try:
             with self.db.transaction() as session:
                 hold_shared(session)
-                created = insert_new(session, Shard, [{"id": shard_id, "size": size}]) > 0
+                created = insert_new(session, Shard, {"id": shard_id, "size": size})
                 insert_missing(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
                 if self.blobs.size(shard_id) is None:
                     raise _BlobSwept

@@ -43,20 +43,16 @@ def _statement_for(session: Session, model: type[Base]) -> Any:
     return _insert_or_skip(session.get_bind().dialect.name, cast(Table, model.__table__))
 
 
-def insert_new(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> int:
-    """Insert those of ``rows`` whose primary key is free; return how many were inserted.
+def insert_new(session: Session, model: type[Base], row: dict[str, Any]) -> bool:
+    """Insert ``row`` if its primary key is free; whether it was inserted.
 
     ``INSERT … ON CONFLICT DO NOTHING``: when another transaction is inserting the same key,
     PostgreSQL waits for it and then skips the row, so concurrent writers of the same row both
-    succeed. Callers that may race on several rows pass them in key order, so two such
-    transactions never wait for each other in a cycle.
+    succeed. Many rows at once go through :func:`insert_missing`, in key order.
     """
-    # One execution per row (callers pass one) on the session's connection: each reports its
-    # own row count, where drivers do not agree on an executemany's. SQLAlchemy reports an
-    # INSERT's row count only when asked to keep it.
+    # SQLAlchemy reports an INSERT's row count only when asked to keep it.
     statement = _statement_for(session, model).execution_options(preserve_rowcount=True)
-    connection = session.connection()
-    return sum(cast(CursorResult[Any], connection.execute(statement, row)).rowcount for row in rows)
+    return cast(CursorResult[Any], session.connection().execute(statement, row)).rowcount > 0
 
 
 def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> None:

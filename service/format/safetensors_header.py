@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -222,13 +222,21 @@ def encode_header(
     Returns the header bytes (prefix + JSON padded with spaces to a multiple of 8, so the
     data stays aligned) and the entries with their offsets relative to the data start.
     """
-    entries: list[HeaderEntry] = []
+    entries = [
+        HeaderEntry(digest, dtype, tuple(shape), begin, end) for digest, dtype, shape, begin, end in _laid_out(tensors)
+    ]
+    return header_bytes(tensors, metadata), entries
+
+
+def _laid_out(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+) -> Iterator[tuple[str, str, Sequence[int], int, int]]:
+    """Each ``(digest, dtype, shape)`` with its data offsets ``begin, end``, packed in the order given."""
     position = 0
     for digest, dtype, shape in tensors:
         end = position + byte_length(dtype, shape)
-        entries.append(HeaderEntry(digest, dtype, tuple(shape), position, end))
+        yield digest, dtype, shape, position, end
         position = end
-    return header_bytes(tensors, metadata), entries
 
 
 def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -237,11 +245,8 @@ def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: Ma
     Building the entries too took a third of the time for a shard of 600 tensors (0.33 ms).
     """
     document: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    position = 0
-    for digest, dtype, shape in tensors:
-        end = position + byte_length(dtype, shape)
-        document[digest] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, end]}
-        position = end
+    for digest, dtype, shape, begin, end in _laid_out(tensors):
+        document[digest] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     text += b" " * (-(PREFIX_BYTES + len(text)) % 8)
     return struct.pack("<Q", len(text)) + text
