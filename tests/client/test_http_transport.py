@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,29 @@ def test_an_unreachable_server_is_a_storage_error_naming_it() -> None:
 def test_a_bad_url_is_refused() -> None:
     with pytest.raises(client.InvalidInputError, match="http://"):
         client.Client("ftp://example.invalid")
+
+
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
+def test_a_plain_http_client_builds_no_tls_context_unless_https_or_a_proxy_may_use_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    built: list[object] = []
+    real = ssl.create_default_context
+
+    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        built.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    HttpTransport("http://127.0.0.1:9").close()
+    assert built == []  # never used: loading the CA bundle cost 35-95 ms per client
+    HttpTransport("https://127.0.0.1:9").close()
+    assert built  # certificates are still verified over TLS
+    built.clear()
+    monkeypatch.setenv("HTTPS_PROXY", "https://proxy.invalid:3128")
+    HttpTransport("http://127.0.0.1:9").close()
+    assert built  # a proxy from the environment may be reached over TLS
