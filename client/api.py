@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 from client import keys, restore
-from client.hashing import DigestCache, digest_all
+from client.hashing import DigestCache, cached_digests, digest_all
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
@@ -256,9 +256,7 @@ class Client:
 
     def _cached_digests(self, records: list[TensorRecord]) -> list[str | None]:
         """Each record's digest from this client's cache, or None where it must be hashed."""
-        if self.digest_cache is None:
-            return [None] * len(records)
-        return self.digest_cache.get_many([r.tensor for r in records])
+        return cached_digests(self.digest_cache, [r.tensor for r in records])
 
     def _hash_groups(
         self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None

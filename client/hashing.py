@@ -102,6 +102,11 @@ class DigestCache:
             self._entries[key] = _Entry(weakref.ref(tensor, forget), fingerprint, digest)
 
 
+def cached_digests(cache: DigestCache | None, tensors: list[torch.Tensor]) -> list[str | None]:
+    """Each tensor's digest from ``cache``, or None where it must be hashed (every one without a cache)."""
+    return cache.get_many(tensors) if cache is not None else [None] * len(tensors)
+
+
 def _unchanged_digest(tensor: torch.Tensor, entry: _Entry | None) -> str | None:
     """``entry``'s digest if it holds ``tensor`` and the tensor has not changed since."""
     if entry is None or tensor.requires_grad or entry.ref() is not tensor:
@@ -144,7 +149,7 @@ def digest_all(
     if known is not None:
         results = list(known)
     else:
-        results = cache.get_many([t for _, t in tensors]) if cache else [None] * len(tensors)
+        results = cached_digests(cache, [t for _, t in tensors])
     # The same tensor object under several keys (tied weights) is hashed once.
     first_index: dict[int, int] = {}
     large: list[int] = []

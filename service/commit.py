@@ -6,10 +6,10 @@ import json
 from collections.abc import Sequence
 from typing import Any, cast
 
-from sqlalchemy import Table, Text, bindparam, insert, select, type_coerce, update
+from sqlalchemy import Text, bindparam, insert, select, type_coerce, update
 from sqlalchemy.orm import Session
 
-from service.db.models import Run, Tag, Tensor, Version, VersionRef, utcnow
+from service.db.models import Run, Tag, Tensor, Version, VersionRef, table, utcnow
 from service.db.session import insert_new
 from service.errors import InvalidManifestError, MissingTensorsError, format_list
 from service.format.digest import tensor_digest
@@ -21,10 +21,10 @@ from service.retention import apply_policy
 BATCH = 500
 
 
-_RUNS = cast(Table, Run.__table__)
-_VERSIONS = cast(Table, Version.__table__)
-_TENSORS = cast(Table, Tensor.__table__)
-_REFS = cast(Table, VersionRef.__table__)
+_RUNS = table(Run)
+_VERSIONS = table(Version)
+_TENSORS = table(Tensor)
+_REFS = table(VersionRef)
 
 # Core statements on the session's connection, built once: the ORM's statements, objects and
 # flushes took ~3 ms of a commit that adds one run update and one version row.

@@ -13,16 +13,15 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import cast
 
-from sqlalchemy import Table, bindparam, func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore, LocalBlobStore
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.commit import commit_version
 from service.db import Database
-from service.db.models import Run, Shard, Tag, Tensor, Version, utcnow
+from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.errors import InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
@@ -57,7 +56,7 @@ def _check_digests(digests: Iterable[str]) -> list[str]:
     return unique
 
 
-_TENSORS = cast(Table, Tensor.__table__)
+_TENSORS = table(Tensor)
 # The write path's statements, built once and run on the session's connection: building them
 # per call and the ORM's handling of their results took about half of Store.missing.
 _PRESENT = select(_TENSORS.c.digest).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))

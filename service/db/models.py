@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -15,6 +15,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -45,6 +46,11 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 class Base(DeclarativeBase):
     """Declarative base of every table."""
+
+
+def table(model: type[Base]) -> Table:
+    """The Core table of a mapped class, for statements built once and run on a connection."""
+    return cast(Table, model.__table__)
 
 
 class Shard(Base):

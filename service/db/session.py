@@ -14,7 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import schema
-from service.db.models import Base
+from service.db.models import Base, table
 from service.errors import CheckpointError, StorageError
 
 #: Rows per executemany of an INSERT: bounds the parameter lists built at once.
@@ -40,7 +40,7 @@ def _insert_or_skip(dialect: str, table: Table) -> Any:
 
 
 def _statement_for(session: Session, model: type[Base]) -> Any:
-    return _insert_or_skip(session.get_bind().dialect.name, cast(Table, model.__table__))
+    return _insert_or_skip(session.get_bind().dialect.name, table(model))
 
 
 def insert_new(session: Session, model: type[Base], row: dict[str, Any]) -> bool:
