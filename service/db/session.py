@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from time import monotonic, sleep
 from typing import Any, cast
 
 from sqlalchemy import Table, create_engine, event
@@ -70,6 +72,32 @@ def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str,
         connection.execute(statement, list(rows[start : start + INSERT_BATCH]))
 
 
+#: How long a SQLite connection waits for another one's lock before giving up.
+BUSY_TIMEOUT_SECONDS = 60
+
+
+def _switch_to_wal(cursor: Any) -> None:
+    """Put the database in WAL mode (it stays so: later connections find it there).
+
+    SQLite may refuse the switch at once, without waiting out the busy timeout, while another
+    connection opening the same fresh file holds a lock (seen with eight stores opened at once:
+    "database is locked"). The switch is retried with a growing pause until the timeout.
+    """
+    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    deadline = monotonic() + BUSY_TIMEOUT_SECONDS
+    pause = 0.001
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or monotonic() + pause > deadline:
+                raise
+        sleep(pause)  # a backoff between attempts, not a wait for a known event
+        pause = min(pause * 2, 0.1)
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -78,8 +106,8 @@ def _configure_sqlite(engine: Engine) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         # The timeout first: switching a fresh file to WAL needs a lock other openers may hold.
-        cursor.execute("PRAGMA busy_timeout=60000")
-        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_SECONDS * 1000}")
+        _switch_to_wal(cursor)
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import sqlite3
 import threading
 from pathlib import Path
 
+import pytest
 from shardkit import body, build_shard, entry, raw
 
+from service.db import session
+from service.db.session import Database
 from service.store import Store
 
 RUN = "shared-run"
@@ -126,3 +130,30 @@ def test_processes_number_versions_without_gaps(tmp_path: Path) -> None:
     assert [error for _, _, error in reports] == [None] * writers
     assert sorted(writer for writer, _, _ in reports) == list(range(writers))
     check_history(home, writers, commits, [n for _, numbers, _ in reports for n in numbers])
+
+
+def test_a_fresh_file_another_connection_holds_goes_to_wal_once_it_lets_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLite refuses the switch to WAL at once, busy timeout or not, while another connection
+    # holds a write lock: the opener retries after a pause (here, the other one commits then).
+    path = tmp_path / "store.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        if not pauses:
+            holder.execute("COMMIT")
+        pauses.append(seconds)
+
+    monkeypatch.setattr(session, "sleep", pause)
+    database = Database(f"sqlite:///{path}")
+    try:
+        with database.engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    finally:
+        database.dispose()
+        holder.close()
+    assert len(pauses) == 1
