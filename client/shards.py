@@ -10,8 +10,7 @@ from client.tensors import byte_view, dtype_name, host_contiguous
 from service.format.digest import shard_id
 from service.format.dtypes import itemsize
 from service.format.safetensors_header import header_bytes
-
-SHARD_METADATA = {"format": "ckptstore.shard/1"}
+from service.format.sharding import SHARD_METADATA
 
 
 @dataclass

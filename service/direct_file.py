@@ -80,15 +80,20 @@ class DirectFileWriter:
         path: the file to create; it must not exist.
         direct: bypass the page cache if the file system supports it.
         write_behind: write full buffers on a background thread.
+        start: leave this many bytes (a multiple of :data:`ALIGNMENT`) free at the start of
+            the file for :meth:`write_head`, and append from there.
 
     Raises OSError from the file system (ENOSPC, EIO, EEXIST) unchanged; an error of a
     background write is raised by the next :meth:`write` or by :meth:`close`.
     """
 
-    def __init__(self, path: Path | str, *, direct: bool = True, write_behind: bool = False) -> None:
+    def __init__(self, path: Path | str, *, direct: bool = True, write_behind: bool = False, start: int = 0) -> None:
+        if start < 0 or start % ALIGNMENT:
+            raise ValueError(f"start must be a non-negative multiple of {ALIGNMENT}, not {start}")
         self.path = Path(path)
         self.write_behind = write_behind
-        self.size = 0
+        self.start = start
+        self.size = start
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self.direct = direct and hasattr(os, "O_DIRECT")
         fd = -1
@@ -100,6 +105,8 @@ class DirectFileWriter:
                     raise
                 self.direct = False  # tmpfs and others refuse the flag at open
         self._fd = fd if fd >= 0 else os.open(self.path, flags, 0o666)
+        if start:
+            os.lseek(self._fd, start, os.SEEK_SET)
         self._buffers: list[mmap.mmap] = [_take_buffer() for _ in range(2 if write_behind else 1)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
         self._view = self._views[0]
@@ -127,6 +134,21 @@ class DirectFileWriter:
             view = view[take:]
             if self._filled == BUFFER_BYTES:
                 self._write_full_buffer()
+
+    def write_head(self, data: bytes) -> None:
+        """Write ``data``, exactly ``start`` bytes long, into the space left free at the start."""
+        if len(data) != self.start:
+            raise ValueError(f"the head is {self.start} bytes, not {len(data)}")
+        if not self.direct:
+            self._write_all(memoryview(data), position=0)
+            return
+        aligned = mmap.mmap(-1, len(data))  # direct writes need page-aligned memory
+        try:
+            aligned.write(data)
+            with memoryview(aligned) as view:
+                self._write_all(view, position=0)
+        finally:
+            aligned.close()
 
     def close(self) -> None:
         """Write what is buffered and close the file (its length is exactly the bytes written)."""
@@ -187,16 +209,19 @@ class DirectFileWriter:
             for buffer in self._buffers:
                 _give_back(buffer)
 
-    def _write_all(self, view: memoryview) -> None:
+    def _write_all(self, view: memoryview, position: int | None = None) -> None:
+        """Write all of ``view`` at the file's offset, or at ``position`` (leaving the offset alone)."""
         while view.nbytes:
             try:
-                written = os.write(self._fd, view)
+                written = os.write(self._fd, view) if position is None else os.pwrite(self._fd, view, position)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
                 self._stop_direct()  # the file system took the flag at open but refuses the writes
                 continue
             view = view[written:]
+            if position is not None:
+                position += written
 
     def _stop_direct(self) -> None:
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)

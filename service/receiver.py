@@ -197,9 +197,15 @@ class ShardReceiver:
                 pass
         self.path.unlink(missing_ok=True)
 
-    def _storage_error(self, exc: OSError) -> StorageError:
-        # The store's disk, not the upload, is at fault (ENOSPC, EIO).
-        return StorageError(
-            f"could not write the shard to the staging folder: {exc.strerror or exc}; nothing was stored, "
-            "retry once there is disk space"
-        )
+    @staticmethod
+    def _storage_error(exc: OSError) -> StorageError:
+        return staging_error(exc)
+
+
+def staging_error(exc: OSError) -> StorageError:
+    """The error for a shard the staging folder could not take: the store's disk, not the
+    upload, is at fault (ENOSPC, EIO)."""
+    return StorageError(
+        f"could not write the shard to the staging folder: {exc.strerror or exc}; nothing was stored, "
+        "retry once there is disk space"
+    )

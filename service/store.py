@@ -25,15 +25,18 @@ from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.errors import InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
+from service.format.dtypes import DTYPES, byte_length, itemsize
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
 from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, read_header
+from service.format.sharding import SHARD_METADATA
 from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
 from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_policy, check_policy, describe_policy, lock_run, read_policy, write_policy
 from service.settings import Settings
+from service.shard_writer import UnhashedTensor, write_shard
 
 QUERY_BATCH = 500
 MAX_DIGESTS_PER_QUERY = 100_000
@@ -228,6 +231,39 @@ class Store:
             receiver.discard()
             raise
         return self.ingest_received(receiver)
+
+    def put_tensors(
+        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+    ) -> tuple[ShardReceipt, list[str]]:
+        """Store tensors whose digests the caller does not know as one shard; returns the receipt
+        and each tensor's digest, in the order given.
+
+        Each tensor is hashed from the memory it is written from (see :mod:`service.shard_writer`),
+        so nothing is hashed twice; tensors equal to one before them are written once.
+        ``on_bytes`` is called with each tensor's size once it is written.
+        """
+        if not tensors:
+            raise InvalidInputError("no tensors to store")
+        for tensor in tensors:
+            if tensor.dtype not in DTYPES or tensor.data.nbytes != byte_length(tensor.dtype, tensor.shape):
+                shape = list(tensor.shape)
+                raise InvalidInputError(f"{tensor.data.nbytes} bytes are not a tensor of {tensor.dtype}{shape}")
+            if tensor.data.nbytes == 0:
+                raise InvalidInputError("an empty tensor needs no storage; leave it out")
+        # Wider dtypes first, as every writer lays shards out, so each tensor stays aligned.
+        order = sorted(range(len(tensors)), key=lambda i: -itemsize(tensors[i].dtype))
+        path = self.staging_path()
+        try:
+            written = write_shard(
+                path, [tensors[i] for i in order], SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes
+            )
+            receipt = self._store_shard(path, written.header, lambda: None)
+        finally:
+            path.unlink(missing_ok=True)
+        digests = [""] * len(tensors)
+        for index, digest in zip(order, written.digests, strict=True):
+            digests[index] = digest
+        return receipt, digests
 
     def _store_shard(self, path: Path, header: ShardHeader, verify: Callable[[], None]) -> ShardReceipt:
         """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new."""

@@ -239,14 +239,28 @@ def _laid_out(
         position = end
 
 
-def header_bytes(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str] | None = None) -> bytes:
+def header_bytes(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    align: int = 8,
+    at_least: int = 0,
+) -> bytes:
     """The header bytes alone of :func:`encode_header`, for a writer that needs no entries.
+
+    The JSON is padded with spaces to at least ``at_least`` bytes in all, and so the data starts
+    at a multiple of ``align`` (a multiple of 8): a writer that puts the data down before it
+    knows the digests leaves room for the header at a disk block's edge. Every digest is 64
+    characters, so the header's length does not depend on their values.
 
     Building the entries too took a third of the time for a shard of 600 tensors (0.33 ms).
     """
+    if align <= 0 or align % 8:
+        raise ValueError(f"align must be a positive multiple of 8, not {align}")
     document: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     for digest, dtype, shape, begin, end in _laid_out(tensors):
         document[digest] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    text += b" " * (-(PREFIX_BYTES + len(text)) % 8)
+    text += b" " * max(0, at_least - PREFIX_BYTES - len(text))
+    text += b" " * (-(PREFIX_BYTES + len(text)) % align)
     return struct.pack("<Q", len(text)) + text

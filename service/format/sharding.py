@@ -8,6 +8,8 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 DEFAULT_SHARD_BYTES = 256 << 20
+#: The ``__metadata__`` of every shard ckptstore writes.
+SHARD_METADATA = {"format": "ckptstore.shard/1"}
 #: Keeps a shard's JSON header far below the header cap.
 MAX_TENSORS_PER_SHARD = 50_000
 

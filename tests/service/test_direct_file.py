@@ -150,3 +150,26 @@ def test_the_embedded_store_takes_direct_writes_from_the_environment(
         assert store.receiver(write_behind=True).write_behind
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_room_left_at_the_start_takes_the_head_written_last(tmp_path: Path, direct: bool) -> None:
+    head, body = os.urandom(2 * ALIGNMENT), os.urandom(BUFFER_BYTES + 12345)
+    path = tmp_path / "f"
+    writer = DirectFileWriter(path, direct=direct, start=len(head))
+    writer.write(body)
+    writer.write_head(head)
+    writer.close()
+    assert path.read_bytes() == head + body
+    assert writer.size == len(head) + len(body)
+
+
+def test_the_room_at_the_start_is_whole_blocks_and_the_head_fills_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        DirectFileWriter(tmp_path / "a", start=100)
+    writer = DirectFileWriter(tmp_path / "b", start=ALIGNMENT)
+    try:
+        with pytest.raises(ValueError, match="4096 bytes, not 10"):
+            writer.write_head(b"x" * 10)
+    finally:
+        writer.abort()

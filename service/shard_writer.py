@@ -1,0 +1,88 @@
+"""Writing a shard from tensors whose digests are not known yet: one pass, the header last.
+
+A save that already knows a tensor changed since it was last stored (its version counter
+moved) need not hash it before asking the store about it: the answer is almost surely
+"missing". The store then takes the bytes straight away, hashing each tensor from the same
+memory it copies to the file, as :class:`service.receiver.ShardReceiver` does for a shard
+whose digests it must check. Here the digests come out of that pass instead of being checked
+by it, so every byte is read once.
+
+The header names tensors by digest, so it is written last, into room left at the start of
+the file. Its size does not depend on the digests (all are 64 characters), and it is padded to
+a disk block so the data behind it can be written around the page cache before it is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.direct_file import ALIGNMENT, DirectFileWriter
+from service.format.digest import tensor_digest
+from service.format.safetensors_header import ShardHeader, header_bytes, parse_header
+from service.receiver import staging_error
+
+
+@dataclass(frozen=True)
+class UnhashedTensor:
+    """A tensor to store whose digest is not known: its dtype name, shape and raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """What :func:`write_shard` wrote: the digest of each tensor given, in order, and the
+    header of the file, which names each distinct digest once."""
+
+    digests: list[str]
+    header: ShardHeader
+
+
+def write_shard(
+    path: Path,
+    tensors: Sequence[UnhashedTensor],
+    metadata: dict[str, str],
+    *,
+    direct_writes: bool = True,
+    on_bytes: Callable[[int], object] | None = None,
+) -> WrittenShard:
+    """Write ``tensors``, in the order given, as a new shard file at ``path``, hashing each on the way.
+
+    Each tensor is hashed before it is copied, so one equal to a tensor before it is not
+    written again. The file is complete (not yet fsynced) when this returns; on an error it
+    is gone. ``on_bytes`` is called with each tensor's size once it is written.
+    """
+    spec = [(f"{i:064x}", t.dtype, t.shape) for i, t in enumerate(tensors)]  # stand-ins, as long as digests
+    room = len(header_bytes(spec, metadata, align=ALIGNMENT))
+    try:
+        writer = DirectFileWriter(path, direct=direct_writes, start=room)
+    except OSError as exc:
+        raise staging_error(exc) from exc
+    digests: list[str] = []
+    written: dict[str, UnhashedTensor] = {}
+    try:
+        for tensor in tensors:
+            digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
+            digests.append(digest)
+            if digest not in written:
+                written[digest] = tensor
+                writer.write(tensor.data)
+            if on_bytes is not None:
+                on_bytes(tensor.data.nbytes)
+        named = [(digest, t.dtype, t.shape) for digest, t in written.items()]
+        header = header_bytes(named, metadata, align=ALIGNMENT, at_least=room)
+        writer.write_head(header)
+        writer.close()
+    except OSError as exc:
+        writer.abort()
+        path.unlink(missing_ok=True)
+        raise staging_error(exc) from exc
+    except BaseException:
+        writer.abort()
+        path.unlink(missing_ok=True)
+        raise
+    return WrittenShard(digests, parse_header(header))
