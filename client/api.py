@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 from client import keys, restore
-from client.hashing import DigestCache, cached_digests, digest_all
+from client.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
@@ -84,6 +84,7 @@ class Client:
         self.transport = open_transport(url, home, token)
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
+        self.ledger = SaveLedger()
 
     def close(self) -> None:
         """Release the store's resources."""
@@ -178,34 +179,50 @@ class Client:
         Tensors are hashed in groups of about one shard of bytes not hashed before; while a
         group is hashed, the missing tensors of the groups before it are being written, so
         hashing overlaps the store's I/O. Everything the manifest holds besides the digests is
-        checked before the first byte is sent.
+        checked before the first group is hashed.
+
+        An embedded store is first handed, unhashed, the tensors of this client's last save
+        that changed in place since (trainable weights and optimizer state after a step): it
+        hashes them as it writes them, so their bytes are read once, and its disk starts at once.
         """
         records = flat.records
-        lengths = [_nbytes(record.tensor) for record in records]
+        tensors = [record.tensor for record in records]
+        lengths = [_nbytes(tensor) for tensor in tensors]
+        marks = self.ledger.snapshot(tensors)
         known = self._cached_digests(records)
-        groups = self._hash_groups(records, lengths, known)
+        unhashed = self._write_first(records, lengths, known, marks)
+        to_hash: list[str | None] = [PLACEHOLDER_DIGEST if i in unhashed else d for i, d in enumerate(known)]
+        groups = self._hash_groups(records, lengths, to_hash)
         if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
             self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
-        digests = [""] * len(records)
+        digests = [PLACEHOLDER_DIGEST if i in unhashed else "" for i in range(len(records))]
+        committed = self.ledger.committed
+        taken = {i: self._take(records[i]) for i in unhashed}
         sizes: dict[str, int] = {}
         missing: set[str] = set()
         with (
             byte_bar(sum(lengths), "save") as bar,
             ShardUploader(self.transport, self.shard_bytes, bar.update, self._widths()[1]) as uploader,
         ):
+            for index in unhashed:
+                uploader.add_unhashed(index, records[index].key, tensors[index], lengths[index])
+            uploader.flush()
             for group in groups:
+                group = [i for i in group if i not in unhashed]
                 hashed = digest_all(
-                    [(records[i].key, records[i].tensor) for i in group],
+                    [(records[i].key, tensors[i]) for i in group],
                     self.digest_cache,
                     known=[known[i] for i in group],
+                    cacheable=[records[i].trainable is False for i in group],
                 )
                 fresh: dict[str, int] = {}
                 for index, digest in zip(group, hashed, strict=True):
                     digests[index] = digest
                     if lengths[index] > 0 and digest not in sizes:
                         fresh[digest] = lengths[index]
-                absent = set(self.transport.missing(list(fresh))) if fresh else set()
                 sizes.update(fresh)
+                asked = [d for d in fresh if d not in committed]
+                absent = set(self.transport.missing(asked)) if asked else set()
                 skipped = 0
                 for index in group:
                     record, digest, nbytes = records[index], digests[index], lengths[index]
@@ -219,6 +236,8 @@ class Client:
             # Built while the last shards are still being sent.
             body = self._manifest_body(flat, digests, step, metrics)
             stored, shards = uploader.finish()
+        if unhashed:
+            body = self._take_written(body, uploader.digests, tensors, taken, digests, sizes, missing)
         try:
             info = self.transport.commit(run_id, body, tags=tags)
         except MissingTensorsError:
@@ -235,6 +254,7 @@ class Client:
                 more_stored, more_shards = uploader.finish()
             stored, shards, missing = stored + more_stored, shards + more_shards, missing | again
             info = self.transport.commit(run_id, body, tags=tags)
+        self.ledger.keep(marks, frozenset(sizes))
         return SaveResult(
             run_id=run_id,
             version=info.version,
@@ -247,6 +267,52 @@ class Client:
             seconds=time.perf_counter() - started,
         )
 
+    def _write_first(
+        self, records: list[TensorRecord], lengths: list[int], known: list[str | None], marks: dict[int, Any]
+    ) -> set[int]:
+        """Indexes of the records an embedded store should take unhashed: non-empty tensors this
+        client's last save held that changed in place since, each held under one key only (a
+        tied weight is hashed, as before)."""
+        if not isinstance(self.transport, Store):
+            return set()
+        tensors = [record.tensor for record in records]
+        changed = self.ledger.changed(tensors, marks)
+        keys_of: dict[int, int] = {}
+        for tensor in tensors:
+            keys_of[id(tensor)] = keys_of.get(id(tensor), 0) + 1
+        return {
+            index
+            for index, (tensor, nbytes, digest, moved) in enumerate(zip(tensors, lengths, known, changed, strict=True))
+            if moved and digest is None and nbytes > 0 and keys_of[id(tensor)] == 1
+        }
+
+    def _take_written(
+        self,
+        body: ManifestBody,
+        written: dict[int, str],
+        tensors: list[torch.Tensor],
+        taken: dict[int, Taken | None],
+        digests: list[str],
+        sizes: dict[str, int],
+        missing: set[str],
+    ) -> ManifestBody:
+        """``body`` with the digests the store worked out for the tensors it took unhashed, in
+        place of its placeholders; each of those counts as stored by this save, and goes into
+        the digest cache as it was before it was read.
+
+        The body was validated with placeholders and a digest does not change what else an
+        entry may hold, so the entries are copied with their digest, not validated again.
+        """
+        entries = list(body.tensors)
+        for index, digest in written.items():
+            entries[index] = entries[index].model_copy(update={"digest": digest})
+            digests[index] = digest
+            sizes[digest] = _nbytes(tensors[index])
+            missing.add(digest)
+            if self.digest_cache is not None:
+                self.digest_cache.put(tensors[index], digest, taken[index])
+        return body.model_copy(update={"tensors": entries})
+
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers,
         a local disk gains nothing from more than one reader."""
@@ -255,8 +321,18 @@ class Client:
         return 1, UPLOADS_IN_FLIGHT
 
     def _cached_digests(self, records: list[TensorRecord]) -> list[str | None]:
-        """Each record's digest from this client's cache, or None where it must be hashed."""
-        return cached_digests(self.digest_cache, [r.tensor for r in records])
+        """Each record's digest from this client's cache, or None where it must be hashed.
+
+        Only model tensors that do not require grad are cached (see :mod:`client.hashing`).
+        """
+        cacheable = [r.trainable is False for r in records]
+        return cached_digests(self.digest_cache, [r.tensor for r in records], cacheable)
+
+    def _take(self, record: TensorRecord) -> Taken | None:
+        """What the digest cache keeps of ``record``'s tensor, read before its bytes are (None: not cached)."""
+        if self.digest_cache is None or record.trainable is not False:
+            return None
+        return self.digest_cache.take(record.tensor)
 
     def _hash_groups(
         self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None
@@ -383,6 +459,7 @@ class Client:
 
     def delete(self, run_id: str, version: int | str) -> int:
         """Delete one version; returns its number. Stored bytes are reclaimed by garbage collection."""
+        self.ledger.forget_committed()
         return self.transport.delete_version(run_id, version)
 
     def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
@@ -434,6 +511,7 @@ class Client:
 
     def apply_retention(self, run_id: str) -> list[int]:
         """Remove now the versions the run's policy does not keep; returns their numbers."""
+        self.ledger.forget_committed()
         return self.transport.apply_retention(run_id)
 
     def _use_retention(

@@ -1,10 +1,20 @@
-"""Tensor digests on the client, with a cache for tensors that did not change.
+"""Tensor digests on the client, with a cache for frozen tensors that did not change.
 
-Frozen weights (the base model under a LoRA adapter) are hashed once per process: the
-cache remembers a tensor object by weak reference together with its storage pointer,
-layout and autograd version counter, which every in-place operation bumps. Only tensors
-that do not require grad are cached: trainable tensors change every step anyway, and a
-write through ``.data`` does not bump the counter of the tensor it came from.
+Frozen weights (the base model under a LoRA adapter) are hashed once per process: the cache
+remembers a tensor object by weak reference together with its storage pointer, layout and
+autograd version counter, which in-place operations move, and a sample of its bytes.
+
+The version counter alone is not enough: a write through ``.data`` or a numpy view, a fused
+optimizer (``AdamW(fused=True)`` moves only ``step``) and BatchNorm's running statistics all
+change a tensor in place without moving it. So a hit also needs :data:`SAMPLE_ELEMENTS`
+elements spread over the tensor to be bit for bit as they were; each of those writes rewrites
+the whole tensor. Only model tensors that do not require grad and hold at least
+:data:`CACHE_MIN_BYTES` are cached: trainable weights and optimizer state change every step
+(an optimizer may update only some rows, which a sample can miss), and small tensors cost
+little to hash.
+
+A :class:`SaveLedger` tells which tensors of the client's last save have changed in place
+since (their counter moved): a save writes those without hashing them first.
 """
 
 from __future__ import annotations
@@ -21,11 +31,16 @@ from service.format.digest import tensor_digest
 
 #: Tensors below this size are hashed in the calling thread (see :func:`digest_all`).
 INLINE_BYTES = 1 << 20
+#: Smaller tensors are always hashed (see the module's docstring).
+CACHE_MIN_BYTES = 64 << 10
+#: Elements, evenly spaced, that a cache hit compares with the tensor as it was hashed.
+SAMPLE_ELEMENTS = 256
 
 _Fingerprint = tuple[int, int | torch.SymInt, torch.Size, tuple[int, ...], torch.dtype, torch.device, int]
 
 
-def _fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
+def fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
+    """Identity, layout and version counter of ``tensor`` (None for inference tensors)."""
     try:
         version = tensor._version
     except RuntimeError:  # inference tensors have no version counter
@@ -43,17 +58,40 @@ def _fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
     )
 
 
+def sample(tensor: torch.Tensor) -> bytes:
+    """The bytes of :data:`SAMPLE_ELEMENTS` elements of ``tensor``, evenly spaced, first included."""
+    flat = tensor.detach().reshape(-1)
+    picked = flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)].contiguous()
+    if not picked.is_cpu:
+        picked = picked.cpu()
+    return bytes(byte_view(picked))
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What the cache keeps of a tensor, read before its bytes are hashed: if the tensor changes
+    while it is hashed, the entry no longer matches it."""
+
+    fingerprint: _Fingerprint
+    sample: bytes
+
+
 @dataclass
 class _Entry:
     ref: weakref.ref[torch.Tensor]
-    fingerprint: _Fingerprint
+    taken: Taken
     digest: str
 
 
 class DigestCache:
-    """Remembers digests of unchanged, non-trainable tensors for the life of the process."""
+    """Remembers digests of unchanged frozen tensors for the life of the process.
 
-    def __init__(self) -> None:
+    Callers offer it only model tensors (see the module's docstring); it refuses tensors that
+    require grad or are smaller than ``min_bytes``.
+    """
+
+    def __init__(self, min_bytes: int = CACHE_MIN_BYTES) -> None:
+        self.min_bytes = min_bytes
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
         self.hits = 0
@@ -73,6 +111,15 @@ class DigestCache:
         self.hits += len(digests) - digests.count(None)
         return digests
 
+    def take(self, tensor: torch.Tensor) -> Taken | None:
+        """What :meth:`put` needs, read now, before ``tensor``'s bytes are; None if it is not cached."""
+        if tensor.requires_grad or tensor.layout != torch.strided:
+            return None
+        if tensor.nelement() * tensor.element_size() < self.min_bytes:
+            return None
+        taken = fingerprint(tensor)
+        return Taken(taken, sample(tensor)) if taken is not None else None
+
     def forget(self, tensor: torch.Tensor) -> None:
         """Drop ``tensor``'s entry (and with it the weak reference that blocks swap_tensors)."""
         with self._lock:
@@ -80,16 +127,15 @@ class DigestCache:
             if entry is not None and entry.ref() is tensor:
                 del self._entries[id(tensor)]
 
-    def put(self, tensor: torch.Tensor, digest: str) -> None:
-        """Remember ``digest`` for ``tensor`` (ignored for tensors that require grad)."""
-        fingerprint = _fingerprint(tensor)
-        if tensor.requires_grad or fingerprint is None:
+    def put(self, tensor: torch.Tensor, digest: str, taken: Taken | None) -> None:
+        """Remember ``digest`` for ``tensor`` as :meth:`take` found it before its bytes were read."""
+        if taken is None:
             return
         key = id(tensor)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.ref() is tensor:  # hashed before: keep its weak reference
-                entry.fingerprint, entry.digest = fingerprint, digest
+                entry.taken, entry.digest = taken, digest
                 return
 
         def forget(_ref: weakref.ref[torch.Tensor], key: int = key) -> None:
@@ -99,12 +145,77 @@ class DigestCache:
                     del self._entries[key]
 
         with self._lock:
-            self._entries[key] = _Entry(weakref.ref(tensor, forget), fingerprint, digest)
+            self._entries[key] = _Entry(weakref.ref(tensor, forget), taken, digest)
 
 
-def cached_digests(cache: DigestCache | None, tensors: list[torch.Tensor]) -> list[str | None]:
-    """Each tensor's digest from ``cache``, or None where it must be hashed (every one without a cache)."""
-    return cache.get_many(tensors) if cache is not None else [None] * len(tensors)
+_Mark = tuple[int, int]
+
+
+def _mark(tensor: torch.Tensor) -> _Mark | None:
+    try:
+        return tensor.untyped_storage().data_ptr(), tensor._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+class SaveLedger:
+    """What this client's last save left: which of its tensors changed in place since it began,
+    and which digests its version references.
+
+    It keeps each tensor's ``id``, storage pointer and version counter, read before its bytes
+    were, and holds no reference: a tensor that is gone, or another one at the same address,
+    is at worst taken for changed, which costs writing its bytes (a changed tensor's digest
+    always comes from its bytes). Only the last save's tensors are kept.
+    """
+
+    def __init__(self) -> None:
+        self._marks: dict[int, _Mark] = {}
+        #: Digests the last committed version references: stored while it exists, so a save
+        #: need not ask about them (if a deletion and a sweep took them, the commit says so
+        #: and the save sends them then).
+        self.committed: frozenset[str] = frozenset()
+
+    def snapshot(self, tensors: list[torch.Tensor]) -> dict[int, _Mark]:
+        """The marks of ``tensors`` now, to :meth:`keep` once their save is stored."""
+        marks = {}
+        for tensor in tensors:
+            mark = _mark(tensor)
+            if mark is not None:
+                marks[id(tensor)] = mark
+        return marks
+
+    def keep(self, marks: dict[int, _Mark], committed: frozenset[str]) -> None:
+        """Make ``marks`` (from :meth:`snapshot`) and the ``committed`` digests the last save's."""
+        self._marks, self.committed = marks, committed
+
+    def forget_committed(self) -> None:
+        """Forget the last version's digests (this client deleted a version: they may go)."""
+        self.committed = frozenset()
+
+    def changed(self, tensors: list[torch.Tensor], now: dict[int, _Mark]) -> list[bool]:
+        """For each of ``tensors``, whether the last save held it and its version counter has moved
+        since (same storage): changed in place, as trainable weights and optimizer state are by
+        every step, so its bytes are almost surely not stored yet. ``now``: a fresh :meth:`snapshot`."""
+        before = self._marks
+        flags = []
+        for tensor in tensors:
+            old, new = before.get(id(tensor)), now.get(id(tensor))
+            flags.append(old is not None and new is not None and old[0] == new[0] and old[1] != new[1])
+        return flags
+
+
+def cached_digests(
+    cache: DigestCache | None, tensors: list[torch.Tensor], cacheable: list[bool] | None = None
+) -> list[str | None]:
+    """Each tensor's digest from ``cache``, or None where it must be hashed (every one without a
+    cache, and those not ``cacheable``: by default all are)."""
+    if cache is None:
+        return [None] * len(tensors)
+    if cacheable is None:
+        return cache.get_many(tensors)
+    asked = [t for t, ok in zip(tensors, cacheable, strict=True) if ok]
+    answers = iter(cache.get_many(asked))
+    return [next(answers) if ok else None for ok in cacheable]
 
 
 def _unchanged_digest(tensor: torch.Tensor, entry: _Entry | None) -> str | None:
@@ -114,11 +225,13 @@ def _unchanged_digest(tensor: torch.Tensor, entry: _Entry | None) -> str | None:
     try:
         # The version counter first: a tensor changed in place (optimizer state, every
         # step) is told apart without building its whole fingerprint.
-        if tensor._version != entry.fingerprint[-1]:
+        if tensor._version != entry.taken.fingerprint[-1]:
             return None
     except RuntimeError:  # inference tensors have no version counter
         return None
-    return entry.digest if entry.fingerprint == _fingerprint(tensor) else None
+    if entry.taken.fingerprint != fingerprint(tensor) or entry.taken.sample != sample(tensor):
+        return None
+    return entry.digest
 
 
 def digest_of(tensor: torch.Tensor, key: str) -> str:
@@ -137,19 +250,21 @@ def digest_all(
     cache: DigestCache | None,
     threads: int = 2,
     known: list[str | None] | None = None,
+    cacheable: list[bool] | None = None,
 ) -> list[str]:
     """Digests of ``(key, tensor)`` pairs in order, reusing the cache where it is safe.
 
     ``known`` holds digests the caller already took from the cache (None: hash that one);
-    without it the cache is asked here. Tensors of at least ``INLINE_BYTES`` are hashed on
-    ``threads`` threads; smaller ones in the calling thread meanwhile, since handing them to a
-    thread costs more than hashing them.
+    without it the cache is asked here. Only tensors flagged ``cacheable`` (by default all) go
+    to the cache. Tensors of at least ``INLINE_BYTES`` are hashed on ``threads`` threads;
+    smaller ones in the calling thread meanwhile, since handing them to a thread costs more
+    than hashing them.
     """
     results: list[str | None]
     if known is not None:
         results = list(known)
     else:
-        results = cached_digests(cache, [t for _, t in tensors])
+        results = cached_digests(cache, [t for _, t in tensors], cacheable)
     # The same tensor object under several keys (tied weights) is hashed once.
     first_index: dict[int, int] = {}
     large: list[int] = []
@@ -161,10 +276,11 @@ def digest_all(
 
     def work(index: int) -> None:
         key, tensor = tensors[index]
+        taken = cache.take(tensor) if cache is not None and (cacheable is None or cacheable[index]) else None
         digest = digest_of(tensor, key)
         results[index] = digest
         if cache is not None:
-            cache.put(tensor, digest)
+            cache.put(tensor, digest, taken)
 
     if len(large) > 1 and threads > 1:
         with ThreadPoolExecutor(threads) as pool:

@@ -4,6 +4,9 @@ Tensors are added in the order the save finds them missing and packed into shard
 :class:`service.format.sharding.ShardPacker`; each closed shard goes to the store on a worker
 thread straight from tensor memory. At most
 ``in_flight`` shards are sent at once; adding more waits for the oldest.
+
+An embedded store also takes tensors not hashed yet (:meth:`ShardUploader.add_unhashed`): it
+hashes them as it writes them and hands back their digests.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from client.shards import build_shard
+from client.tensors import byte_view, dtype_name, host_contiguous
 from client.transport import Transport
 from service.format.sharding import ShardPacker
 from service.records import ShardReceipt
+from service.shard_writer import UnhashedTensor
+from service.store import Store
 
 
 class ShardUploader:
@@ -46,9 +52,12 @@ class ShardUploader:
         self.in_flight = in_flight
         self.stored = 0
         self.shards = 0
+        #: Digests of the tensors given to :meth:`add_unhashed`, by their ``index``, as their shards are stored.
+        self.digests: dict[int, str] = {}
         self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
         self._sending: deque[Future[ShardReceipt]] = deque()
         self._packer: ShardPacker[tuple[str, str, torch.Tensor]] = ShardPacker(shard_bytes)
+        self._unhashed: ShardPacker[tuple[int, str, torch.Tensor]] = ShardPacker(shard_bytes)
 
     def __enter__(self) -> ShardUploader:
         return self
@@ -64,11 +73,21 @@ class ShardUploader:
         if closed is not None:
             self._send(closed)
 
+    def add_unhashed(self, index: int, key: str, tensor: torch.Tensor, nbytes: int) -> None:
+        """Queue one tensor whose digest is not known (the transport must be a :class:`Store`);
+        it appears in :attr:`digests` under ``index`` once stored."""
+        closed = self._unhashed.add((index, key, tensor), nbytes)
+        if closed is not None:
+            self._send_unhashed(closed)
+
     def flush(self) -> None:
-        """Start sending the shard being filled, without waiting for it."""
+        """Start sending the shards being filled, without waiting for them."""
         last = self._packer.flush()
         if last is not None:
             self._send(last)
+        unhashed = self._unhashed.flush()
+        if unhashed is not None:
+            self._send_unhashed(unhashed)
 
     def finish(self) -> tuple[int, int]:
         """Send what is queued, wait for every shard; returns (bytes stored, shards sent)."""
@@ -79,9 +98,29 @@ class ShardUploader:
 
     def _send(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
         shard = build_shard(items)
+        self._submit(lambda: self.transport.put_shard(shard.header, shard.pieces, self.on_bytes))
+
+    def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
+        store = self.transport
+        assert isinstance(store, Store), "only an embedded store takes tensors not hashed yet"
+        hosts = [host_contiguous(tensor, key) for _, key, tensor in items]
+        tensors = [
+            UnhashedTensor(dtype_name(host, key), tuple(host.shape), byte_view(host))
+            for (_, key, _), host in zip(items, hosts, strict=True)
+        ]
+
+        def put() -> ShardReceipt:
+            receipt, digests = store.put_tensors(tensors, self.on_bytes)
+            for (index, _, _), digest in zip(items, digests, strict=True):
+                self.digests[index] = digest
+            return receipt
+
+        self._submit(put)
+
+    def _submit(self, send: Callable[[], ShardReceipt]) -> None:
         while len(self._sending) >= self.in_flight:
             self._collect()
-        self._sending.append(self._pool.submit(self.transport.put_shard, shard.header, shard.pieces, self.on_bytes))
+        self._sending.append(self._pool.submit(send))
         self.shards += 1
 
     def _collect(self) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from torch import nn
 
 import client
 from client import hashing
-from client.hashing import DigestCache, digest_all
+from client.hashing import CACHE_MIN_BYTES, DigestCache, digest_all
 from service.errors import StateEncodingError
 from tests.client.models import TinyNet
 
@@ -21,7 +24,7 @@ def frozen_model() -> torch.nn.Module:
 
 def test_unchanged_frozen_tensors_are_not_hashed_again() -> None:
     model = frozen_model()
-    cache = DigestCache()
+    cache = DigestCache(min_bytes=0)
     pairs = list(model.state_dict(keep_vars=True).items())
     first = digest_all(pairs, cache)
     assert cache.hits == 0
@@ -109,7 +112,7 @@ def test_a_tensor_whose_data_is_swapped_is_hashed_afresh() -> None:
 
 def test_a_changed_tensor_is_remembered_with_its_new_digest() -> None:
     tensor = torch.zeros(8)
-    cache = DigestCache()
+    cache = DigestCache(min_bytes=0)
     (first,) = digest_all([("t", tensor)], cache)
     tensor.add_(1.0)
     (second,) = digest_all([("t", tensor)], cache)
@@ -125,3 +128,89 @@ def test_known_digests_are_used_as_given() -> None:
     given = "a" * 64
     pairs = [("a", torch.zeros(2)), ("b", torch.ones(2))]
     assert digest_all(pairs, None, known=[given, None]) == [given, digest_all(pairs[1:], None)[0]]
+
+
+def test_small_tensors_are_always_hashed() -> None:
+    cache = DigestCache()
+    small, large = torch.zeros(CACHE_MIN_BYTES // 4 - 1), torch.zeros(CACHE_MIN_BYTES // 4)
+    pairs = [("small", small), ("large", large)]
+    digest_all(pairs, cache)
+    digest_all(pairs, cache)
+    assert cache.hits == 1
+
+
+def test_only_tensors_flagged_cacheable_are_cached() -> None:
+    cache = DigestCache(min_bytes=0)
+    pairs = [("model", torch.zeros(4)), ("optim", torch.ones(4))]
+    digest_all(pairs, cache, cacheable=[True, False])
+    assert digest_all(pairs, cache, cacheable=[True, False]) == digest_all(pairs, None)
+    assert cache.hits == 1
+
+
+class Frozen(nn.Module):
+    """A frozen weight, a plain buffer and a wide BatchNorm, each above the cache's minimum size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 256).requires_grad_(False)
+        self.register_buffer("table", torch.arange(CACHE_MIN_BYTES // 2, dtype=torch.float32))
+        self.norm = nn.BatchNorm1d(CACHE_MIN_BYTES // 2).requires_grad_(False)
+
+
+def change_without_moving_the_version(model: Frozen, how: str) -> str:
+    """Change one tensor in place the way ``how`` names; returns its name."""
+    if how == "data":  # an EMA update through .data
+        model.linear.weight.data.mul_(0.5)
+        return "linear.weight"
+    if how == "numpy":
+        model.table.numpy()[::7] += 1.0
+        return "table"
+    model.norm.train()  # BatchNorm's running statistics
+    model.norm(torch.randn(4, CACHE_MIN_BYTES // 2, generator=torch.Generator().manual_seed(1)))
+    return "norm.running_mean"
+
+
+@pytest.mark.parametrize("how", ["data", "numpy", "batchnorm"])
+def test_a_change_that_leaves_the_version_counter_alone_is_still_saved(tmp_path: Path, how: str) -> None:
+    torch.manual_seed(0)
+    model = Frozen()
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model)
+        ckpt.save("run", model)
+        assert ckpt.digest_cache is not None and ckpt.digest_cache.hits > 0  # the frozen tensors are cached
+        versions = {name: t._version for name, t in model.state_dict().items()}
+        name = change_without_moving_the_version(model, how)
+        changed = model.state_dict()[name]
+        assert changed._version == versions[name]
+        third = ckpt.save("run", model)
+        assert third.bytes_new >= changed.numel() * 4
+        loaded = ckpt.load("run").state_dict
+        assert loaded is not None
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(loaded[name], tensor), name
+
+
+def test_a_fused_optimizer_state_is_saved_after_every_step(tmp_path: Path) -> None:
+    # AdamW(fused=True) moves only the step counts' version counters.
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def step() -> None:
+        optim.zero_grad()
+        model(torch.randn(8, 256)).square().mean().backward()
+        optim.step()
+
+    step()
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model, optim)
+        moments = optim.state[model.weight]["exp_avg"]
+        before = moments._version
+        step()
+        assert moments._version == before
+        ckpt.save("run", model, optim)
+        fresh = nn.Linear(256, 256)
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
+        ckpt.load("run", model=fresh, optim=fresh_optim)
+        assert torch.equal(fresh.weight, model.weight)
+        assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg"], moments)
