@@ -827,6 +827,41 @@ def time_lora(bench: Bench) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# A full save after every tensor changed
+# --------------------------------------------------------------------------------------
+
+
+ALL_CHANGED = "save_all_changed"
+
+
+def nudge(model: nn.Module) -> None:
+    """Change every floating-point tensor of ``model`` in place, as a step of full fine-tuning does."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.mul_(1.0 + 2.0**-10)
+
+
+def all_changed_round(bench: Bench) -> tuple[float, Any]:
+    """One fresh store: a full save, every tensor changed in place, the same client saves again."""
+    home = fresh_folder(bench.workdir / "all-changed")
+    with Client(home=home) as client:
+        client.save(RUN_ID, bench.model)
+        nudge(bench.model)
+        os.sync()
+        return timed(lambda: client.save(RUN_ID, bench.model))
+
+
+def time_all_changed(bench: Bench) -> None:
+    """The next save of a fully trained model: every tensor changed since the client's last save,
+    so each goes to the store unhashed and is read once. Runs last: it changes the model."""
+    results = [all_changed_round(bench) for _ in range(bench.repeats)]
+    nbytes = results[-1][1].bytes_total
+    note = "every tensor changed in place since the same client's last save (written unhashed)"
+    bench.rows.append(Row("ckptstore", ALL_CHANGED, [seconds for seconds, _ in results], nbytes, note=note))
+
+
+# --------------------------------------------------------------------------------------
 # Reporting
 # --------------------------------------------------------------------------------------
 
@@ -934,9 +969,19 @@ def format_footer(bench: Bench, machine: dict[str, Any]) -> str:
             f"v2 wrote {v2['bytes_new'] / MIB:.2f} MiB of {lora['bytes_total'] / GIB:.3f} GiB and took "
             f"{statistics.median(v2['seconds']) / full:.3f}x the time of the first full save "
             f"({statistics.median(fresh['seconds']) / full:.3f}x from a new client)",
+            *all_changed_line(bench),
             *([floor_line(bench)] if any(r.operation == LOAD_INTO for r in bench.rows) else []),
         ]
     )
+
+
+def all_changed_line(bench: Bench) -> list[str]:
+    """The save after every tensor changed, against the first full save (none if not measured)."""
+    t = {(r.method, r.operation): r.median for r in bench.rows}
+    if ("ckptstore", ALL_CHANGED) not in t:
+        return []
+    full, again = t[("ckptstore", "save")], t[("ckptstore", ALL_CHANGED)]
+    return [f"every tensor changed, same client: {again:.3f} s, {again / full:.2f}x the first full save ({full:.3f} s)"]
 
 
 def floor_line(bench: Bench) -> str:
@@ -1178,6 +1223,7 @@ def run_bench(args: argparse.Namespace, shape: Shape) -> Bench:
             file=sys.stderr,
         )
         phases = (time_saves, time_lora) if args.skip_loads else (time_saves, time_loads, measure_rss, time_lora)
+        phases += (time_all_changed,)
         for phase in phases:
             print(f"{time.strftime('%H:%M:%S')} {phase.__name__}", file=sys.stderr, flush=True)
             phase(bench)
