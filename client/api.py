@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 from client import keys, restore
-from client.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all
+from client.hashing import DigestCache, SaveLedger, cached_digests, digest_all
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
@@ -188,16 +188,20 @@ class Client:
         records = flat.records
         tensors = [record.tensor for record in records]
         lengths = [_nbytes(tensor) for tensor in tensors]
-        marks = self.ledger.snapshot(tensors)
-        known = self._cached_digests(records)
-        unhashed = self._write_first(records, lengths, known, marks)
+        cacheable = [record.trainable is False for record in records]  # see client.hashing
+        known = cached_digests(self.digest_cache, tensors, cacheable)
+        embedded = isinstance(self.transport, Store)
+        marks = self.ledger.snapshot(tensors) if embedded else {}
+        unhashed = self._write_first(tensors, lengths, known, marks) if embedded else set()
         to_hash: list[str | None] = [PLACEHOLDER_DIGEST if i in unhashed else d for i, d in enumerate(known)]
         groups = self._hash_groups(records, lengths, to_hash)
         if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
             self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
         digests = [PLACEHOLDER_DIGEST if i in unhashed else "" for i in range(len(records))]
         committed = self.ledger.committed
-        taken = {i: self._take(records[i]) for i in unhashed}
+        cache = self.digest_cache
+        # Read before the bytes are: a tensor changed while it is written is not cached as written.
+        taken = {i: cache.take(tensors[i]) if cache is not None and cacheable[i] else None for i in unhashed}
         sizes: dict[str, int] = {}
         missing: set[str] = set()
         with (
@@ -211,9 +215,9 @@ class Client:
                 group = [i for i in group if i not in unhashed]
                 hashed = digest_all(
                     [(records[i].key, tensors[i]) for i in group],
-                    self.digest_cache,
+                    cache,
                     known=[known[i] for i in group],
-                    cacheable=[records[i].trainable is False for i in group],
+                    cacheable=[cacheable[i] for i in group],
                 )
                 fresh: dict[str, int] = {}
                 for index, digest in zip(group, hashed, strict=True):
@@ -236,8 +240,14 @@ class Client:
             # Built while the last shards are still being sent.
             body = self._manifest_body(flat, digests, step, metrics)
             stored, shards = uploader.finish()
-        if unhashed:
-            body = self._take_written(body, uploader.digests, tensors, taken, digests, sizes, missing)
+        for index, digest in uploader.digests.items():  # the tensors the store took unhashed
+            digests[index] = digest
+            sizes[digest] = lengths[index]
+            missing.add(digest)
+            if cache is not None:
+                cache.put(tensors[index], digest, taken[index])
+        if uploader.digests:
+            body = _with_digests(body, uploader.digests)
         try:
             info = self.transport.commit(run_id, body, tags=tags)
         except MissingTensorsError:
@@ -268,14 +278,11 @@ class Client:
         )
 
     def _write_first(
-        self, records: list[TensorRecord], lengths: list[int], known: list[str | None], marks: dict[int, Any]
+        self, tensors: list[torch.Tensor], lengths: list[int], known: list[str | None], marks: dict[int, Any]
     ) -> set[int]:
-        """Indexes of the records an embedded store should take unhashed: non-empty tensors this
+        """Indexes of the tensors an embedded store should take unhashed: non-empty ones this
         client's last save held that changed in place since, each held under one key only (a
         tied weight is hashed, as before)."""
-        if not isinstance(self.transport, Store):
-            return set()
-        tensors = [record.tensor for record in records]
         changed = self.ledger.changed(tensors, marks)
         keys_of: dict[int, int] = {}
         for tensor in tensors:
@@ -285,33 +292,6 @@ class Client:
             for index, (tensor, nbytes, digest, moved) in enumerate(zip(tensors, lengths, known, changed, strict=True))
             if moved and digest is None and nbytes > 0 and keys_of[id(tensor)] == 1
         }
-
-    def _take_written(
-        self,
-        body: ManifestBody,
-        written: dict[int, str],
-        tensors: list[torch.Tensor],
-        taken: dict[int, Taken | None],
-        digests: list[str],
-        sizes: dict[str, int],
-        missing: set[str],
-    ) -> ManifestBody:
-        """``body`` with the digests the store worked out for the tensors it took unhashed, in
-        place of its placeholders; each of those counts as stored by this save, and goes into
-        the digest cache as it was before it was read.
-
-        The body was validated with placeholders and a digest does not change what else an
-        entry may hold, so the entries are copied with their digest, not validated again.
-        """
-        entries = list(body.tensors)
-        for index, digest in written.items():
-            entries[index] = entries[index].model_copy(update={"digest": digest})
-            digests[index] = digest
-            sizes[digest] = _nbytes(tensors[index])
-            missing.add(digest)
-            if self.digest_cache is not None:
-                self.digest_cache.put(tensors[index], digest, taken[index])
-        return body.model_copy(update={"tensors": entries})
 
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers,
@@ -327,12 +307,6 @@ class Client:
         """
         cacheable = [r.trainable is False for r in records]
         return cached_digests(self.digest_cache, [r.tensor for r in records], cacheable)
-
-    def _take(self, record: TensorRecord) -> Taken | None:
-        """What the digest cache keeps of ``record``'s tensor, read before its bytes are (None: not cached)."""
-        if self.digest_cache is None or record.trainable is not False:
-            return None
-        return self.digest_cache.take(record.tensor)
 
     def _hash_groups(
         self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None
@@ -532,6 +506,18 @@ class Client:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _with_digests(body: ManifestBody, digests: dict[int, str]) -> ManifestBody:
+    """``body`` with the digest of entry ``i`` set to ``digests[i]`` in place of its placeholder.
+
+    The body was validated with placeholders, and a digest does not change what else an entry
+    may hold, so the entries are copied with their digest, not validated again.
+    """
+    entries = list(body.tensors)
+    for index, digest in digests.items():
+        entries[index] = entries[index].model_copy(update={"digest": digest})
+    return body.model_copy(update={"tensors": entries})
 
 
 def _entry(record: TensorRecord, digest: str) -> dict[str, Any]:

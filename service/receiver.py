@@ -98,7 +98,7 @@ class ShardReceiver:
         try:
             handle.write(self._head)
         except OSError as exc:
-            raise self._storage_error(exc) from exc
+            raise staging_error(exc) from exc
         return view
 
     def _header_end(self) -> int:
@@ -115,7 +115,7 @@ class ShardReceiver:
             # Its buffer also turns the many small tensors of an adapter's shard into few writes.
             self._handle = DirectFileWriter(self.path, direct=self.direct_writes, write_behind=self.write_behind)
         except OSError as exc:
-            raise self._storage_error(exc) from exc
+            raise staging_error(exc) from exc
         return self._handle
 
     def _take_data(self, view: memoryview) -> None:
@@ -137,7 +137,7 @@ class ShardReceiver:
         try:
             self._handle.write(view)
         except OSError as exc:
-            raise self._storage_error(exc) from exc
+            raise staging_error(exc) from exc
 
     def _hash_pieces(self, view: memoryview, position: int) -> None:
         """Feed ``view``, starting at data offset ``position``, to the hashers of the tensors it spans."""
@@ -185,7 +185,7 @@ class ShardReceiver:
         try:
             self._handle.close()
         except OSError as exc:
-            raise self._storage_error(exc) from exc
+            raise staging_error(exc) from exc
         return header
 
     def discard(self) -> None:
@@ -196,10 +196,6 @@ class ShardReceiver:
             except OSError:
                 pass
         self.path.unlink(missing_ok=True)
-
-    @staticmethod
-    def _storage_error(exc: OSError) -> StorageError:
-        return staging_error(exc)
 
 
 def staging_error(exc: OSError) -> StorageError:
