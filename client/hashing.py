@@ -61,10 +61,8 @@ def fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
 def sample(tensor: torch.Tensor) -> bytes:
     """The bytes of :data:`SAMPLE_ELEMENTS` elements of ``tensor``, evenly spaced, first included."""
     flat = tensor.detach().reshape(-1)
-    picked = flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)].contiguous()
-    if not picked.is_cpu:
-        picked = picked.cpu()
-    return bytes(byte_view(picked))
+    picked = flat[:: max(1, flat.numel() // SAMPLE_ELEMENTS)]
+    return bytes(byte_view(host_contiguous(picked, "sample")))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import closing
 from typing import Any
@@ -12,7 +13,7 @@ from client import jsonstate, keys
 from client.placement import device_for
 from client.reader import TensorReader
 from client.state import parameter_names
-from client.tensors import NAME_TO_TORCH, byte_view
+from client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
 from service.errors import StateMismatchError, format_list
 
 
@@ -62,9 +63,9 @@ def _reallocate(target: torch.Tensor, dtype: torch.dtype, device: torch.device) 
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy ``source`` into ``target``: a plain memcpy when both are contiguous CPU tensors of
-    one dtype (torch's threaded copy contends with the hashing threads), else ``copy_``."""
-    if target.device.type == "cpu" and target.dtype == source.dtype and target.is_contiguous():
+    """Copy ``source`` into ``target``: a plain memcpy when both are plain, contiguous CPU tensors
+    of one dtype (torch's threaded copy contends with the hashing threads), else ``copy_``."""
+    if target.dtype == source.dtype and is_plain_dense(target):
         byte_view(target.detach())[:] = byte_view(source)
         return
     with torch.no_grad():
@@ -73,14 +74,7 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
 
 def _readable_in_place(target: torch.Tensor, stored: torch.dtype) -> bool:
     """Whether the reader may fill ``target`` itself: a plain, contiguous CPU tensor of the stored dtype."""
-    return (
-        type(target) in (torch.Tensor, torch.nn.Parameter)
-        and target.device.type == "cpu"
-        and target.layout == torch.strided
-        and target.dtype == stored
-        and target.is_contiguous()
-        and not (target.is_conj() or target.is_neg())
-    )
+    return target.dtype == stored and is_plain_dense(target)
 
 
 def load_into_model(
@@ -237,7 +231,11 @@ def restore_optimizer(
         hyper = jsonstate.decode({k: v for k, v in saved_group.items() if k != "params"}, tensor_for)
         hyper["params"] = [order[n] for n in group_names]
         groups.append(hyper)
-    optim.load_state_dict({"state": state, "param_groups": groups})
+    with warnings.catch_warnings():
+        # The stock loader casts floating and complex state to the parameter's dtype (warning
+        # when that drops an imaginary part); every such cast is undone just below.
+        warnings.filterwarnings("ignore", "Casting complex values to real", UserWarning)
+        optim.load_state_dict({"state": state, "param_groups": groups})
     stock = type(optim).load_state_dict is torch.optim.Optimizer.load_state_dict
     ordered_params = [params[n] for group in current for n in group]
     for index, ours in state.items():

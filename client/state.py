@@ -15,6 +15,7 @@ import torch
 
 from client import jsonstate, keys
 from client.placement import group_places_step_on_device
+from client.tensors import check_storable
 from service.errors import StateEncodingError, StateMismatchError
 from service.format.manifest import Placement
 
@@ -39,9 +40,10 @@ class FlatState:
     _keys: set[str] = field(default_factory=set)
 
     def add(self, record: TensorRecord) -> str:
-        """Add a record, refusing a key twice; returns the key."""
+        """Add a record, refusing a key twice or a tensor the format cannot hold; returns the key."""
         if record.key in self._keys:
             raise StateEncodingError(f"two tensors map to the key {record.key!r}")
+        check_storable(record.tensor, record.key)
         self._keys.add(record.key)
         self.records.append(record)
         return record.key

@@ -71,4 +71,10 @@ def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality, dtype and shape included (NaNs with equal bits compare equal)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().cpu().reshape(-1).view(torch.uint8), b.detach().cpu().reshape(-1).view(torch.uint8))
+    return torch.equal(_bytes_of(a), _bytes_of(b))
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes, in row-major order, whatever its strides (size-1 dims included)."""
+    values = tensor.detach().cpu().resolve_conj().resolve_neg()
+    return torch.empty(values.shape, dtype=values.dtype).copy_(values).reshape(-1).view(torch.uint8)
