@@ -5,7 +5,8 @@
     │   ├── InvalidNameError             invalid_name      400
     │   ├── InvalidShardError            invalid_shard     400
     │   ├── InvalidManifestError         invalid_manifest  422
-    │   └── StateEncodingError (TypeError) state_encoding  400
+    │   ├── StateEncodingError (TypeError) state_encoding  400
+    │   └── RangeNotSatisfiableError     range_not_satisfiable 416
     ├── NotFoundError (LookupError)      not_found         404
     ├── ConflictError                    conflict          409
     │   └── MissingTensorsError          missing_tensors   409
@@ -69,6 +70,17 @@ class StateEncodingError(InvalidInputError, TypeError):
     """A value in optimizer, scheduler or extra state cannot be stored as JSON or tensor."""
 
     code = "state_encoding"
+
+
+class RangeNotSatisfiableError(InvalidInputError):
+    """A requested byte range starts past the end of a blob of ``size`` bytes (None when unknown)."""
+
+    code = "range_not_satisfiable"
+    http_status = 416
+
+    def __init__(self, message: str, size: int | None = None) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 class NotFoundError(CheckpointError, LookupError):

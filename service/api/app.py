@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from service import __version__
-from service.api import pages, redact, routes_admin, routes_data, routes_ops, routes_retention, routes_runs
+from service.api import docs, pages, redact, routes_admin, routes_data, routes_ops, routes_retention, routes_runs
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
@@ -31,7 +31,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
 
     Auth is off only when no tokens are configured and ``settings.host`` is a loopback
     address; otherwise every route but /healthz and /metrics needs a bearer token (the HTML
-    pages also take it from the cookie /login sets; /login and /static are open).
+    pages and /docs also take it from the cookie /login sets; /login and /static are open).
     """
     settings = settings or Settings()
     tokens = TokenSet.parse(settings.tokens)
@@ -45,6 +45,11 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
         # '/v1/runs/x/versions/.%2f' would send a client on to '/v1/runs/x/versions/.' and, once
         # it resolves the dot segment, to the commit route. A path that is not a route is a 404.
         redirect_slashes=False,
+        # FastAPI's own /docs and /redoc load scripts and fonts from public CDNs and need no token;
+        # service.api.docs serves /openapi.json and /docs instead (token, shipped assets, a CSP).
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.store = store
     app.state.settings = settings
@@ -57,6 +62,8 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_admin.router)
     app.include_router(routes_ops.router)
     app.include_router(pages.router)
+    app.include_router(docs.api_router)
+    app.include_router(docs.page_router)
     app.mount("/static", pages.static_files(), name="static")
 
     app.add_middleware(CountAndLimit, metrics=app.state.metrics, max_json_bytes=settings.max_json_bytes)

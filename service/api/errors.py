@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import CheckpointError, MissingTensorsError
+from service.errors import CheckpointError, MissingTensorsError, RangeNotSatisfiableError
 
 log = logging.getLogger("ckptstore.api")
 
@@ -62,7 +62,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CheckpointError)
     async def checkpoint_error(_request: Request, exc: CheckpointError) -> JSONResponse:
         digests = exc.digests[:1000] if isinstance(exc, MissingTensorsError) else None
-        return error_response(exc.http_status, exc.code, exc.message, digests=digests)
+        response = error_response(exc.http_status, exc.code, exc.message, digests=digests)
+        if isinstance(exc, RangeNotSatisfiableError) and exc.size is not None:
+            response.headers["Content-Range"] = f"bytes */{exc.size}"  # RFC 9110 §15.5.17
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

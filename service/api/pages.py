@@ -45,6 +45,8 @@ HEADERS = {
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
+#: Methods that change nothing; a page route with any other method gets :func:`check_origin`.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _LOCAL_PATH = re.compile(r"^/(?![/\\])[\x21-\x7e]*$")
 
 _env = jinja2.Environment(
@@ -101,14 +103,38 @@ def error_page(request: Request, exc: Exception) -> Response:
     return response
 
 
+def check_origin(request: Request) -> None:
+    """Refuse a form that a browser says was sent from another site (cross-site request forgery).
+
+    The browser's ``Origin`` (or, without one, its ``Referer``) must name this server's host.
+    A request carrying neither is let through, as it is from no browser form: browsers send
+    ``Origin`` with every POST, and ``Origin: null`` (a sandboxed or privacy-redirected page)
+    counts as another site.
+    """
+    source = request.headers.get("origin") or request.headers.get("referer")
+    if source is None:
+        return
+    if urlsplit(source).netloc.lower() != request.headers.get("host", "").lower():
+        raise PermissionDeniedError(
+            f"this form was sent from another site ({source[:100]}), so it was not acted on; "
+            f"open {request.url.path} on this server and send it from there"
+        )
+
+
 class PageRoute(APIRoute):
-    """A route whose errors become HTML error pages instead of the API's JSON."""
+    """A route whose errors become HTML error pages instead of the API's JSON.
+
+    Every page route that can change something (any method but GET, HEAD and OPTIONS: the
+    login and logout forms) is refused when sent from another site (:func:`check_origin`).
+    """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def page_handler(request: Request) -> Response:
             try:
+                if request.method not in SAFE_METHODS:
+                    check_origin(request)
                 return await handler(request)
             except Exception as exc:  # every error on a page is answered with a page
                 return error_page(request, exc)
@@ -218,12 +244,6 @@ async def read_form(request: Request) -> dict[str, str]:
     return {name: values[0] for name, values in fields.items()}
 
 
-def same_origin(request: Request) -> bool:
-    """False when the browser says the form came from another site (login CSRF)."""
-    origin = request.headers.get("origin")
-    return origin is None or urlsplit(origin).netloc == request.headers.get("host")
-
-
 @router.get("/login")
 async def login_form(
     request: Request, target: Annotated[str | None, Query(alias="next", max_length=2000)] = None
@@ -235,8 +255,6 @@ async def login_form(
 @router.post("/login")
 async def login(request: Request) -> Response:
     """Check the token and keep it in an HttpOnly, SameSite=Strict cookie."""
-    if not same_origin(request):
-        raise PermissionDeniedError("this login form was sent from another site; open /login on this server")
     form = await read_form(request)
     target = local_target(form.get("next"))
     tokens: TokenSet = request.app.state.tokens
@@ -258,7 +276,7 @@ async def logout_form(request: Request) -> Response:
 
 @router.post("/logout")
 async def logout() -> Response:
-    """Forget the login cookie."""
+    """Forget the login cookie (a form from another site is refused before this runs)."""
     response = RedirectResponse("/login", status_code=303, headers=HEADERS)
     response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
     return response

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from service.api import ranges
 from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep
 from service.api.schemas import DigestList, MissingResponse
 from service.api.strict_json import StrictJSONRoute
 from service.api.uploads import receive_shard
-from service.errors import InvalidInputError
 from service.format.digest import DIGEST_PATTERN
 from service.records import ShardReceipt, TensorLocation
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["data"])
 ShardId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="A shard id (64 lowercase hex characters).")]
-_RANGE = re.compile(r"^bytes=(\d{1,19})-(\d{0,19})$")
 
 
 @router.post("/tensors/missing", dependencies=[CanWrite])
@@ -58,47 +56,48 @@ async def upload_shard(
     return receipt
 
 
-def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    if header is None:
-        return None
-    match = _RANGE.match(header.strip())
-    if match is None:
-        raise InvalidInputError(f"unsupported Range {header[:60]!r}: use a single 'bytes=start-end' range")
-    start = int(match.group(1))
-    end = int(match.group(2)) if match.group(2) else size - 1
-    if start >= size or end < start:
-        raise InvalidInputError(f"Range {header[:60]!r} is outside the shard's {size} bytes")
-    return start, min(end, size - 1)
+RangeHeader = Annotated[str | None, Header(alias="range", description="bytes=start-end, bytes=start- or bytes=-length")]
+IfNoneMatch = Annotated[str | None, Header(description="the shard's ETag (its quoted id): 304 if it matches")]
+SHARD_RESPONSES: dict[int | str, dict[str, object]] = {
+    200: {"content": {"application/octet-stream": {}}},
+    206: {"description": "A byte range"},
+    304: {"description": "Not modified: If-None-Match named the shard's ETag"},
+    416: {"description": "The range starts past the end; Content-Range: bytes */size"},
+}
 
 
-@router.get(
-    "/shards/{shard_id}",
-    dependencies=[CanRead],
-    response_class=StreamingResponse,
-    responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "A byte range"}},
-)
+@router.get("/shards/{shard_id}", dependencies=[CanRead], response_class=StreamingResponse, responses=SHARD_RESPONSES)
 async def download_shard(
     shard_id: ShardId,
     store: StoreDep,
     metrics: MetricsDep,
-    range_: Annotated[str | None, Header(alias="range")] = None,
-) -> StreamingResponse:
-    """Download a shard, or one byte range of it with ``Range: bytes=start-end``."""
+    range_: RangeHeader = None,
+    if_none_match: IfNoneMatch = None,
+) -> Response:
+    """Download a shard, or one byte range of it with ``Range`` (a suffix ``bytes=-N`` is the last N bytes)."""
     size = await run_in_threadpool(store.shard_size, shard_id)
-    span = _parse_range(range_, size)
-    start, end = span if span is not None else (0, size - 1)
-    length = end - start + 1
-    headers = {"Content-Length": str(length), "Accept-Ranges": "bytes", "ETag": f'"{shard_id}"'}
-    if span is not None:
-        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-    chunks = store.iter_shard(shard_id, start, length)
+    plan = ranges.answer(shard_id, size, range_, if_none_match)
+    if plan.status == 304:
+        return Response(status_code=304, headers=plan.headers)
+    chunks = store.iter_shard(shard_id, plan.start, plan.length)
     # The first piece is read before the status line goes out, so a blob that cannot be read
     # (deleted meanwhile, storage down) is a proper error response, not a 200 cut off mid-body.
     first = await run_in_threadpool(next, chunks, b"")
-    metrics.add_bytes("out", length)
+    metrics.add_bytes("out", plan.length)
     return StreamingResponse(
         itertools.chain((first,), chunks),
-        status_code=206 if span is not None else 200,
+        status_code=plan.status,
         media_type="application/octet-stream",
-        headers=headers,
+        headers=plan.headers,
     )
+
+
+@router.head("/shards/{shard_id}", dependencies=[CanRead], responses=SHARD_RESPONSES)
+async def shard_head(
+    shard_id: ShardId, store: StoreDep, range_: RangeHeader = None, if_none_match: IfNoneMatch = None
+) -> Response:
+    """The headers a GET of the shard would answer (size, ETag, ranges), without its bytes."""
+    size = await run_in_threadpool(store.shard_size, shard_id)
+    plan = ranges.answer(shard_id, size, range_, if_none_match)
+    media = {} if plan.status == 304 else {"Content-Type": "application/octet-stream"}
+    return Response(status_code=plan.status, headers={**plan.headers, **media})
