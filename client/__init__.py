@@ -73,27 +73,26 @@ __all__ = [
     "versions",
 ]
 
-_clients: dict[tuple[str | None, str | None, str | None], Client] = {}
+#: The variables that choose the default client's store (URL and TOKEN first).
+_CLIENT_VARIABLES = ("URL", "TOKEN", "HOME", "DATABASE_URL", "BLOBS", "RETRY_SECONDS")
+_clients: dict[tuple[str | None, ...], Client] = {}
 _clients_lock = threading.Lock()
 
 
 def default_client() -> Client:
-    """The client for the current ``CKPTSTORE_URL`` / ``CKPTSTORE_HOME`` / ``CKPTSTORE_TOKEN``.
+    """The client for the current ``CKPTSTORE_URL`` / ``CKPTSTORE_TOKEN``, or without a URL the
+    store ``CKPTSTORE_DATABASE_URL`` / ``CKPTSTORE_BLOBS`` / ``CKPTSTORE_HOME`` name.
 
     Read at every call; one client is kept per distinct setting so the digest cache of
     frozen tensors survives between saves.
     """
-    settings = (
-        os.environ.get("CKPTSTORE_URL") or None,
-        os.environ.get("CKPTSTORE_HOME") or None,
-        os.environ.get("CKPTSTORE_TOKEN") or None,
-    )
+    settings = tuple(os.environ.get(f"CKPTSTORE_{name}") or None for name in _CLIENT_VARIABLES)
     with _clients_lock:
         if settings not in _clients:
-            url, home, token = settings
+            url, token = settings[:2]
             from client.api import Client
 
-            _clients[settings] = Client(url, home=home, token=token)
+            _clients[settings] = Client(url, token=token)
         return _clients[settings]
 
 

@@ -30,6 +30,7 @@ from service.errors import (
     StateEncodingError,
     StateMismatchError,
 )
+from service.factory import local_settings, open_store
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, validate_body
 from service.format.names import validate_run_id, validate_tag
@@ -51,22 +52,43 @@ def default_home() -> Path:
     return Path(os.environ.get("CKPTSTORE_HOME") or DEFAULT_HOME).expanduser()
 
 
-def open_transport(url: str | None, home: Path | str | None, token: str | None) -> Transport:
-    """An embedded store in ``home``, or a server at ``url``."""
+def open_transport(
+    url: str | None,
+    home: Path | str | None,
+    token: str | None,
+    *,
+    create: bool = True,
+    retry_seconds: float | None = None,
+) -> Transport:
+    """A server at ``url``; else the embedded store in ``home``; else the store the environment
+    names, as ``ckptstore serve`` reads it (``CKPTSTORE_DATABASE_URL``, ``CKPTSTORE_BLOBS``,
+    ``CKPTSTORE_HOME``; see :func:`service.factory.local_settings`).
+
+    With ``create=False`` a store that does not exist yet is refused (NotFoundError naming
+    the variables to set) rather than created.
+    """
     if url:
         if not url.startswith(("http://", "https://")):
             raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
-        return HttpTransport(url, token)
-    return Store.open_home(Path(home) if home is not None else default_home())
+        return HttpTransport(url, token, retry_seconds=retry_seconds)
+    return open_store(local_settings(home), require_current_schema=True, create=create)
 
 
 class Client:
     """A connection to one checkpoint store.
 
     Args:
-        url: a ckptstore server; None for the embedded store.
-        home: the embedded store's folder (default ``$CKPTSTORE_HOME`` or ``~/.ckptstore``).
+        url: a ckptstore server; None to open the store in this process: the one
+            ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` name when set (as ``ckptstore
+            serve`` reads them), else the embedded store in ``home``.
+        home: the embedded store's folder (default ``$CKPTSTORE_HOME`` or ``~/.ckptstore``);
+            given, the store is the embedded one there whatever the environment says.
         token: bearer token for a server.
+        retry_seconds: how long a server's requests that are safe to repeat are retried
+            through connection errors and 429/5xx answers (default ``$CKPTSTORE_RETRY_SECONDS``
+            or 60 s, enough to ride out a server restart).
+        create: False to refuse (NotFoundError naming the variables to set) a store that does
+            not exist yet instead of creating it, as ``ckptstore ls``, ``verify`` and ``gc`` do.
         shard_bytes: target size of each shard written.
         hash_cache: reuse digests of frozen tensors that did not change since this client
             last hashed them.
@@ -80,8 +102,10 @@ class Client:
         token: str | None = None,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         hash_cache: bool = True,
+        retry_seconds: float | None = None,
+        create: bool = True,
     ) -> None:
-        self.transport = open_transport(url, home, token)
+        self.transport = open_transport(url, home, token, create=create, retry_seconds=retry_seconds)
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()

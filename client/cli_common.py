@@ -109,19 +109,39 @@ def reported() -> Iterator[None]:
 
 
 @contextmanager
-def open_client() -> Iterator[Client]:
-    """A client on ``CKPTSTORE_URL`` (a server) or else the embedded ``CKPTSTORE_HOME``.
+def open_client(*, create: bool = False) -> Iterator[Client]:
+    """A client on ``CKPTSTORE_URL`` (a server), or else on the store ``ckptstore serve`` would
+    open: ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` when set, else the embedded store in
+    ``CKPTSTORE_HOME``.
 
     The same settings :func:`client.default_client` reads; the CLI opens its own client and
-    closes it so an HTTP client's upload staging folder does not outlive the command.
+    closes it so an HTTP client's upload staging folder does not outlive the command. Only a
+    command that saves passes ``create=True``: every other one refuses a store that does not
+    exist yet (NotFoundError naming the variables to set) rather than report on an empty one
+    it just made.
     """
     from client.api import Client
 
     url = os.environ.get("CKPTSTORE_URL") or None
-    home = os.environ.get("CKPTSTORE_HOME") or None
     token = os.environ.get("CKPTSTORE_TOKEN") or None
-    with Client(url, home=home, token=token) as opened:
+    with Client(url, token=token, create=create) as opened:
         yield opened
+
+
+def store_location(transport: object) -> str:
+    """Which store a command worked on, for people: a server's URL, or the database (without its
+    password) and blob store a process opened itself."""
+    from client.http_transport import HttpTransport
+    from service.store import Store
+
+    if isinstance(transport, HttpTransport):
+        return transport.url
+    if isinstance(transport, Store):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(transport.db.url).render_as_string(hide_password=True)
+        return f"{database} with blobs in {transport.blobs.location}"
+    return type(transport).__name__
 
 
 def echo_json(value: Any) -> None:

@@ -78,7 +78,12 @@ def gc(
         str, typer.Option("--grace", metavar="DURATION", help="Spare shards newer than this: 1h, 30m, 90s, 0.")
     ] = "1h",
     orphans: Annotated[
-        bool, typer.Option("--orphans", help="Also delete blobs no shard record names (run while no save uploads).")
+        bool,
+        typer.Option(
+            "--orphans",
+            help="Also delete blobs no shard record names and abort S3 uploads left unfinished for longer "
+            "than the grace period (run while no save uploads).",
+        ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,
 ) -> None:
@@ -87,7 +92,8 @@ def gc(
     Shards stored, or reported present to a save, within the grace period are kept, so a save
     in progress is never affected; `--grace 0` keeps nothing unreferenced. On a server this
     needs an admin token. --json prints dry_run, grace_seconds, shards_swept, tensors_swept,
-    bytes_swept, shards_kept, shards_in_grace, orphan_blobs, orphan_bytes, orphans_swept, seconds.
+    bytes_swept, shards_kept, shards_in_grace, orphan_blobs, orphan_bytes, orphans_swept,
+    stale_uploads, stale_upload_bytes, uploads_aborted, seconds.
     """
     with reported():
         seconds = parse_duration(grace)
@@ -111,5 +117,16 @@ def gc(
             typer.echo(f"{what}; deleted {report.orphans_swept}")
         else:
             typer.echo(f"{what}; `ckptstore gc --orphans` deletes them while no save is uploading")
+    if report.stale_uploads:
+        what = (
+            f"{report.stale_uploads} unfinished uploads ({size(report.stale_upload_bytes)} in parts) "
+            f"had nothing added for longer than the grace period"
+        )
+        if report.uploads_aborted:
+            typer.echo(f"{what}; aborted {report.uploads_aborted}")
+        elif orphans and report.dry_run:
+            typer.echo(f"{what}; would abort them")
+        else:
+            typer.echo(f"{what}; `ckptstore gc --orphans` aborts them")
     if report.dry_run:
         typer.echo("dry run: nothing was deleted")

@@ -20,6 +20,7 @@ from client.cli_common import (
     parse_target,
     reported,
     size,
+    store_location,
     table,
 )
 from client.progress import byte_bar
@@ -114,7 +115,7 @@ def import_(
         if "@" in run_id:
             raise UsageProblem(f"{run_id!r}: import adds the next version of a run; give RUN without @REF")
         validate_run_id(run_id)
-        with open_client() as ckpt:
+        with open_client(create=True) as ckpt:
             result = import_weights(ckpt, source, run_id, tags=tag or ())
     typer.echo(
         f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "
@@ -129,7 +130,12 @@ def verify(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Re-read and re-hash every stored byte a version references (or every version's); exit 1 on any problem."""
+    """Re-read and re-hash every stored byte a version references (or every version's); exit 1 on any problem.
+
+    Says which store it checked (a server's URL, or the database and blob store) and what:
+    versions, tensors, distinct digests and bytes. --json prints ok, versions, tensors, digests,
+    bytes, seconds, problems and store.
+    """
     from client.verifying import every_version
     from client.verifying import verify as run_verify
 
@@ -145,10 +151,11 @@ def verify(
                 report = run_verify(
                     ckpt.transport, versions, on_bytes=bar.update, on_total=bar.total, strict_refs=parsed is not None
                 )
+                where = store_location(ckpt.transport)
         finally:
             bar.close()
     if as_json:
-        echo_json(report.to_json())
+        echo_json({**report.to_json(), "store": where})
     else:
         if report.problems:
             rows = [(f"{p.run_id}@{p.version or '?'}", p.key or "-", p.shard_id, p.problem) for p in report.problems]
@@ -157,6 +164,7 @@ def verify(
             f"verified {report.versions} versions: {report.tensors} tensors, {report.digests} distinct, "
             f"{size(report.bytes)} re-read and re-hashed in {report.seconds:.2f} s"
         )
+        typer.echo(f"store: {where}")
     if report.problems:
         typer.echo(f"error: {len(report.problems)} problems found in stored tensors", err=True)
         raise typer.Exit(EXIT_FAILED)

@@ -1,15 +1,20 @@
 """The client's HTTP transport: the same operations as the embedded store, over the v1 API.
 
 Connections are pooled; shard uploads stream from disk; reads ask for byte ranges.
-Connection errors and 429/5xx answers are retried with exponential backoff, but only for
-requests that are safe to repeat (everything except a commit, whose outcome would be
-unknown). Error responses carry ``X-Error-Code``; :func:`raise_for_error` turns them back
-into the same exception classes the embedded store raises.
+Connection errors and 429/5xx answers are retried with exponential backoff and jitter (at most
+:data:`MAX_PAUSE_SECONDS` a pause) for up to the retry budget (``retry_seconds``,
+``CKPTSTORE_RETRY_SECONDS``, default :data:`DEFAULT_RETRY_SECONDS`: long enough to ride out
+a server restart), but only for requests that are safe to repeat. A commit is sent again only
+when the connection was refused or never opened (the server cannot have seen it); after any
+other failure its outcome is unknown, so it is not retried. Error responses carry
+``X-Error-Code``; :func:`raise_for_error` turns them back into the same exception classes the
+embedded store raises.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import random
@@ -30,6 +35,7 @@ from service import __version__
 from service.errors import (
     CheckpointError,
     IntegrityError,
+    InvalidInputError,
     MissingTensorsError,
     StateMismatchError,
     StorageError,
@@ -43,6 +49,14 @@ from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, Te
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 NETWORK_ERRORS = (httpx.TransportError,)
+#: Failures before the request left this process: even a commit is safe to send again.
+NOT_SENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+#: How long requests safe to repeat are retried, by default: a server restart takes up to ~30 s.
+DEFAULT_RETRY_SECONDS = 60.0
+RETRY_SECONDS_VARIABLE = "CKPTSTORE_RETRY_SECONDS"
+#: The longest pause between two tries of a request.
+MAX_PAUSE_SECONDS = 4.0
+log = logging.getLogger("ckptstore.client")
 #: Upload staging folders are ``<tmp>/ckptstore-upload-<pid>-<random>``.
 STAGING_PREFIX = "ckptstore-upload-"
 #: A staging folder untouched this long whose process is gone was left by a killed client.
@@ -105,6 +119,27 @@ def needs_tls_context(url: str) -> bool:
     return urlsplit(url).scheme != "http" or bool(getproxies())
 
 
+def retry_budget(seconds: float | None = None) -> float:
+    """Seconds to keep retrying: ``seconds``, else ``$CKPTSTORE_RETRY_SECONDS``, else the default.
+
+    Raises:
+        InvalidInputError: the value is not a number of seconds from 0 up.
+    """
+    source = "retry_seconds"
+    if seconds is None:
+        text = os.environ.get(RETRY_SECONDS_VARIABLE) or ""
+        if not text.strip():
+            return DEFAULT_RETRY_SECONDS
+        source = RETRY_SECONDS_VARIABLE
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = float("nan")
+    if isinstance(seconds, bool) or not 0 <= seconds <= 86400:
+        raise InvalidInputError(f"{source} must be a number of seconds from 0 to 86400, not {seconds!r}")
+    return float(seconds)
+
+
 def raise_for_error(response: httpx.Response) -> None:
     """Raise the CheckpointError an error response stands for; return on success."""
     if response.status_code < 400:
@@ -147,15 +182,30 @@ class HttpTransport:
         url: str,
         token: str | None = None,
         *,
-        retries: int = 4,
+        retry_seconds: float | None = None,
+        retries: int | None = None,
         backoff_seconds: float = 0.25,
         timeout_seconds: float = 300.0,
         http: httpx.Client | None = None,
     ) -> None:
+        """Connect lazily to the server at ``url``.
+
+        Args:
+            url: ``http://host:port`` (or https).
+            token: bearer token.
+            retry_seconds: how long a request safe to repeat is retried through connection
+                errors and 429/5xx answers (default ``$CKPTSTORE_RETRY_SECONDS``, else 60).
+            retries: at most this many retries of one request as well (default: as many as
+                the budget allows).
+            backoff_seconds: the first pause; each next one doubles, up to MAX_PAUSE_SECONDS.
+            timeout_seconds: how long one request may wait for the server.
+            http: an httpx client to use (tests).
+        """
         headers = {"User-Agent": f"ckptstore/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self.url = url.rstrip("/")
+        self.retry_seconds = retry_budget(retry_seconds)
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self._http = http or httpx.Client(
@@ -176,28 +226,56 @@ class HttpTransport:
     # -- plumbing ------------------------------------------------------------------------
 
     def _send(self, idempotent: bool, build: Callable[[], httpx.Response]) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries or not idempotent
+        started, attempt = time.monotonic(), 0
+        while True:
             try:
                 response = build()
             except NETWORK_ERRORS as exc:
-                if last:
-                    what = "" if idempotent else " (a commit is not retried: list the versions to see if it landed)"
-                    raise StorageError(f"cannot reach the ckptstore server at {self.url}: {exc}{what}") from exc
-                self._pause(attempt, None)
-                continue
-            if response.status_code in RETRY_STATUSES and not last:
-                response.close()
-                self._pause(attempt, response.headers.get("retry-after"))
-                continue
+                # A refused connection never reached the server: even a commit may go again.
+                safe = idempotent or isinstance(exc, NOT_SENT_ERRORS)
+                if safe and self._retry(attempt, started, exc):
+                    attempt += 1
+                    continue
+                what = "" if safe else " (a commit is not retried: list the versions to see if it landed)"
+                raise StorageError(self._unreachable(exc, attempt, started) + what) from exc
+            if response.status_code in RETRY_STATUSES and idempotent:
+                retry_after = response.headers.get("retry-after")
+                if self._retry(attempt, started, f"HTTP {response.status_code}", retry_after):
+                    response.close()
+                    attempt += 1
+                    continue
             return response
-        raise AssertionError("unreachable")
 
-    def _pause(self, attempt: int, retry_after: str | None) -> None:
-        delay = self.backoff_seconds * (2**attempt) * (0.5 + random.random())
+    def _retry(self, attempt: int, started: float, cause: object, retry_after: str | None = None) -> bool:
+        """Pause before try ``attempt + 2`` of a request begun at ``started``; False once the
+        retry budget (or the count of retries) is spent."""
+        left = self.retry_seconds - (time.monotonic() - started)
+        if left <= 0 or (self.retries is not None and attempt >= self.retries):
+            return False
+        delay = min(MAX_PAUSE_SECONDS, self.backoff_seconds * 2**attempt) * (0.5 + random.random() / 2)
         if retry_after is not None and retry_after.isdigit():
             delay = max(delay, min(float(retry_after), 30.0))
+        delay = min(delay, left)
+        # The first failure of a request is worth a warning: the call may now wait a while.
+        log.log(
+            logging.WARNING if attempt == 0 else logging.INFO,
+            "ckptstore server at %s: %s; retrying in %.1f s (giving up after %.0f s; %s sets how long)",
+            self.url,
+            cause,
+            delay,
+            self.retry_seconds,
+            RETRY_SECONDS_VARIABLE,
+        )
         time.sleep(delay)
+        return True
+
+    def _unreachable(self, exc: BaseException, attempt: int, started: float) -> str:
+        """The message for a server that could not be reached: where, why, and what to check."""
+        return (
+            f"cannot reach the ckptstore server at {self.url}: {exc}. Is the server running at {self.url}? "
+            f"Check CKPTSTORE_URL (gave up after {attempt + 1} tries in {time.monotonic() - started:.1f} s; "
+            f"{RETRY_SECONDS_VARIABLE} sets how long to keep trying)"
+        )
 
     def _json(self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any) -> Any:
         response = self._send(idempotent, lambda: self._http.request(method, path, **kwargs))
@@ -263,21 +341,22 @@ class HttpTransport:
 
         Raises the CheckpointError an error answer stands for, or StorageError once retries run out.
         """
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
+        started, attempt = time.monotonic(), 0
+        while True:
             try:
                 answer = request()
             except BULK_NETWORK_ERRORS as exc:
-                if last:
-                    raise StorageError(f"{what} at {self.url} failed: {exc}") from exc
-                self._pause(attempt, None)
-                continue
-            if answer.status in RETRY_STATUSES and not last:
-                self._pause(attempt, answer.headers.get("retry-after"))
+                if self._retry(attempt, started, exc):
+                    attempt += 1
+                    continue
+                raise StorageError(f"{what} failed: " + self._unreachable(exc, attempt, started)) from exc
+            if answer.status in RETRY_STATUSES and self._retry(
+                attempt, started, f"HTTP {answer.status}", answer.headers.get("retry-after")
+            ):
+                attempt += 1
                 continue
             raise_for_bulk_error(answer, f"{self.url}{path}")
             return answer
-        raise AssertionError("unreachable")
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit a version (never retried: its outcome would be ambiguous)."""

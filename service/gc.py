@@ -38,6 +38,10 @@ Blobs with no shard row (*orphans*: a sweep that died between its transaction an
 or an upload between storing its blob and recording it) are reported. They are deleted only
 when asked (``orphans=True``): the blob store cannot tell an orphan's age, so an upload caught
 in that window fails and must be retried.
+
+Uploads a writer killed part-way left in the blob store (incomplete S3 multipart uploads, see
+:mod:`service.blobs.s3_uploads`) are reported when nothing was added to them within the grace
+period, and aborted with the orphans; a live upload caught by a grace of 0 fails and is retried.
 """
 
 from __future__ import annotations
@@ -205,7 +209,8 @@ def collect(
         grace_seconds: keep unreferenced shards recorded, or with a tensor reported present,
             less than this many seconds before ``now``. 0 keeps nothing unreferenced.
         dry_run: only report; change nothing and take no lock.
-        orphans: also delete blobs that no shard row names (see the module docstring).
+        orphans: also delete blobs that no shard row names, and abort uploads left
+            unfinished with nothing added within the grace period (see the module docstring).
         now: the time the grace period counts back from (tests pass one; default: now).
 
     Raises:
@@ -235,6 +240,7 @@ def collect(
     orphan_ids = _orphans(db, blobs)
     orphan_bytes = sum(blobs.size(blob_id) or 0 for blob_id in orphan_ids)
     orphans_swept = _delete_unrecorded_blobs(db, blobs, orphan_ids) if orphans and not dry_run else 0
+    uploads = blobs.abort_stale_uploads(cutoff, dry_run=dry_run or not orphans)
     return GcReport(
         dry_run=dry_run,
         grace_seconds=grace_seconds,
@@ -246,6 +252,9 @@ def collect(
         orphan_blobs=len(orphan_ids),
         orphan_bytes=orphan_bytes,
         orphans_swept=orphans_swept,
+        stale_uploads=uploads.found,
+        stale_upload_bytes=uploads.bytes,
+        uploads_aborted=uploads.aborted,
         seconds=time.perf_counter() - started,
     )
 

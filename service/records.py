@@ -89,7 +89,10 @@ class GcReport(_Record):
     ``shards_in_grace`` are unreferenced but kept: recorded, or reported present to a client,
     within the grace period. ``orphan_blobs`` are blobs no shard row names (an interrupted
     collection, or an upload caught between storing and recording its shard); they are deleted
-    only when asked, and ``orphans_swept`` counts those deleted.
+    only when asked, and ``orphans_swept`` counts those deleted. ``stale_uploads`` are
+    incomplete S3 multipart uploads with nothing added within the grace period (a writer killed
+    mid-upload), holding ``stale_upload_bytes`` in parts; asking for orphans aborts them too,
+    and ``uploads_aborted`` counts those aborted.
     """
 
     dry_run: bool
@@ -102,4 +105,7 @@ class GcReport(_Record):
     orphan_blobs: int
     orphan_bytes: int
     orphans_swept: int
+    stale_uploads: int = 0
+    stale_upload_bytes: int = 0
+    uploads_aborted: int = 0
     seconds: float

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -99,3 +100,18 @@ def empty_tables(database: Database) -> None:
     tables = ", ".join(f'"{table.name}"' for table in Base.metadata.sorted_tables)
     with database.engine.begin() as connection:
         connection.exec_driver_sql(f"TRUNCATE {tables}")
+
+
+def leave_upload_unfinished(s3: Any, bucket: str, key: str, parts: Sequence[bytes]) -> str:
+    """Start a multipart upload of ``key`` and send ``parts``, as a writer killed before
+    completing it would leave it; returns its upload id."""
+    upload_id = str(s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"])
+    for number, data in enumerate(parts, start=1):
+        s3.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data)
+    return upload_id
+
+
+def unfinished_uploads(s3: Any, bucket: str) -> dict[str, str]:
+    """Upload id -> key of every incomplete multipart upload in ``bucket``."""
+    pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket)
+    return {item["UploadId"]: item["Key"] for page in pages for item in page.get("Uploads", ())}

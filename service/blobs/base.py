@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from service.format.digest import is_digest
 
 READ_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class StaleUploads:
+    """Unfinished uploads a killed writer left (S3 multipart uploads): how many were found idle
+    past the cut-off, the bytes their parts hold, and how many of them were aborted."""
+
+    found: int = 0
+    bytes: int = 0
+    aborted: int = 0
 
 
 class BlobStore(ABC):
@@ -18,9 +30,15 @@ class BlobStore(ABC):
     shard has been validated; :meth:`size` to check presence; :meth:`read_into` (or
     :meth:`read_scatter`, :meth:`iter_range`) for every read; :meth:`delete` only from
     garbage collection.
-    :meth:`list_ids` serves scrubbing and collection. Keys are shard ids only, never
-    names from a request, so no backend ever builds a path or URL from user input.
+    :meth:`list_ids` serves scrubbing and collection, and :meth:`abort_stale_uploads`
+    collection. Keys are shard ids only, never names from a request, so no backend ever builds
+    a path or URL from user input.
     """
+
+    @property
+    def location(self) -> str:
+        """Where the blobs are, for people (``file:///…``, ``s3://bucket/prefix``)."""
+        return repr(self)
 
     @abstractmethod
     def put_file(self, blob_id: str, path: Path) -> None:
@@ -51,6 +69,15 @@ class BlobStore(ABC):
     @abstractmethod
     def list_ids(self) -> Iterator[str]:
         """Every stored blob id."""
+
+    def abort_stale_uploads(self, idle_since: datetime, *, dry_run: bool = False) -> StaleUploads:
+        """Find uploads a killed writer left unfinished with nothing added since ``idle_since``
+        (timezone-aware), and abort them unless ``dry_run``.
+
+        Only S3 has such leftovers (incomplete multipart uploads, billed until aborted); a
+        local folder's are temporary files (:mod:`service.cleanup`), so this default finds none.
+        """
+        return StaleUploads()
 
     def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in turn with the blob's consecutive bytes starting at ``offset``.

@@ -51,6 +51,14 @@ class LocalBlobStore(BlobStore):
         self._incoming = self.root / ".incoming"
         self._incoming.mkdir(exist_ok=True)
 
+    def __repr__(self) -> str:
+        return f"LocalBlobStore({str(self.root)!r})"
+
+    @property
+    def location(self) -> str:
+        """The folder as a ``file://`` URL."""
+        return self.root.absolute().as_uri()
+
     def _path(self, blob_id: str) -> Path:
         check_blob_id(blob_id)
         return self.root / blob_id[:2] / blob_id

@@ -4,10 +4,11 @@ Atomicity. S3 shows an object whole or not at all: a single PUT publishes the ob
 succeeds, and a multipart upload publishes it only at CompleteMultipartUpload. boto3's
 transfer manager aborts a multipart upload that fails part-way, so a failed
 :meth:`S3BlobStore.put_file` leaves no object under the key. A process killed mid-upload
-leaves invisible parts that are billed until aborted; give the bucket a lifecycle rule
-"AbortIncompleteMultipartUpload" of a few days. Two writers racing to put the same id both
-write the same bytes (ids are content addresses the engine verifies before it calls
-``put_file``), so the last one to finish changes nothing.
+leaves invisible parts that are billed until aborted: ``ckptstore gc --orphans`` aborts
+those idle past its grace period (:mod:`service.blobs.s3_uploads`), and a bucket lifecycle rule
+"AbortIncompleteMultipartUpload" of a few days (see the README) does it on S3's side. Two
+writers racing to put the same id both write the same bytes (ids are content addresses the
+engine verifies before it calls ``put_file``), so the last one to finish changes nothing.
 
 Checksums. botocore 1.36 and later computes a CRC32 for every upload and, on HTTPS, sends
 it as a trailing checksum in an ``aws-chunked`` body ("when_supported"). Several
@@ -22,6 +23,7 @@ every read here is, carry no checksum S3 could validate either way.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.blobs.base import READ_CHUNK_BYTES, BlobStore, check_blob_id, flat_bytes
+from service.blobs.base import READ_CHUNK_BYTES, BlobStore, StaleUploads, check_blob_id, flat_bytes
+from service.blobs.s3_uploads import abort_idle_uploads
 from service.errors import IntegrityError, InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
 
@@ -134,6 +137,20 @@ class S3BlobStore(BlobStore):
 
     def __repr__(self) -> str:
         return f"S3BlobStore('s3://{self.bucket}/{self.prefix}')"
+
+    @property
+    def location(self) -> str:
+        """``s3://bucket/prefix``."""
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def abort_stale_uploads(self, idle_since: datetime, *, dry_run: bool = False) -> StaleUploads:
+        """Abort (unless ``dry_run``) the incomplete multipart uploads of this store's blob keys
+        with no part added since ``idle_since``; see :mod:`service.blobs.s3_uploads`.
+
+        Raises:
+            StorageError: the bucket is missing or S3 failed.
+        """
+        return abort_idle_uploads(self.client, self.bucket, self._base, idle_since, dry_run=dry_run)
 
     def _key(self, blob_id: str) -> str:
         check_blob_id(blob_id)

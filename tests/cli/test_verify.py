@@ -28,7 +28,7 @@ def test_verify_of_a_clean_store_exits_0_with_a_summary(any_cli: Cli) -> None:
     text = any_cli.ok("verify")
     assert text.startswith("verified 3 versions: ") and "re-read and re-hashed" in text
     report = json.loads(any_cli.ok("verify", "--json"))
-    assert set(report) == {"ok", "versions", "tensors", "digests", "bytes", "seconds", "problems"}
+    assert set(report) == {"ok", "versions", "tensors", "digests", "bytes", "seconds", "problems", "store"}
     assert report["ok"] is True and report["problems"] == [] and report["versions"] == 3
     manifests = [json.loads(any_cli.ok("show", ref, "--json"))["manifest"] for ref in ("run@1", "run@2", "other")]
     assert report["tensors"] == sum(len(m["tensors"]) for m in manifests)
