@@ -483,6 +483,8 @@ class Client:
         keep_best: int | None = None,
         metric: str | None = None,
         mode: Literal["min", "max"] = "min",
+        *,
+        create_run: bool = False,
     ) -> RetentionPolicy:
         """Replace the run's retention policy; each commit from the next one on applies it.
 
@@ -490,8 +492,9 @@ class Client:
         lowest is best; 'max': highest; ties go to the newer version), every tagged version and
         the newest one; the others are removed at the next commit (or at once with
         :meth:`apply_retention`). Neither ``keep_last`` nor ``keep_best`` clears the policy. A
-        run that does not exist yet is created. A server asks for an admin token: a policy
-        deletes versions.
+        run that does not exist yet is NotFoundError, or created with ``create_run`` (so a policy
+        can precede the first save; :meth:`save` with a policy does this). A server asks for an
+        admin token: a policy deletes versions.
         """
         try:
             return self.transport.set_retention(
@@ -500,6 +503,7 @@ class Client:
                 keep_best=keep_best,
                 metric=metric,
                 mode=mode if keep_best is not None else None,
+                create_run=create_run,
             )
         except PermissionDeniedError as exc:
             raise PermissionDeniedError(
@@ -522,10 +526,14 @@ class Client:
         wanted = check_policy(keep_last, keep_best, metric, mode)
         try:
             current = self.transport.get_retention(run_id)
-        except NotFoundError:  # a new run: setting the policy creates it
+        except NotFoundError:  # a new run
             current = None
         if current is None or Policy(current.keep_last, current.keep_best, current.metric, current.mode) != wanted:
-            self.set_retention(run_id, wanted.keep_last, wanted.keep_best, wanted.metric, wanted.mode or "min")
+            chosen: Literal["min", "max"] = "max" if wanted.mode == "max" else "min"
+            # A new run: this save creates it anyway, so the policy may create it first.
+            self.set_retention(
+                run_id, wanted.keep_last, wanted.keep_best, wanted.metric, chosen, create_run=current is None
+            )
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -450,10 +450,12 @@ class HttpTransport:
         keep_best: int | None = None,
         metric: str | None = None,
         mode: str | None = None,
+        create_run: bool = False,
     ) -> RetentionPolicy:
         """Replace a run's retention policy (a PUT: safe to retry)."""
         policy = {"keep_last": keep_last, "keep_best": keep_best, "metric": metric, "mode": mode}
-        data = self._json("PUT", f"/v1/runs/{quote(validate_run_id(run_id))}/retention", json=policy)
+        path = f"/v1/runs/{quote(validate_run_id(run_id))}/retention" + ("?create=true" if create_run else "")
+        data = self._json("PUT", path, json=policy)
         return RetentionPolicy.model_validate(data)
 
     def apply_retention(self, run_id: str) -> list[int]:

@@ -68,8 +68,10 @@ class Transport(Protocol):
         keep_best: int | None = None,
         metric: str | None = None,
         mode: str | None = None,
+        create_run: bool = False,
     ) -> RetentionPolicy:
-        """Replace a run's retention policy (applied from the next commit)."""
+        """Replace a run's retention policy (applied from the next commit); an unknown run is
+        NotFoundError unless ``create_run``."""
 
     def apply_retention(self, run_id: str) -> list[int]:
         """Remove now the versions a run's policy does not keep."""

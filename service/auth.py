@@ -76,7 +76,8 @@ class TokenSet:
         if scope is None:
             raise AuthenticationError("the bearer token is not valid")
         if SCOPE_RANK[scope] < SCOPE_RANK[needed]:
-            raise PermissionDeniedError(f"this operation needs a {needed} token; yours is {scope}")
+            article = "an" if needed[0] in "aeiou" else "a"
+            raise PermissionDeniedError(f"this operation needs {article} {needed} token; yours is {scope}")
 
 
 def is_loopback(host: str) -> bool:

@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 
 from service.db.models import Run, Tag, Tensor, Version, VersionRef, table, utcnow
 from service.db.session import insert_new
-from service.errors import InvalidManifestError, MissingTensorsError, format_list
+from service.errors import ConflictError, InvalidManifestError, MissingTensorsError, format_list
+from service.format.bounds import INT64_MAX, MAX_VERSION
 from service.format.digest import tensor_digest
 from service.format.manifest import ManifestBody, TensorEntry, manifest_to_json, stamp
 from service.gc import hold_shared
@@ -184,6 +185,10 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     # The run is locked first: the references this commit finds already there are then those
     # every earlier commit to the run left, so its figures count what it alone adds.
     counter = _lock_run(session, run_id)
+    if counter >= MAX_VERSION:
+        raise ConflictError(
+            f"run {run_id!r} has used every version number up to {MAX_VERSION}; save to a new run"
+        )
     sizes, seen_before = check_references(session, body)
     connection = session.connection()
     parent = connection.execute(_LATEST, {"run_id": run_id}).scalar()
@@ -197,6 +202,8 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
         bytes_total += nbytes
         if entry.trainable:
             bytes_trainable += nbytes
+    if bytes_total > INT64_MAX:  # entries may share digests, so the sum is not bounded by stored bytes
+        raise InvalidManifestError(f"the manifest's tensors add up to {bytes_total} bytes; at most {INT64_MAX} fit")
     manifest = stamp(body, run_id=run_id, version=number, parent=parent, created_at=now)
     row: dict[str, Any] = {
         "run_id": run_id,

@@ -6,7 +6,8 @@
     │   ├── InvalidShardError            invalid_shard     400
     │   ├── InvalidManifestError         invalid_manifest  422
     │   ├── StateEncodingError (TypeError) state_encoding  400
-    │   └── RangeNotSatisfiableError     range_not_satisfiable 416
+    │   ├── RangeNotSatisfiableError     range_not_satisfiable 416
+    │   └── UnsupportedMediaTypeError    unsupported_media_type 415
     ├── NotFoundError (LookupError)      not_found         404
     ├── ConflictError                    conflict          409
     │   └── MissingTensorsError          missing_tensors   409
@@ -81,6 +82,13 @@ class RangeNotSatisfiableError(InvalidInputError):
     def __init__(self, message: str, size: int | None = None) -> None:
         super().__init__(message)
         self.size = size
+
+
+class UnsupportedMediaTypeError(InvalidInputError):
+    """A request body is not sent as the media type its route reads (JSON: ``application/json``)."""
+
+    code = "unsupported_media_type"
+    http_status = 415
 
 
 class NotFoundError(CheckpointError, LookupError):

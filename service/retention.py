@@ -81,7 +81,8 @@ def _check_count(name: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_KEEP:
-        raise InvalidInputError(f"{name} must be a whole number from 1 to {MAX_KEEP}, not {str(value)[:40]!r}")
+        shown = "a larger number" if isinstance(value, int) and value.bit_length() > 64 else repr(value)[:40]
+        raise InvalidInputError(f"{name} must be a whole number from 1 to {MAX_KEEP}, not {shown}")
     return value
 
 

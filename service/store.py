@@ -479,8 +479,8 @@ class Store:
             return version
 
     def untag(self, run_id: str, name: str) -> None:
-        """Remove tag ``name`` from ``run_id``."""
-        validate_tag(name)
+        """Remove tag ``name`` from ``run_id`` (a reserved name too, should a store hold one)."""
+        validate_tag(name, allow_reserved=True)
         with self.db.transaction() as session:
             existing = session.get(Tag, (validate_run_id(run_id), name))
             if existing is None:
@@ -513,20 +513,23 @@ class Store:
         keep_best: int | None = None,
         metric: str | None = None,
         mode: str | None = None,
+        create_run: bool = False,
     ) -> RetentionPolicy:
         """Replace the run's retention policy; it is applied at each commit, starting with the next.
 
         Nothing is removed now (:meth:`apply_retention` does that); the record returned lists
         what applying it would remove. Leaving both ``keep_last`` and ``keep_best`` unset clears
-        the policy. A run that does not exist yet is created, so a policy can precede the first save.
+        the policy. A run that does not exist yet is created only with ``create_run`` (as a save
+        with a policy does), so a mistyped run id is refused rather than made.
 
         Raises:
             InvalidInputError: a count below 1, ``keep_best`` without a metric, or a bad mode.
+            NotFoundError: the run does not exist and ``create_run`` is not set.
         """
         validate_run_id(run_id)
         policy = check_policy(keep_last, keep_best, metric, mode)
         with self.db.transaction() as session:
-            lock_run(session, run_id, create=True)
+            lock_run(session, run_id, create=create_run)
             write_policy(session, run_id, policy)
             return describe_policy(session, run_id, policy)
 

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__, pages_data
 from service.api.deps import QUERY_TOKEN_NAMES, StoreDep
+from service.api.errors import public_message
 from service.auth import MAX_TOKEN_CHARS, TokenSet
 from service.errors import AuthenticationError, CheckpointError, InvalidInputError, PermissionDeniedError
 from service.format.manifest import manifest_to_json
@@ -90,7 +91,7 @@ def error_page(request: Request, exc: Exception) -> Response:
         here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return RedirectResponse("/login?" + urlencode({"next": here}), status_code=303, headers=HEADERS)
     if isinstance(exc, CheckpointError):
-        status, code, message = exc.http_status, exc.code, exc.message
+        status, code, message = exc.http_status, exc.code, public_message(request, exc)
     elif isinstance(exc, RequestValidationError):
         status, code, message = 422, "invalid_input", "invalid request: " + _describe(exc)
     elif isinstance(exc, StarletteHTTPException):

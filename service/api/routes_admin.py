@@ -6,7 +6,9 @@ but a dry run already lists what every run has deleted).
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Body
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CanAdmin, StoreDep
@@ -15,11 +17,15 @@ from service.api.strict_json import StrictJSONRoute
 from service.records import GcReport
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["admin"])
+NO_OPTIONS = GcRequest()
 
 
 @router.post("/gc", dependencies=[CanAdmin])
-async def collect_garbage(body: GcRequest, store: StoreDep) -> GcReport:
-    """Sweep shards no committed version references, sparing those within the grace period."""
+async def collect_garbage(store: StoreDep, body: Annotated[GcRequest, Body()] = NO_OPTIONS) -> GcReport:
+    """Sweep shards no committed version references, sparing those within the grace period.
+
+    Every field has a default, so the body may be left out.
+    """
     return await run_in_threadpool(
         lambda: store.gc(grace_seconds=body.grace_seconds, dry_run=body.dry_run, orphans=body.orphans)
     )

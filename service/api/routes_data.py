@@ -29,7 +29,7 @@ async def missing_tensors(body: DigestList, store: StoreDep) -> MissingResponse:
 
 @router.post("/tensors/locate", dependencies=[CanRead])
 async def locate_tensors(body: DigestList, store: StoreDep) -> dict[str, TensorLocation]:
-    """Where each digest's bytes live: shard id, byte offset, length, dtype and shape."""
+    """Where each digest's bytes live: ``shard_id``, byte ``offset``, ``nbytes``, ``dtype`` and ``shape``."""
     return await run_in_threadpool(store.locate, body.digests)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import CanAdmin, CanRead, StoreDep
@@ -29,11 +29,21 @@ async def get_retention(run_id: RunId, store: StoreDep) -> RetentionPolicy:
 
 
 @router.put("/{run_id}/retention", dependencies=[CanAdmin])
-async def put_retention(run_id: RunId, body: RetentionRequest, store: StoreDep) -> RetentionPolicy:
-    """Replace the run's policy (created with the run if new); it applies from the next commit."""
+async def put_retention(
+    run_id: RunId,
+    body: RetentionRequest,
+    store: StoreDep,
+    create: Annotated[bool, Query(description="Create the run if it does not exist yet (else 404).")] = False,
+) -> RetentionPolicy:
+    """Replace the run's policy; it applies from the next commit. An unknown run is 404 unless ``create``."""
     return await run_in_threadpool(
         lambda: store.set_retention(
-            run_id, keep_last=body.keep_last, keep_best=body.keep_best, metric=body.metric, mode=body.mode
+            run_id,
+            keep_last=body.keep_last,
+            keep_best=body.keep_best,
+            metric=body.metric,
+            mode=body.mode,
+            create_run=create,
         )
     )
 

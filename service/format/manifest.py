@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
 
 from service.errors import InvalidManifestError
+from service.format.bounds import INT64_MAX
 from service.format.digest import DIGEST_PATTERN
 from service.format.dtypes import DTYPES, byte_length, element_count
 from service.format.names import MetricName, RunId
@@ -27,7 +28,6 @@ MAX_TENSORS = 1_000_000
 MAX_CHUNKS = 4096
 MAX_JSON_DEPTH = 64
 MAX_UNKNOWN_FIELDS = 8
-INT64_MAX = 2**63 - 1
 
 Digest = Annotated[str, StringConstraints(pattern=DIGEST_PATTERN)]
 Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -188,7 +188,7 @@ def _check_json_tree(value: Any, path: str, depth: int) -> list[str]:
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return []
     if isinstance(value, int):
-        if not -(2**63) <= value <= INT64_MAX:
+        if not -INT64_MAX - 1 <= value <= INT64_MAX:
             raise ValueError(f"{path}: integer {value} does not fit in 64 bits")
         return []
     if isinstance(value, float):

@@ -11,7 +11,8 @@ from typing import Annotated
 
 from pydantic import StringConstraints
 
-from service.errors import InvalidNameError
+from service.errors import InvalidNameError, NotFoundError
+from service.format.bounds import MAX_VERSION
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: Tags start with a letter so they can never be read as a version number.
@@ -25,8 +26,8 @@ MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
 
 _RUN_ID_RE = re.compile(RUN_ID_PATTERN)
 _TAG_RE = re.compile(TAG_PATTERN)
-_VERSION_RE = re.compile(r"^[1-9][0-9]{0,17}$")
-_MAX_VERSION = 2**63 - 1
+#: A version number as text: no sign, no leading zero (its value is checked against MAX_VERSION).
+_VERSION_RE = re.compile(r"^[1-9][0-9]*$")
 
 
 def _shown(value: object) -> str:
@@ -44,30 +45,52 @@ def validate_run_id(run_id: object) -> str:
     return run_id
 
 
-def validate_tag(tag: object) -> str:
-    """Return ``tag`` if it is a valid tag name (and not the reserved 'latest')."""
-    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag == LATEST:
+def validate_tag(tag: object, *, allow_reserved: bool = False) -> str:
+    """Return ``tag`` if it is a valid tag name, else raise InvalidNameError naming it.
+
+    'latest' is reserved in any case ('LATEST', 'Latest'): a tag spelled so would read like the
+    newest version. ``allow_reserved`` lets such a tag other than 'latest' itself, made before
+    this rule, be removed.
+    """
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
         raise InvalidNameError(
             f"invalid tag {_shown(tag)}: use 1-64 characters from A-Z a-z 0-9 . _ -, starting "
             "with a letter; 'latest' is reserved"
         )
+    if tag.lower() == LATEST and (tag == LATEST or not allow_reserved):
+        raise InvalidNameError(
+            f"invalid tag {tag!r}: '{LATEST}' is reserved, in any case, for a run's newest version; choose another name"
+        )
     return tag
+
+
+def _no_such_version(shown: object) -> NotFoundError:
+    return NotFoundError(f"version {shown} cannot exist: version numbers run from 1 to {MAX_VERSION}")
 
 
 def parse_ref(ref: object) -> int | str:
     """Parse a version reference: a version number, ``"latest"`` or a tag name.
 
     Returns the version as an int, or the string ``"latest"`` or the tag.
+
+    Raises:
+        InvalidNameError: ``ref`` is none of these (e.g. ``0``, ``"007"``, ``"-1"``).
+        NotFoundError: a version number above :data:`MAX_VERSION`, which no run can have.
     """
     if isinstance(ref, bool):
         raise InvalidNameError(f"invalid version reference {ref!r}")
     if isinstance(ref, int):
-        if not 1 <= ref <= _MAX_VERSION:
-            shown = ref if abs(ref) <= _MAX_VERSION else "out of range"  # str() refuses ints over 4300 digits
-            raise InvalidNameError(f"invalid version number {shown}: versions run from 1 to 2**63-1")
+        # str() of a huge int is slow, and refused past 4300 digits.
+        shown = ref if ref.bit_length() <= 256 else f"of {ref.bit_length()} bits"
+        if ref > MAX_VERSION:
+            raise _no_such_version(shown)
+        if ref < 1:
+            raise InvalidNameError(f"invalid version number {shown}: version numbers run from 1 to {MAX_VERSION}")
         return ref
     if isinstance(ref, str):
-        if _VERSION_RE.fullmatch(ref):
+        if ref.isascii() and _VERSION_RE.fullmatch(ref):
+            if len(ref) > len(str(MAX_VERSION)) or int(ref) > MAX_VERSION:
+                raise _no_such_version(ref if len(ref) <= 40 else ref[:37] + "...")
             return int(ref)
         if ref == LATEST:
             return LATEST

@@ -76,6 +76,9 @@ def test_unknown_runs_and_bad_names(client: TestClient) -> None:
     assert client.post("/v1/runs/nope/retention/apply", headers=ADMIN).status_code == 404
     bad = client.put("/v1/runs/..bad/retention", json={"keep_last": 1}, headers=ADMIN)
     assert bad.status_code == 400 and bad.headers["x-error-code"] == "invalid_name"
-    created = client.put("/v1/runs/new-run/retention", json={"keep_last": 1}, headers=ADMIN)
+    unknown = client.put("/v1/runs/new-run/retention", json={"keep_last": 1}, headers=ADMIN)
+    assert unknown.status_code == 404 and "'new-run'" in unknown.json()["message"]
+    assert client.get("/v1/runs", headers=ADMIN).json() == []
+    created = client.put("/v1/runs/new-run/retention?create=true", json={"keep_last": 1}, headers=ADMIN)
     assert created.status_code == 200 and created.json()["would_remove"] == []
     assert [r["run_id"] for r in client.get("/v1/runs", headers=ADMIN).json()] == ["new-run"]

@@ -81,7 +81,9 @@ def test_setting_a_policy_needs_an_admin_token_but_saving_with_it_does_not(tmp_p
             with pytest.raises(PermissionDeniedError, match="needs an admin token"):
                 writer.save("run", TinyNet(), keep_last=2)
             assert writer.runs() == []
-            admin.set_retention("run", keep_last=2)
+            with pytest.raises(NotFoundError, match="run 'run' does not exist"):
+                admin.set_retention("run", keep_last=2)
+            admin.set_retention("run", keep_last=2, create_run=True)
             for seed in range(3):  # the policy asked for is the one set: no admin needed
                 writer.save("run", TinyNet(seed=seed), keep_last=2)
             assert numbers(writer) == [2, 3]

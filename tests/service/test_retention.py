@@ -233,7 +233,7 @@ def test_the_policy_applies_at_each_commit_and_on_demand(store: Store, commit: C
 
 
 def test_tags_protect_versions_until_they_move(store: Store, commit: Callable[..., VersionInfo]) -> None:
-    store.set_retention(RUN, keep_last=1)
+    store.set_retention(RUN, keep_last=1, create_run=True)
     commit(tags=("pinned",))
     commit(tags=("candidate",))
     assert numbers(store) == [1, 2]
@@ -254,7 +254,7 @@ def test_tags_protect_versions_until_they_move(store: Store, commit: Callable[..
 def test_keep_best_alone_keeps_the_new_version_until_the_next_commit(
     store: Store, commit: Callable[..., VersionInfo]
 ) -> None:
-    store.set_retention(RUN, keep_best=2, metric="loss")
+    store.set_retention(RUN, keep_best=2, metric="loss", create_run=True)
     commit(3.0)
     commit(1.0)
     info = commit(None)  # no loss: not among the best, but the newest, so it stays for now
@@ -268,7 +268,7 @@ def test_keep_best_alone_keeps_the_new_version_until_the_next_commit(
 
 
 def test_policies_belong_to_one_run(store: Store, commit: Callable[..., VersionInfo]) -> None:
-    store.set_retention("other", keep_last=1)
+    store.set_retention("other", keep_last=1, create_run=True)
     for _ in range(3):
         commit()
         commit(run_id="other")
@@ -281,7 +281,10 @@ def test_a_policy_may_come_before_the_first_commit(store: Store, commit: Callabl
         store.get_retention("fresh")
     with pytest.raises(NotFoundError):
         store.apply_retention("fresh")
-    record = store.set_retention("fresh", keep_last=2)
+    with pytest.raises(NotFoundError, match="run 'fresh' does not exist"):
+        store.set_retention("fresh", keep_last=2)  # a mistyped run id is not made into a run
+    assert store.runs() == []
+    record = store.set_retention("fresh", keep_last=2, create_run=True)
     assert (record.run_id, record.keep_last, record.would_remove) == ("fresh", 2, [])
     assert [(r.run_id, r.versions) for r in store.runs()] == [("fresh", 0)]
     for _ in range(4):
@@ -350,7 +353,7 @@ def test_concurrent_commits_leave_exactly_what_the_policy_keeps(opener: Callable
     setup = opener()
     try:
         setup.ingest_file(build_one(setup))
-        setup.set_retention(RUN, **POLICY)
+        setup.set_retention(RUN, **POLICY, create_run=True)
     finally:
         setup.close()
 
@@ -392,7 +395,7 @@ def test_tags_set_while_commits_apply_the_policy_are_never_lost(opener: Callable
     setup = opener()
     try:
         setup.ingest_file(build_one(setup))
-        setup.set_retention(RUN, keep_last=1)
+        setup.set_retention(RUN, keep_last=1, create_run=True)
         setup.commit(RUN, body(entry("model/w", W)))
     finally:
         setup.close()
