@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,39 +11,31 @@ from typing import Any, Literal
 import torch
 
 from client import keys, restore
-from client.hashing import DigestCache, SaveLedger, cached_digests, digest_all
+from client.hashing import DigestCache, SaveLedger
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
+from client.saving import SaveRun, SaveSettings
 from client.state import FlatState, TensorRecord, flatten
-from client.tensors import dtype_name
 from client.transport import Transport
-from client.uploading import ShardUploader
-from service import __version__
 from service.errors import (
     InvalidInputError,
-    MissingTensorsError,
     NotFoundError,
     PermissionDeniedError,
     StateEncodingError,
     StateMismatchError,
 )
 from service.factory import local_settings, open_store
-from service.format.dtypes import dtype_class
-from service.format.manifest import ManifestBody, validate_body
 from service.format.names import validate_run_id, validate_tag
-from service.format.sharding import DEFAULT_SHARD_BYTES, ShardPacker
+from service.format.sharding import DEFAULT_SHARD_BYTES
 from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
 from service.retention import Policy, check_policy
-from service.store import Store
 
 DEFAULT_HOME = "~/.ckptstore"
 UPLOADS_IN_FLIGHT = 2
 HTTP_UPLOADS_IN_FLIGHT = 4
 HTTP_READS_IN_PARALLEL = 2
-#: Stands in for digests while a save's manifest is checked before its tensors are hashed.
-PLACEHOLDER_DIGEST = "0" * 64
 
 
 def default_home() -> Path:
@@ -198,124 +189,11 @@ class Client:
         tags: list[str],
         started: float,
     ) -> SaveResult:
-        """The one save path: hash, ask what is missing, send shards, commit.
-
-        Tensors are hashed in groups of about one shard of bytes not hashed before; while a
-        group is hashed, the missing tensors of the groups before it are being written, so
-        hashing overlaps the store's I/O. Everything the manifest holds besides the digests is
-        checked before the first group is hashed.
-
-        An embedded store is first handed, unhashed, the tensors of this client's last save
-        that changed in place since (trainable weights and optimizer state after a step): it
-        hashes them as it writes them, so their bytes are read once, and its disk starts at once.
-        """
-        records = flat.records
-        tensors = [record.tensor for record in records]
-        lengths = [_nbytes(tensor) for tensor in tensors]
-        cacheable = [record.trainable is False for record in records]  # see client.hashing
-        known = cached_digests(self.digest_cache, tensors, cacheable)
-        embedded = isinstance(self.transport, Store)
-        marks = self.ledger.snapshot(tensors) if embedded else {}
-        unhashed = self._write_first(tensors, lengths, known, marks) if embedded else set()
-        to_hash: list[str | None] = [PLACEHOLDER_DIGEST if i in unhashed else d for i, d in enumerate(known)]
-        groups = self._hash_groups(records, lengths, to_hash)
-        if len(groups) > 1:  # fail on a bad state tree or metric before any byte moves
-            self._manifest_body(flat, [PLACEHOLDER_DIGEST] * len(records), step, metrics)
-        digests = [PLACEHOLDER_DIGEST if i in unhashed else "" for i in range(len(records))]
-        committed = self.ledger.committed
-        cache = self.digest_cache
-        # Read before the bytes are: a tensor changed while it is written is not cached as written.
-        taken = {i: cache.take(tensors[i]) if cache is not None and cacheable[i] else None for i in unhashed}
-        sizes: dict[str, int] = {}
-        missing: set[str] = set()
-        with (
-            byte_bar(sum(lengths), "save") as bar,
-            ShardUploader(self.transport, self.shard_bytes, bar.update, self._widths()[1]) as uploader,
-        ):
-            for index in unhashed:
-                uploader.add_unhashed(index, records[index].key, tensors[index], lengths[index])
-            uploader.flush()
-            for group in groups:
-                group = [i for i in group if i not in unhashed]
-                hashed = digest_all(
-                    [(records[i].key, tensors[i]) for i in group],
-                    cache,
-                    known=[known[i] for i in group],
-                    cacheable=[cacheable[i] for i in group],
-                )
-                fresh: dict[str, int] = {}
-                for index, digest in zip(group, hashed, strict=True):
-                    digests[index] = digest
-                    if lengths[index] > 0 and digest not in sizes:
-                        fresh[digest] = lengths[index]
-                sizes.update(fresh)
-                asked = [d for d in fresh if d not in committed]
-                absent = set(self.transport.missing(asked)) if asked else set()
-                skipped = 0
-                for index in group:
-                    record, digest, nbytes = records[index], digests[index], lengths[index]
-                    if digest in absent and digest not in missing:
-                        uploader.add(digest, record.key, record.tensor, nbytes)
-                        missing.add(digest)
-                    else:  # stored already, sent by an earlier key, or empty
-                        skipped += nbytes
-                bar.update(skipped)
-            uploader.flush()
-            # Built while the last shards are still being sent.
-            body = self._manifest_body(flat, digests, step, metrics)
-            stored, shards = uploader.finish()
-        for index, digest in uploader.digests.items():  # the tensors the store took unhashed
-            digests[index] = digest
-            sizes[digest] = lengths[index]
-            missing.add(digest)
-            if cache is not None:
-                cache.put(tensors[index], digest, taken[index])
-        if uploader.digests:
-            body = _with_digests(body, uploader.digests)
-        try:
-            info = self.transport.commit(run_id, body, tags=tags)
-        except MissingTensorsError:
-            # Garbage collection swept tensors this save was told are stored (its grace period
-            # was shorter than the save took, or the version holding them was deleted and
-            # collected meanwhile). The commit changed nothing: send what is missing now, once.
-            again = set(self.transport.missing(list(sizes)))
-            with ShardUploader(self.transport, self.shard_bytes, None, self._widths()[1]) as uploader:
-                queued: set[str] = set()
-                for record, digest in zip(records, digests, strict=True):
-                    if digest in again and digest not in queued:
-                        uploader.add(digest, record.key, record.tensor, sizes[digest])
-                        queued.add(digest)
-                more_stored, more_shards = uploader.finish()
-            stored, shards, missing = stored + more_stored, shards + more_shards, missing | again
-            info = self.transport.commit(run_id, body, tags=tags)
-        self.ledger.keep(marks, frozenset(sizes))
-        return SaveResult(
-            run_id=run_id,
-            version=info.version,
-            bytes_total=info.bytes_total,
-            bytes_new=sum(sizes[d] for d in missing),
-            bytes_stored=stored,
-            tensors_total=len(body.tensors),
-            tensors_new=len(missing),
-            shards=shards,
-            seconds=time.perf_counter() - started,
+        """The one save path (:mod:`client.saving`)."""
+        settings = SaveSettings(
+            self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, self.ledger
         )
-
-    def _write_first(
-        self, tensors: list[torch.Tensor], lengths: list[int], known: list[str | None], marks: dict[int, Any]
-    ) -> set[int]:
-        """Indexes of the tensors an embedded store should take unhashed: non-empty ones this
-        client's last save held that changed in place since, each held under one key only (a
-        tied weight is hashed, as before)."""
-        changed = self.ledger.changed(tensors, marks)
-        keys_of: dict[int, int] = {}
-        for tensor in tensors:
-            keys_of[id(tensor)] = keys_of.get(id(tensor), 0) + 1
-        return {
-            index
-            for index, (tensor, nbytes, digest, moved) in enumerate(zip(tensors, lengths, known, changed, strict=True))
-            if moved and digest is None and nbytes > 0 and keys_of[id(tensor)] == 1
-        }
+        return SaveRun(settings, run_id, flat, step=step, metrics=metrics, tags=tags, started=started).run()
 
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers,
@@ -323,56 +201,6 @@ class Client:
         if isinstance(self.transport, HttpTransport):
             return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
         return 1, UPLOADS_IN_FLIGHT
-
-    def _cached_digests(self, records: list[TensorRecord]) -> list[str | None]:
-        """Each record's digest from this client's cache, or None where it must be hashed.
-
-        Only model tensors that do not require grad are cached (see :mod:`client.hashing`).
-        """
-        cacheable = [r.trainable is False for r in records]
-        return cached_digests(self.digest_cache, [r.tensor for r in records], cacheable)
-
-    def _hash_groups(
-        self, records: list[TensorRecord], sizes: list[int], known: list[str | None] | None = None
-    ) -> list[list[int]]:
-        """Record indexes in order, cut so that each group holds about one shard of bytes to hash.
-
-        ``known``: the digests the cache holds (None where a record must be hashed); by default
-        the cache is asked.
-        """
-        if known is None:
-            known = self._cached_digests(records)
-        packer: ShardPacker[int] = ShardPacker(self.shard_bytes, keep_empty=True)
-        groups = []
-        for index, (digest, nbytes) in enumerate(zip(known, sizes, strict=True)):
-            closed = packer.add(index, 0 if digest is not None else nbytes)
-            if closed is not None:
-                groups.append(closed)
-        last = packer.flush()
-        return groups + [last] if last is not None else groups
-
-    @staticmethod
-    def _manifest_body(
-        flat: FlatState, digests: list[str], step: int | None, metrics: dict[str, float] | None
-    ) -> ManifestBody:
-        """The manifest body of a save, validated (StateEncodingError/InvalidManifestError naming the problem).
-
-        Entries are built as plain dicts and the whole body is validated once: a TensorEntry
-        built on its own is checked again when the body holds it.
-        """
-        return validate_body(
-            {
-                "tensors": [_entry(record, digest) for record, digest in zip(flat.records, digests, strict=True)],
-                "state": flat.state,
-                "step": step,
-                "metrics": dict(metrics or {}),
-                "library": {
-                    "ckptstore": __version__,
-                    "torch": torch.__version__,
-                    "python": platform.python_version(),
-                },
-            }
-        )
 
     # -- load ----------------------------------------------------------------------------
 
@@ -534,37 +362,3 @@ class Client:
             self.set_retention(
                 run_id, wanted.keep_last, wanted.keep_best, wanted.metric, chosen, create_run=current is None
             )
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _with_digests(body: ManifestBody, digests: dict[int, str]) -> ManifestBody:
-    """``body`` with the digest of entry ``i`` set to ``digests[i]`` in place of its placeholder.
-
-    The body was validated with placeholders, and a digest does not change what else an entry
-    may hold, so the entries are copied with their digest, not validated again.
-    """
-    entries = list(body.tensors)
-    for index, digest in digests.items():
-        entries[index] = entries[index].model_copy(update={"digest": digest})
-    return body.model_copy(update={"tensors": entries})
-
-
-def _entry(record: TensorRecord, digest: str) -> dict[str, Any]:
-    tensor = record.tensor
-    name = dtype_name(tensor, record.key)
-    # tensor.device.type builds a device object each time: 0.3 us, against 0.05 for is_cpu.
-    device_type = "cpu" if tensor.is_cpu else tensor.device.type
-    return {
-        "key": record.key,
-        "dtype": name,
-        "shape": list(tensor.shape),
-        "dtype_class": dtype_class(name),
-        "digest": digest,
-        "placement": record.placement,
-        "param": record.param,
-        "device_type": device_type,
-        "trainable": record.trainable,
-    }

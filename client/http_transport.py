@@ -46,6 +46,7 @@ from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
 from service.format.safetensors_header import read_header
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.shard_writer import UnhashedTensor
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 NETWORK_ERRORS = (httpx.TransportError,)
@@ -176,6 +177,9 @@ def _ref(ref: int | str) -> str:
 
 class HttpTransport:
     """Talks to a ckptstore server at ``url`` (``http://host:port``)."""
+
+    #: A shard's upload URL names its id, so every tensor is hashed before it is sent.
+    takes_unhashed = False
 
     def __init__(
         self,
@@ -315,6 +319,12 @@ class HttpTransport:
                         data.release()
         finally:
             path.unlink(missing_ok=True)
+
+    def put_tensors(
+        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+    ) -> tuple[ShardReceipt, list[str]]:
+        """Not available over HTTP (see :attr:`takes_unhashed`)."""
+        raise NotImplementedError("a server takes only shards of hashed tensors")
 
     def put_shard(
         self,

@@ -11,10 +11,19 @@ from typing import Protocol
 
 from service.format.manifest import Manifest, ManifestBody
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.shard_writer import UnhashedTensor
 
 
 class Transport(Protocol):
-    """The operations a client needs from a store, in the order a save or load calls them."""
+    """The operations a client needs from a store, in the order a save or load calls them.
+
+    Optional capability: a store with ``takes_unhashed`` True also implements
+    :meth:`put_tensors`, taking tensors whose digests the caller does not know (the embedded
+    store hashes them as it writes them); a save then sends its changed tensors unhashed.
+    """
+
+    #: Whether :meth:`put_tensors` is available.
+    takes_unhashed: bool
 
     def missing(self, digests: Iterable[str]) -> list[str]:
         """Digests the store lacks."""
@@ -23,6 +32,12 @@ class Transport(Protocol):
         self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
     ) -> ShardReceipt:
         """Store a shard given as header bytes and its tensors' bytes (verified by the store)."""
+
+    def put_tensors(
+        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+    ) -> tuple[ShardReceipt, list[str]]:
+        """Store tensors not hashed yet as one shard; returns the receipt and their digests in order
+        (only where ``takes_unhashed``)."""
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit a version."""

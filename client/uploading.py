@@ -23,7 +23,6 @@ from client.transport import Transport
 from service.format.sharding import ShardPacker
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor
-from service.store import Store
 
 
 class ShardUploader:
@@ -74,7 +73,7 @@ class ShardUploader:
             self._send(closed)
 
     def add_unhashed(self, index: int, key: str, tensor: torch.Tensor, nbytes: int) -> None:
-        """Queue one tensor whose digest is not known (the transport must be a :class:`Store`);
+        """Queue one tensor whose digest is not known (the transport must ``takes_unhashed``);
         it appears in :attr:`digests` under ``index`` once stored."""
         closed = self._unhashed.add((index, key, tensor), nbytes)
         if closed is not None:
@@ -102,7 +101,7 @@ class ShardUploader:
 
     def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
         store = self.transport
-        assert isinstance(store, Store), "only an embedded store takes tensors not hashed yet"
+        assert store.takes_unhashed, "only a store that takes tensors unhashed gets them"
         hosts = [host_contiguous(tensor, key) for _, key, tensor in items]
         tensors = [
             UnhashedTensor(dtype_name(host, key), tuple(host.shape), byte_view(host))

@@ -86,6 +86,9 @@ class Store:
             (:mod:`service.direct_file`).
     """
 
+    #: Takes tensors whose digests the caller does not know (:meth:`put_tensors`).
+    takes_unhashed = True
+
     def __init__(
         self,
         db: Database,

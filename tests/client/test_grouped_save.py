@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from client import Client
+from client.saving import SaveRun, SaveSettings
 from client.state import flatten
 from service.format.safetensors_header import read_header
 from tests.client.conftest import Backend
@@ -71,17 +72,22 @@ def test_a_grouped_save_with_a_bad_metric_stores_nothing(backend: Backend) -> No
     assert list(backend.blobs.list_ids()) == []
 
 
+def _hash_groups(ckpt: Client, model: torch.nn.Module) -> list[list[int]]:
+    """The groups a save of ``model`` by ``ckpt`` would hash, from its real plan."""
+    settings = SaveSettings(ckpt.transport, ckpt.shard_bytes, 2, ckpt.digest_cache, ckpt.ledger)
+    plan, _ = SaveRun(settings, "r", flatten(model), step=None, metrics=None, tags=(), started=0.0).plan()
+    return plan.groups
+
+
 def test_groups_follow_the_bytes_still_to_hash(tmp_path: Path) -> None:
     model = Wide()
     with Client(home=tmp_path, shard_bytes=SHARD) as ckpt:
-        records = flatten(model, None, None, None).records
-        groups = ckpt._hash_groups(records, [t.numel() * t.element_size() for t in (r.tensor for r in records)])
+        groups = _hash_groups(ckpt, model)
         assert len(groups) >= 8
-        assert [i for group in groups for i in group] == list(range(len(records)))
+        assert [i for group in groups for i in group] == list(range(len(flatten(model).records)))
         model.requires_grad_(False)
         ckpt.save("frozen", model)  # every tensor is now in the digest cache
-        frozen = flatten(model, None, None, None).records
-        assert len(ckpt._hash_groups(frozen, [r.tensor.numel() * r.tensor.element_size() for r in frozen])) == 1
+        assert len(_hash_groups(ckpt, model)) == 1
 
 
 def test_cached_tensors_the_store_lost_are_sent_again_in_their_group(

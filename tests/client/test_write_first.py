@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import client
-from client import api, hashing
+from client import hashing, saving
 from client.hashing import digest_of
 from client.state import flatten
 from service.errors import IntegrityError, StorageError
@@ -31,7 +31,7 @@ class Spy:
         self.hashed: list[str] = []
         self.unhashed: list[int] = []  # sizes of the tensors handed over, per call
         self.calls = 0
-        digest_all, put_tensors = api.digest_all, Store.put_tensors
+        digest_all, put_tensors = saving.digest_all, Store.put_tensors
 
         def spied_digest_all(tensors: list[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any) -> list[str]:
             self.hashed += [key for key, _ in tensors]
@@ -42,7 +42,7 @@ class Spy:
             self.unhashed += [t.data.nbytes for t in tensors]
             return put_tensors(store, tensors, *args)
 
-        monkeypatch.setattr(api, "digest_all", spied_digest_all)
+        monkeypatch.setattr(saving, "digest_all", spied_digest_all)
         monkeypatch.setattr(Store, "put_tensors", spied_put)
 
     def reset(self) -> None:

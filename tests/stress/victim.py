@@ -33,7 +33,7 @@ from typing import Any
 import sqlalchemy.dialects.sqlite  # noqa: F401  (imported before forking, not in every child)
 import torch
 
-import client.api
+import client.saving
 from client.api import Client
 from client.http_transport import HttpTransport
 from service.errors import CheckpointError
@@ -71,7 +71,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
     """Announce the client's save steps and record what it asks for and sends."""
     recorder = Recorder()
     transport: Any = ckpt.transport
-    digest_all = client.api.digest_all
+    digest_all = client.saving.digest_all
     missing, put_shard, commit = transport.missing, transport.put_shard, transport.commit
 
     def hashed(*args: Any, **kwargs: Any) -> Any:
@@ -102,7 +102,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
         phases("committed")
         return info
 
-    client.api.digest_all = hashed
+    client.saving.digest_all = hashed
     transport.missing, transport.put_shard, transport.commit = asked, put, committed
     return recorder
 

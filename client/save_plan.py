@@ -1,0 +1,123 @@
+"""What a save does, decided without I/O: which tensors go unhashed, which are hashed in which
+group, which digests to ask the store about, and which tensors to send.
+
+A save's tensors are known by index. The plan is made from their sizes, the digests the
+client's cache already knows, which tensors changed in place since the client's last save,
+and which tensor objects appear under several keys. As groups are hashed, :class:`SavePlan`
+tells the runner (:mod:`client.saving`) what to ask and what to send, and keeps the sizes
+of the digests this version references. Everything here works on plain ints and strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from service.format.sharding import ShardPacker
+
+
+@dataclass
+class Sending:
+    """What to do with one hashed group: the indexes to send, and the bytes skipped (stored
+    already, sent under an earlier key, or empty)."""
+
+    indexes: list[int]
+    skipped_bytes: int
+
+
+@dataclass
+class SavePlan:
+    """One save's decisions, and what it has learnt so far.
+
+    Build it with :func:`plan_save`. Then, per group in :attr:`groups`: hash it, call
+    :meth:`to_ask` with the digests, ask the store which of those it lacks, and call
+    :meth:`to_send` with the answer. Tensors the store took unhashed are recorded with
+    :meth:`took_unhashed`.
+    """
+
+    lengths: list[int]
+    #: Indexes handed to the store unhashed (it hashes them as it writes them).
+    write_first: list[int]
+    #: The other indexes, in order, cut into groups of about one shard of bytes to hash.
+    groups: list[list[int]]
+    #: Digests the last committed version references: stored, so never asked about.
+    committed: frozenset[str] = frozenset()
+    #: Size of every digest this version references, by digest.
+    sizes: dict[str, int] = field(default_factory=dict)
+    #: Digests this save sent (or the store took unhashed).
+    sent: set[str] = field(default_factory=set)
+
+    def to_ask(self, group: Sequence[int], digests: Sequence[str]) -> list[str]:
+        """Record the digests of a hashed ``group`` (in its order); returns the ones to ask the
+        store about: non-empty, new to this save and not in the last committed version."""
+        fresh: list[str] = []
+        for index, digest in zip(group, digests, strict=True):
+            nbytes = self.lengths[index]
+            if nbytes > 0 and digest not in self.sizes:
+                self.sizes[digest] = nbytes
+                fresh.append(digest)
+        return [digest for digest in fresh if digest not in self.committed]
+
+    def to_send(self, group: Sequence[int], digests: Sequence[str], absent: set[str]) -> Sending:
+        """Which indexes of ``group`` to send, given the digests the store said it lacks:
+        the first index of each absent digest not sent already."""
+        indexes, skipped = [], 0
+        for index, digest in zip(group, digests, strict=True):
+            if digest in absent and digest not in self.sent:
+                indexes.append(index)
+                self.sent.add(digest)
+            else:
+                skipped += self.lengths[index]
+        return Sending(indexes, skipped)
+
+    def took_unhashed(self, index: int, digest: str) -> None:
+        """Record the digest the store found for a tensor it took unhashed."""
+        self.sizes[digest] = self.lengths[index]
+        self.sent.add(digest)
+
+    def bytes_sent(self) -> int:
+        """Bytes of the tensors this save sent."""
+        return sum(self.sizes[digest] for digest in self.sent)
+
+
+def plan_save(
+    lengths: Sequence[int],
+    known: Sequence[str | None],
+    *,
+    shard_bytes: int,
+    changed: Sequence[bool] | None = None,
+    holders: Sequence[int] | None = None,
+    committed: frozenset[str] = frozenset(),
+) -> SavePlan:
+    """Plan a save of tensors of ``lengths`` bytes.
+
+    Args:
+        lengths: each tensor's size in bytes.
+        known: each tensor's digest from the cache, or None where it must be hashed.
+        shard_bytes: about how many bytes to hash per group (one shard's worth).
+        changed: for a store that takes tensors unhashed, whether each tensor is one of the
+            last save's that changed in place since; None: the store hashes nothing itself.
+        holders: how many keys hold each tensor's object (a tied weight: more than one);
+            only a tensor held once goes unhashed. By default every tensor is held once.
+        committed: the digests the last committed version references.
+    """
+    count = len(lengths)
+    holders = holders if holders is not None else [1] * count
+    write_first = []
+    if changed is not None:
+        write_first = [
+            i for i in range(count) if changed[i] and known[i] is None and lengths[i] > 0 and holders[i] == 1
+        ]
+    unhashed = set(write_first)
+    packer: ShardPacker[int] = ShardPacker(shard_bytes, keep_empty=True)
+    groups = []
+    for index in range(count):
+        if index in unhashed:
+            continue
+        closed = packer.add(index, 0 if known[index] is not None else lengths[index])
+        if closed is not None:
+            groups.append(closed)
+    last = packer.flush()
+    if last is not None:
+        groups.append(last)
+    return SavePlan(list(lengths), write_first, groups, committed)

@@ -1,0 +1,76 @@
+"""The save planner on plain integers and strings: no tensors, no store, no I/O."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client.save_plan import plan_save
+
+
+def test_changed_tensors_of_a_store_that_takes_them_go_unhashed() -> None:
+    plan = plan_save(
+        [10, 10, 0, 10, 10],
+        [None, None, None, "cached", None],
+        shard_bytes=100,
+        changed=[True, False, True, True, True],
+        holders=[1, 1, 1, 1, 2],
+    )
+    # 2 is empty, 3 is cached, 4 is a tied weight: each of those is hashed (or known) instead.
+    assert plan.write_first == [0]
+    assert plan.groups == [[1, 2, 3, 4]]
+
+
+def test_without_the_capability_nothing_goes_unhashed() -> None:
+    plan = plan_save([10, 10], [None, None], shard_bytes=100, changed=None)
+    assert plan.write_first == [] and plan.groups == [[0, 1]]
+
+
+def test_groups_hold_about_one_shard_of_bytes_still_to_hash() -> None:
+    plan = plan_save([40, 40, 40, 999, 40], [None, None, None, "known", None], shard_bytes=100)
+    # The known digest weighs nothing: it rides along in the group it falls in.
+    assert plan.groups == [[0, 1], [2, 3, 4]]
+
+
+def test_ask_only_about_new_non_empty_digests_not_in_the_last_version() -> None:
+    plan = plan_save([5, 5, 0, 5, 5], [None] * 5, shard_bytes=100, committed=frozenset({"c"}))
+    assert plan.to_ask([0, 1, 2, 3], ["a", "a", "e", "c"]) == ["a"]
+    assert plan.to_ask([4], ["a"]) == []  # asked about in an earlier group
+    assert plan.sizes == {"a": 5, "c": 5}
+
+
+def test_send_each_absent_digest_once_and_count_the_rest_as_skipped() -> None:
+    plan = plan_save([5, 6, 7, 8], [None] * 4, shard_bytes=100)
+    digests = ["a", "a", "b", "c"]
+    plan.to_ask([0, 1, 2, 3], digests)
+    sending = plan.to_send([0, 1, 2, 3], digests, absent={"a", "c"})
+    assert sending.indexes == [0, 3]
+    assert sending.skipped_bytes == 6 + 7
+    plan.took_unhashed(2, "z")
+    assert plan.sent == {"a", "c", "z"} and plan.bytes_sent() == 5 + 8 + 7
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 300), st.booleans(), st.booleans(), st.integers(1, 3)), min_size=0, max_size=40
+    ),
+    st.integers(1, 500),
+    st.booleans(),
+)
+def test_every_index_is_planned_once_in_order(
+    tensors: list[tuple[int, bool, bool, int]], shard_bytes: int, capable: bool
+) -> None:
+    lengths = [n for n, _, _, _ in tensors]
+    known = ["d" if cached else None for _, cached, _, _ in tensors]
+    changed = [moved for _, _, moved, _ in tensors] if capable else None
+    holders = [held for _, _, _, held in tensors]
+    plan = plan_save(lengths, known, shard_bytes=shard_bytes, changed=changed, holders=holders)
+    hashed = [i for group in plan.groups for i in group]
+    assert sorted(hashed + plan.write_first) == list(range(len(tensors)))
+    assert hashed == sorted(hashed) and not set(hashed) & set(plan.write_first)
+    for index in plan.write_first:
+        assert changed is not None and changed[index] and known[index] is None
+        assert lengths[index] > 0 and holders[index] == 1
+    for group in plan.groups:
+        to_hash = sum(lengths[i] for i in group if known[i] is None)
+        assert group and (to_hash <= shard_bytes or len([i for i in group if known[i] is None and lengths[i]]) == 1)
