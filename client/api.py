@@ -26,11 +26,10 @@ from service.errors import (
     StateEncodingError,
     StateMismatchError,
 )
-from service.factory import local_settings, open_store
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES
 from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
-from service.retention import Policy, check_policy
+from service.retention_rules import Policy, check_policy
 
 DEFAULT_HOME = "~/.ckptstore"
 UPLOADS_IN_FLIGHT = 2
@@ -62,6 +61,9 @@ def open_transport(
         if not url.startswith(("http://", "https://")):
             raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
         return HttpTransport(url, token, retry_seconds=retry_seconds)
+    # Here, not at the top: a client over HTTP never pays for the engine (SQLAlchemy, Alembic).
+    from service.factory import local_settings, open_store
+
     return open_store(local_settings(home), require_current_schema=True, create=create)
 
 
@@ -250,8 +252,13 @@ class Client:
                 if strict and (result.missing_keys or result.unexpected_keys):
                     raise restore.mismatch_error(manifest.version, result.missing_keys, result.unexpected_keys)
                 common = sorted(set(stored) & expected)
-                forget = self.digest_cache.forget if self.digest_cache is not None else (lambda tensor: None)
-                result.casts = restore.load_into_model(reader, model, common, target, dtype, forget)
+                cache = self.digest_cache
+                if cache is None:
+                    result.casts = restore.load_into_model(reader, model, common, target, dtype)
+                else:  # the next save hashes only what changed since this load
+                    result.casts = restore.load_into_model(
+                        reader, model, common, target, dtype, cache.forget, cache.know
+                    )
             host_or_target = target or torch.device("cpu")
             if optim is not None:
                 assert model is not None

@@ -111,12 +111,17 @@ class DigestCache:
 
     def take(self, tensor: torch.Tensor) -> Taken | None:
         """What :meth:`put` needs, read now, before ``tensor``'s bytes are; None if it is not cached."""
-        if tensor.requires_grad or tensor.layout != torch.strided:
+        if tensor.requires_grad or tensor.layout != torch.strided or tensor.is_meta:
             return None
         if tensor.nelement() * tensor.element_size() < self.min_bytes:
             return None
         taken = fingerprint(tensor)
         return Taken(taken, sample(tensor)) if taken is not None else None
+
+    def know(self, tensor: torch.Tensor, digest: str) -> None:
+        """Remember ``digest`` for ``tensor``, whose bytes were just verified to hash to it (a
+        load): the same rules as after hashing it, read now."""
+        self.put(tensor, digest, self.take(tensor))
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Drop ``tensor``'s entry (and with it the weak reference that blocks swap_tensors)."""

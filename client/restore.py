@@ -84,6 +84,7 @@ def load_into_model(
     device: torch.device | None,
     dtype: torch.dtype | None,
     before_write: Callable[[torch.Tensor], object] = lambda tensor: None,
+    loaded: Callable[[torch.Tensor, str], object] = lambda tensor, digest: None,
 ) -> list[str]:
     """Read the named tensors into ``model``'s own parameters and buffers; returns casts made.
 
@@ -91,7 +92,8 @@ def load_into_model(
     ``device`` or ``dtype`` asks for a change, and keeps its identity, so an optimizer that
     holds it stays valid. A CPU tensor of the stored dtype is read into directly; the others
     are read into fresh memory, then copied (and cast or moved). ``before_write`` sees every
-    tensor before it changes (the digest cache forgets it).
+    tensor before it changes (the digest cache forgets it); ``loaded`` sees every tensor that
+    now holds exactly the verified bytes of a stored digest (no cast), with that digest.
     """
     targets = model.state_dict(keep_vars=True)
     by_key = model_keys(reader)
@@ -122,6 +124,8 @@ def load_into_model(
                 _copy_into(target, source)
             if source.dtype != target.dtype:
                 casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
+            elif (digest := reader.entries[key].digest) is not None:
+                loaded(target, digest)
     return casts
 
 
