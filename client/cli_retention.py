@@ -10,7 +10,7 @@ from client.cli_common import UsageProblem, echo_json, open_client, reported
 from service.errors import InvalidInputError
 from service.format.names import validate_run_id
 from service.records import RetentionPolicy
-from service.retention import Policy, check_policy
+from service.retention_rules import Policy, check_policy
 
 
 def _versions(numbers: list[int]) -> str:

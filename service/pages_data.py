@@ -21,7 +21,7 @@ from service.errors import InvalidInputError, NotFoundError
 from service.format.manifest import Manifest, TensorEntry
 from service.format.names import METRIC_PATTERN, parse_ref
 from service.records import VersionInfo
-from service.retention import Policy, keep_reasons
+from service.retention_rules import Policy, keep_reasons
 from service.store import Store
 
 Order = Literal["asc", "desc"]

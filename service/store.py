@@ -34,7 +34,8 @@ from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
 from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
-from service.retention import apply_policy, check_policy, describe_policy, lock_run, read_policy, write_policy
+from service.retention import apply_policy, describe_policy, lock_run, read_policy, write_policy
+from service.retention_rules import check_policy
 from service.settings import Settings
 from service.shard_writer import UnhashedTensor, write_shard
 
@@ -535,10 +536,6 @@ class Store:
             lock_run(session, run_id, create=create_run)
             write_policy(session, run_id, policy)
             return describe_policy(session, run_id, policy)
-
-    def retention_preview(self, run_id: str) -> list[int]:
-        """The versions the run's current policy would remove now, oldest first."""
-        return self.get_retention(run_id).would_remove
 
     def apply_retention(self, run_id: str) -> list[int]:
         """Remove now the versions the run's policy does not keep; returns their numbers."""

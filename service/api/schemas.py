@@ -10,7 +10,7 @@ from service.format.bounds import MAX_VERSION
 from service.format.manifest import Digest, ManifestBody, few_body_fields, few_unknown_fields
 from service.format.names import MetricName, TagName
 from service.gc import MAX_GRACE_SECONDS
-from service.retention import MAX_KEEP
+from service.retention_rules import MAX_KEEP
 
 MAX_DIGESTS = 100_000
 Ref = Annotated[str, StringConstraints(max_length=64)] | Annotated[int, Field(ge=1, le=MAX_VERSION)]

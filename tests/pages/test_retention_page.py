@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.api import create_app
 from service.pages_data import RetentionView
-from service.retention import Policy
+from service.retention_rules import Policy
 from service.settings import Settings
 from service.store import Store
 from tests.pages.dom import Node, parse

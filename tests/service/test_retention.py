@@ -21,7 +21,7 @@ from service.db.models import RetentionPolicy as PolicyRow
 from service.db.models import Run, VersionRef
 from service.errors import InvalidInputError, NotFoundError
 from service.records import VersionInfo
-from service.retention import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
+from service.retention_rules import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
 from service.store import Store
 
 RUN = "run"
@@ -207,7 +207,7 @@ def test_a_policy_round_trips_and_previews_without_removing(store: Store, commit
     assert record.would_remove == [1, 3]
     assert numbers(store) == [1, 2, 3, 4, 5]  # setting removes nothing
     assert store.get_retention(RUN) == record
-    assert store.retention_preview(RUN) == [1, 3]
+    assert store.get_retention(RUN).would_remove == [1, 3]
 
     replaced = store.set_retention(RUN, keep_best=2, metric="loss", mode="max")
     assert (replaced.keep_last, replaced.keep_best, replaced.mode, replaced.would_remove) == (None, 2, "max", [2, 4])
