@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from service.errors import (
     CheckpointError,
@@ -100,15 +100,67 @@ def save(
     run_id: str,
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None = None,
-    **options: Any,
+    *,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    tags: list[str] | tuple[str, ...] = (),
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: Literal["min", "max"] | None = None,
 ) -> SaveResult:
-    """Save with the default client; see :meth:`Client.save`."""
-    return default_client().save(run_id, model, optim, **options)
+    """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``,
+    with the default client (:func:`default_client`).
+
+    Only tensors the store lacks are written; the version becomes visible once all of its
+    bytes are stored. ``keep_last``, ``keep_best``, ``metric`` and ``mode`` set the run's
+    retention policy first. Every argument is as in :meth:`Client.save`.
+    """
+    return default_client().save(
+        run_id,
+        model,
+        optim,
+        scheduler=scheduler,
+        extra=extra,
+        step=step,
+        metrics=metrics,
+        tags=tags,
+        keep_last=keep_last,
+        keep_best=keep_best,
+        metric=metric,
+        mode=mode,
+    )
 
 
-def load(run_id: str, version: int | str = "latest", **options: Any) -> LoadResult:
-    """Load with the default client; see :meth:`Client.load`."""
-    return default_client().load(run_id, version, **options)
+def load(
+    run_id: str,
+    version: int | str = "latest",
+    *,
+    model: torch.nn.Module | None = None,
+    optim: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+) -> LoadResult:
+    """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict), with
+    the default client (:func:`default_client`).
+
+    Every byte is verified; strict by default (missing or unexpected model keys raise
+    StateMismatchError before anything is written). Every argument is as in :meth:`Client.load`.
+    """
+    return default_client().load(
+        run_id,
+        version,
+        model=model,
+        optim=optim,
+        scheduler=scheduler,
+        device=device,
+        dtype=dtype,
+        strict=strict,
+    )
 
 
 def versions(run_id: str) -> list[VersionInfo]:

@@ -1,10 +1,9 @@
-"""Between torch tensors and raw bytes: dtype names, zero-copy byte views, rebuilding."""
+"""Between torch tensors and raw bytes: dtype names and zero-copy byte views."""
 
 from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 
 from service.errors import StateEncodingError
@@ -137,11 +136,3 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         return tensor.numpy().data.cast("B")
     return tensor.as_strided((count,), (1,)).view(torch.uint8).numpy().data.cast("B")
 
-
-def tensor_from_buffer(buffer: memoryview | bytearray, dtype: str, shape: list[int]) -> torch.Tensor:
-    """A tensor viewing ``buffer`` (no copy) as ``dtype`` and ``shape``."""
-    target = NAME_TO_TORCH[dtype]
-    if len(buffer) == 0:
-        return torch.empty(shape, dtype=target)
-    raw = torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
-    return raw.view(target).reshape(shape)

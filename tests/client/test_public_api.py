@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,33 @@ def test_exported_names_are_exactly_the_public_api() -> None:
     assert set(client.__all__) == EXPECTED
     assert all(hasattr(client, name) for name in client.__all__)
 
+
+@pytest.mark.parametrize("name", ["save", "load", "versions", "runs"])
+def test_module_functions_take_exactly_the_methods_arguments(name: str) -> None:
+    """``client.save`` etc. spell out every argument of the method they call, with its type and
+    default, so a keyword added to the method and forgotten here fails."""
+    function = inspect.signature(getattr(client, name))
+    method = inspect.signature(getattr(client.Client, name))
+    assert list(method.parameters)[0] == "self"
+    assert list(function.parameters.values()) == list(method.parameters.values())[1:]
+    assert function.return_annotation == method.return_annotation
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in function.parameters.values())
+
+
+def test_module_save_and_load_pass_every_keyword(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTSTORE_URL", raising=False)
+    monkeypatch.setenv("CKPTSTORE_HOME", str(tmp_path))
+    model = TinyNet()
+    saved = client.save("run", model, step=7, metrics={"loss": 0.5}, tags=["best"], extra={"note": "x"}, keep_last=2)
+    assert [v.tags for v in client.versions("run")] == [["best"]]
+    assert client.default_client().retention("run").keep_last == 2
+    other = TinyNet(seed=1)
+    pairs = list(zip(other.state_dict().values(), model.state_dict().values(), strict=True))
+    assert any(not a.equal(b) for a, b in pairs)
+    loaded = client.load("run", "best", model=other, strict=True)
+    assert (loaded.version, loaded.step, loaded.metrics) == (saved.version, 7, {"loss": 0.5})
+    assert loaded.extra == {"note": "x"}
+    assert all(a.equal(b) for a, b in pairs)
 
 def test_errors_form_one_tree() -> None:
     for name in EXPECTED:

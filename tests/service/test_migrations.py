@@ -230,6 +230,14 @@ def test_every_package_goes_into_the_wheel() -> None:
     assert config["package-data"]["service.migrations"] == ["script.py.mako"]
 
 
+def test_both_packages_ship_their_typing_marker() -> None:
+    # PEP 561: without py.typed in the wheel, a user's type checker ignores our annotations.
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in ("client", "service"):
+        assert (ROOT / package / "py.typed").is_file()
+        assert "py.typed" in config["package-data"][package]
+
+
 def test_a_store_created_before_migrations_is_stamped_and_opens(tmp_path: Path) -> None:
     from service.db import schema as schema_module
 
