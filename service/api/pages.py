@@ -1,6 +1,6 @@
 """The HTML pages: runs, a run's versions, one version's tensors, a diff, and login.
 
-Routes only parse parameters, call :mod:`service.pages_data` in a worker thread and render a
+Routes only parse parameters, call :mod:`service.api.pages_data` in a worker thread and render a
 template. Every route goes through :class:`PageRoute`, so an error on a page is an HTML page
 with its status (or, for a browser without a token, a redirect to /login) while the JSON API's
 error handling stays as it is. Pages need a read token when tokens are configured, taken from
@@ -26,7 +26,8 @@ from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import __version__, pages_data
+from service import __version__
+from service.api import pages_data
 from service.api.deps import QUERY_TOKEN_NAMES, StoreDep
 from service.api.errors import public_message
 from service.auth import MAX_TOKEN_CHARS, TokenSet

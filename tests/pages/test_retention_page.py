@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api import create_app
-from service.pages_data import RetentionView
+from service.api.pages_data import RetentionView
 from service.retention_rules import Policy
 from service.settings import Settings
 from service.store import Store
