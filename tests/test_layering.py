@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import re
 import subprocess
 import sys
+import threading
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +51,120 @@ def test_no_pickle_anywhere_in_the_product() -> None:
         if "import pickle" in text or "torch.load(" in text or "torch.save(" in text:
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+# -- the command line's server commands, and the client over HTTP --------------------------------
+
+#: Runs the ``ckptstore`` command line (argv after ``-c``) with torch, numpy and the client's
+#: torch side unimportable, as in the server image: any import of them raises ImportError.
+TORCH_FREE_CLI = """
+import importlib.abc, sys
+BLOCKED = ("torch", "numpy", "client.api")
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"{name} may not be imported by the server's commands")
+        return None
+sys.meta_path.insert(0, Refuse())
+from client.cli import app
+app(sys.argv[1:], prog_name="ckptstore")
+"""
+#: The engine's modules and libraries a client over HTTP does not need.
+ENGINE = ("sqlalchemy", "alembic", "service.store", "service.factory", "service.db", "service.retention")
+_RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+#: Bound on the server's start: far above what it takes, only so a hung child fails the test.
+START_TIMEOUT = 120.0
+
+
+def service_env(home: Path, **settings: str) -> dict[str, str]:
+    """This process's environment without its CKPTSTORE_* variables, plus ``settings``."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CKPTSTORE_")}
+    env.update(CKPTSTORE_HOME=str(home), PYTHONUNBUFFERED="1")
+    env.update({f"CKPTSTORE_{name.upper()}": value for name, value in settings.items()})
+    return env
+
+
+def torch_free_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``ckptstore ARGS`` with torch, numpy and client.api unimportable."""
+    return subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_CLI, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+
+
+def test_serve_and_db_upgrade_run_without_torch_numpy_or_the_client_api(tmp_path: Path) -> None:
+    database = tmp_path / "server.db"
+    env = service_env(tmp_path / "home", database_url=f"sqlite:///{database}")
+    helped = torch_free_cli(env, "serve", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "--workers" in helped.stdout
+    upgraded = torch_free_cli(env, "db", "upgrade")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert "upgraded from an empty database to" in upgraded.stdout and database.is_file()
+    current = torch_free_cli(env, "db", "current")
+    assert current.returncode == 0, current.stderr
+    revision = upgraded.stdout.split()[-1]
+    assert f"current: {revision}  head: {revision}" in current.stdout
+    # The check has teeth: a command that needs tensors fails here for want of the client.
+    listed = torch_free_cli(env, "ls")
+    assert listed.returncode != 0 and "client.api may not be imported" in listed.stderr
+
+
+def test_ckptstore_serve_answers_over_http_without_torch(tmp_path: Path) -> None:
+    env = service_env(tmp_path / "home", host="127.0.0.1", port="0")
+    process = subprocess.Popen(
+        [sys.executable, "-c", TORCH_FREE_CLI, "serve"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read_output() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read_output, name="serve-output", daemon=True).start()
+    output: list[str] = []
+    port = None
+    try:
+        while port is None:
+            line = lines.get(timeout=START_TIMEOUT)
+            assert line is not None, "ckptstore serve ended before serving:\n" + "".join(output)
+            output.append(line)
+            found = _RUNNING.search(line)
+            port = int(found.group(1)) if found else None
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{url}/healthz", timeout=10) as answer:
+            assert answer.status == 200
+        with urllib.request.urlopen(f"{url}/v1/runs", timeout=10) as answer:
+            assert answer.status == 200 and json.loads(answer.read()) == []
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def engine_modules_after(opening: str, *args: str) -> list[str]:
+    """Which of ENGINE a fresh interpreter holds after ``import client`` and ``opening`` (a client
+    expression, closed after), with ``args`` as its ``sys.argv[1:]``."""
+    probe = (
+        "import sys, client, client.api\n"
+        f"client_ = {opening}\n"
+        "client_.close()\n"
+        "assert 'torch' in sys.modules\n"
+        f"print(','.join(m for m in {ENGINE!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return [m for m in done.stdout.strip().split(",") if m]
+
+
+def test_a_client_over_http_imports_no_engine(tmp_path: Path) -> None:
+    # Nothing listens on port 9: building a client over HTTP connects to nothing.
+    assert engine_modules_after("client.Client('http://127.0.0.1:9')") == []
+    # The probe has teeth: an embedded store is the engine itself.
+    embedded = engine_modules_after("client.Client(home=sys.argv[1])", str(tmp_path / "home"))
+    assert {"sqlalchemy", "service.store", "service.factory"} <= set(embedded)
