@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from service.errors import InvalidInputError
 from service.api.pages_data import Order, RunPage, human_size, number, percent, section_of, shape, sort_versions, when
+from service.errors import InvalidInputError
 from service.records import VersionInfo
 
 
