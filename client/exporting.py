@@ -29,9 +29,8 @@ from client.reader import TensorReader
 from client.tensors import byte_view, host_contiguous
 from client.transport import Transport
 from service.errors import InvalidInputError, StateMismatchError
-from service.format.dtypes import itemsize
 from service.format.manifest import TENSOR_REF, Manifest, TensorEntry
-from service.format.safetensors_header import encode_header
+from service.format.safetensors_header import encode_header, layout_order
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -87,14 +86,15 @@ def write_safetensors(
 ) -> int:
     """Write ``(name, entry)`` items as a safetensors file at ``path``, atomically; returns its size.
 
-    The layout (wider dtypes first, then by name, as the safetensors library writes) is
-    fixed from the manifest before any byte is read; each tensor then goes to its offset as
-    the reader yields it, in storage order.
+    The layout (:func:`~service.format.safetensors_header.layout_order` of the items sorted by
+    name, as the safetensors library writes) is fixed from the manifest before any byte is
+    read; each tensor then goes to its offset as the reader yields it, in storage order.
     """
     for name, _ in items:
         if name == "__metadata__":
             raise InvalidInputError("a tensor named '__metadata__' cannot be written to a safetensors file")
-    layout = sorted(items, key=lambda item: (-itemsize(item[1].dtype), item[0]))
+    by_name = sorted(items, key=lambda item: item[0])
+    layout = [by_name[index] for index in layout_order([entry.dtype for _, entry in by_name])]
     header, placed = encode_header([(name, e.dtype, list(e.shape)) for name, e in layout], metadata)
     offsets = {entry.key: len(header) + slot.begin for (_, entry), slot in zip(layout, placed, strict=True)}
     total = len(header) + (placed[-1].end if placed else 0)

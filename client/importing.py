@@ -21,8 +21,9 @@ from client.api import Client
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
 from service.errors import InvalidInputError
-from service.format.dtypes import DTYPES, byte_length, itemsize
+from service.format.dtypes import itemsize
 from service.format.jsondoc import strict_decoder
+from service.format.safetensors_header import entry_fields
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,30 +45,24 @@ def _parse_json(text: bytes, what: str, floats: bool) -> Any:
         raise InvalidInputError(f"{what} is not valid JSON: {exc}") from exc
 
 
-def _entries(path: Path, header: Any, data_length: int) -> list[tuple[str, str, list[int], int, int]]:
-    """Validated ``(name, dtype, shape, begin, end)`` of every tensor in a parsed header."""
+def _entries(path: Path, header: Any, data_length: int) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """Validated ``(name, dtype, shape, begin, end)`` of every tensor in a parsed header.
+
+    Each entry's fields follow the shard reader's rules (:func:`entry_fields`); a foreign file
+    may also name tensors freely, list them in any order and leave gaps between them.
+    """
     if not isinstance(header, dict):
         raise InvalidInputError(f"{path}: the safetensors header is not a JSON object")
     entries = []
     for name, value in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
-            raise InvalidInputError(f"{path}: tensor {name[:80]!r} needs exactly dtype, shape and data_offsets")
-        dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPES:
+        subject = f"{path}: tensor {name[:80]!r}"
+        dtype, shape, begin, end = entry_fields(value, subject, InvalidInputError)
+        if end > data_length:
             raise InvalidInputError(
-                f"{path}: tensor {name[:80]!r} has dtype {str(dtype)[:20]!r}, which ckptstore cannot store"
-            )
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise InvalidInputError(f"{path}: tensor {name[:80]!r} has an invalid shape")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
-            raise InvalidInputError(f"{path}: tensor {name[:80]!r} has invalid data_offsets")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_length or end - begin != byte_length(dtype, shape):
-            raise InvalidInputError(
-                f"{path}: tensor {name[:80]!r} spans bytes {begin}-{end} of {data_length}, "
-                f"but {dtype}{shape} needs {byte_length(dtype, shape)} bytes inside the file"
+                f"{subject} spans bytes {begin}-{end}, past the {data_length} bytes of data: "
+                "every tensor must lie inside the file"
             )
         entries.append((name, dtype, shape, begin, end))
     entries.sort(key=lambda e: (e[3], e[4]))  # file order, as the writer laid them out

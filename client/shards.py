@@ -8,8 +8,7 @@ import torch
 
 from client.tensors import byte_view, dtype_name, host_contiguous
 from service.format.digest import shard_id
-from service.format.dtypes import itemsize
-from service.format.safetensors_header import header_bytes
+from service.format.safetensors_header import header_bytes, layout_order
 from service.format.sharding import SHARD_METADATA
 
 
@@ -38,10 +37,11 @@ class ShardPayload:
 def build_shard(tensors: list[tuple[str, str, torch.Tensor]]) -> ShardPayload:
     """Lay out ``(digest, key, tensor)`` items as one shard, without copying CPU tensors.
 
-    Wider dtypes come first so every tensor stays aligned to its element size, as in
-    files the safetensors library writes. Tensors on other devices are copied to the host.
+    Laid out in :func:`~service.format.safetensors_header.layout_order`, so every tensor stays
+    aligned to its element size. Tensors on other devices are copied to the host.
     """
     hosts = [(digest, host_contiguous(tensor, key)) for digest, key, tensor in tensors]
-    layout = sorted(((digest, dtype_name(t, digest), t) for digest, t in hosts), key=lambda item: -itemsize(item[1]))
+    named = [(digest, dtype_name(t, digest), t) for digest, t in hosts]
+    layout = [named[index] for index in layout_order([dtype for _, dtype, _ in named])]
     header = header_bytes([(digest, name, t.shape) for digest, name, t in layout], SHARD_METADATA)
     return ShardPayload(header, [byte_view(t) for _, _, t in layout], [t for _, _, t in layout])

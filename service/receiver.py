@@ -11,13 +11,18 @@ leaves nothing behind.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 from service.direct_file import DirectFileWriter
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
 from service.format.digest import TensorHasher, tensor_digest
-from service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader, parse_header
+from service.format.safetensors_header import (
+    MAX_HEADER_BYTES,
+    PREFIX_BYTES,
+    ShardHeader,
+    header_length,
+    parse_header,
+)
 
 
 class ShardReceiver:
@@ -103,12 +108,7 @@ class ShardReceiver:
 
     def _header_end(self) -> int:
         """Where the header ends, from the length prefix (refusing oversized headers)."""
-        (length,) = struct.unpack("<Q", bytes(self._head[:PREFIX_BYTES]))
-        if length > self.max_header_bytes:
-            raise InvalidShardError(f"shard header is {length} bytes; the limit is {self.max_header_bytes}")
-        if length < 2:
-            raise InvalidShardError(f"shard header length is {length}; it must be at least 2")
-        return PREFIX_BYTES + int(length)
+        return PREFIX_BYTES + header_length(self._head, max_header_bytes=self.max_header_bytes)
 
     def _open(self) -> DirectFileWriter:
         try:

@@ -25,10 +25,10 @@ from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.errors import InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
-from service.format.dtypes import DTYPES, byte_length, itemsize
+from service.format.dtypes import DTYPES, byte_length
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
-from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, read_header
+from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
 from service.format.sharding import SHARD_METADATA
 from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
@@ -254,8 +254,7 @@ class Store:
                 raise InvalidInputError(f"{tensor.data.nbytes} bytes are not a tensor of {tensor.dtype}{shape}")
             if tensor.data.nbytes == 0:
                 raise InvalidInputError("an empty tensor needs no storage; leave it out")
-        # Wider dtypes first, as every writer lays shards out, so each tensor stays aligned.
-        order = sorted(range(len(tensors)), key=lambda i: -itemsize(tensors[i].dtype))
+        order = layout_order([tensor.dtype for tensor in tensors])
         path = self.staging_path()
         try:
             written = write_shard(

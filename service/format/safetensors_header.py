@@ -15,6 +15,9 @@ library also reads:
 
 The reference library accepts several of these violations (duplicate names, unknown fields,
 unsorted offsets, leading whitespace, an empty header); a content-addressed store cannot.
+
+The rules for one tensor's fields (:func:`entry_fields`) also check the foreign files
+``ckptstore import`` reads, and every writer lays tensors out in :func:`layout_order`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from service.errors import InvalidShardError
+from service.errors import InvalidInputError, InvalidShardError
 from service.format.digest import is_digest, shard_id
-from service.format.dtypes import DTYPES, byte_length
+from service.format.dtypes import DTYPES, byte_length, itemsize
 from service.format.jsondoc import strict_decoder
 
 PREFIX_BYTES = 8
@@ -121,32 +124,65 @@ def _parse_metadata(value: object) -> dict[str, str]:
     return dict(value)
 
 
+def entry_fields(
+    value: object, subject: str, error: type[InvalidInputError] = InvalidShardError
+) -> tuple[str, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of one tensor entry of a safetensors header, checked on its own.
+
+    The entry must hold exactly ``dtype`` (a known name), ``shape`` (at most ``MAX_DIMS``
+    non-negative integers) and ``data_offsets`` (``[begin, end]``, non-negative integers)
+    spanning exactly itemsize × elements bytes. Where the entry lies in the file is the
+    caller's to check.
+
+    Raises:
+        error: naming ``subject`` (e.g. "shard tensor 3fa2…") and the first rule broken.
+    """
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+        fields = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise error(f"{subject} must have exactly dtype, shape and data_offsets, not {str(fields)[:120]}")
+    dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise error(f"{subject} has unknown dtype {str(dtype)[:20]!r}, which ckptstore cannot store")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise error(f"{subject} has an invalid shape {str(shape)[:80]}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
+        raise error(f"{subject} has invalid data_offsets {str(offsets)[:80]}")
+    begin, end = offsets
+    if end < begin:
+        raise error(f"{subject} ends before it begins ({begin}, {end})")
+    expected = byte_length(dtype, shape)
+    if end - begin != expected:
+        raise error(f"{subject} spans {end - begin} bytes but {dtype}{shape} needs {expected} bytes")
+    return dtype, tuple(shape), begin, end
+
+
 def _parse_entry(name: str, value: object) -> HeaderEntry:
     if not is_digest(name):
         raise InvalidShardError(f"shard tensor name {name[:80]!r} is not a tensor digest (64 lowercase hex characters)")
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
-        fields = sorted(value) if isinstance(value, dict) else type(value).__name__
-        raise InvalidShardError(
-            f"shard tensor {name[:16]}… must have exactly dtype, shape and data_offsets, not {fields}"
-        )
-    dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise InvalidShardError(f"shard tensor {name[:16]}… has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-        raise InvalidShardError(f"shard tensor {name[:16]}… has an invalid shape {str(shape)[:80]}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
-        raise InvalidShardError(f"shard tensor {name[:16]}… has invalid data_offsets {str(offsets)[:80]}")
-    begin, end = offsets
-    if end < begin:
-        raise InvalidShardError(f"shard tensor {name[:16]}… ends before it begins ({begin}, {end})")
-    expected = byte_length(dtype, shape)
-    if end - begin != expected:
-        raise InvalidShardError(
-            f"shard tensor {name[:16]}… spans {end - begin} bytes but {dtype}{shape} needs {expected}"
-        )
-    if expected == 0:
-        raise InvalidShardError(f"shard tensor {name[:16]}… is empty; empty tensors live only in manifests")
-    return HeaderEntry(digest=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+    subject = f"shard tensor {name[:16]}…"
+    dtype, shape, begin, end = entry_fields(value, subject)
+    if begin == end:
+        raise InvalidShardError(f"{subject} is empty; empty tensors live only in manifests")
+    return HeaderEntry(digest=name, dtype=dtype, shape=shape, begin=begin, end=end)
+
+
+def header_length(prefix: bytes | bytearray, *, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """N, the JSON header's length, from the first 8 bytes of a shard: at least 2, at most the cap.
+
+    Every reader takes N from here before reading the header, so an oversized one is refused
+    before its bytes are read.
+
+    Raises:
+        InvalidShardError: ``prefix`` is shorter than 8 bytes, or N is out of bounds.
+    """
+    if len(prefix) < PREFIX_BYTES:
+        raise InvalidShardError(f"shard is {len(prefix)} bytes; a safetensors file has at least 8")
+    (length,) = struct.unpack("<Q", prefix[:PREFIX_BYTES])
+    if length < 2:
+        raise InvalidShardError(f"shard header length is {length}; it must be at least 2")
+    if length > max_header_bytes:
+        raise InvalidShardError(f"shard header is {length} bytes; the limit is {max_header_bytes}")
+    return int(length)
 
 
 def parse_header(header_bytes: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES) -> ShardHeader:
@@ -155,13 +191,7 @@ def parse_header(header_bytes: bytes, *, max_header_bytes: int = MAX_HEADER_BYTE
     Raises:
         InvalidShardError: naming the first rule the header breaks.
     """
-    if len(header_bytes) < PREFIX_BYTES:
-        raise InvalidShardError(f"shard is {len(header_bytes)} bytes; a safetensors file has at least 8")
-    (length,) = struct.unpack("<Q", header_bytes[:PREFIX_BYTES])
-    if length < 2:
-        raise InvalidShardError(f"shard header length is {length}; it must be at least 2")
-    if length > max_header_bytes:
-        raise InvalidShardError(f"shard header is {length} bytes; the limit is {max_header_bytes}")
+    length = header_length(header_bytes, max_header_bytes=max_header_bytes)
     if len(header_bytes) != PREFIX_BYTES + length:
         raise InvalidShardError(
             f"shard header announces {length} bytes but {len(header_bytes) - PREFIX_BYTES} follow the prefix"
@@ -199,11 +229,7 @@ def parse_header(header_bytes: bytes, *, max_header_bytes: int = MAX_HEADER_BYTE
 def read_header(stream: BinaryIO, file_size: int, *, max_header_bytes: int = MAX_HEADER_BYTES) -> ShardHeader:
     """Read and validate the header at the start of ``stream`` and check the file's total size."""
     prefix = stream.read(PREFIX_BYTES)
-    if len(prefix) < PREFIX_BYTES:
-        raise InvalidShardError(f"shard is {len(prefix)} bytes; a safetensors file has at least 8")
-    (length,) = struct.unpack("<Q", prefix)
-    if length > max_header_bytes:
-        raise InvalidShardError(f"shard header is {length} bytes; the limit is {max_header_bytes}")
+    length = header_length(prefix, max_header_bytes=max_header_bytes)
     if PREFIX_BYTES + length > file_size:
         raise InvalidShardError(f"shard header announces {length} bytes but the file has only {file_size}")
     header = parse_header(prefix + stream.read(length), max_header_bytes=max_header_bytes)
@@ -212,6 +238,17 @@ def read_header(stream: BinaryIO, file_size: int, *, max_header_bytes: int = MAX
         what = f"{difference} trailing bytes" if difference > 0 else f"{-difference} bytes too few"
         raise InvalidShardError(f"shard file has {what} for the tensors its header lists")
     return header
+
+
+def layout_order(dtypes: Sequence[str]) -> list[int]:
+    """The order in which a writer lays out tensors of ``dtypes`` (their indices): wider dtypes
+    first, the given order kept among equal widths.
+
+    The data starts at a multiple of 8 (see :func:`header_bytes`) and every width divides 8, so
+    each tensor then starts at a multiple of its own element size, as in files the safetensors
+    library writes: a reader can view it in place.
+    """
+    return sorted(range(len(dtypes)), key=lambda index: -itemsize(dtypes[index]))
 
 
 def encode_header(

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from service.errors import IntegrityError, InvalidShardError
 from service.format.digest import is_digest, tensor_digest
+from service.format.dtypes import itemsize
 from service.format.safetensors_header import (
     MAX_DIMS,
     MAX_HEADER_BYTES,
@@ -30,6 +31,7 @@ from service.format.safetensors_header import (
     MAX_METADATA_ENTRIES,
     HeaderEntry,
     encode_header,
+    layout_order,
     parse_header,
     read_header,
 )
@@ -153,6 +155,32 @@ def test_encode_then_parse_round_trips(tensors: list[tuple[bytes, str, list[int]
     assert parsed.metadata == metadata
     data_length = entries[-1].end
     assert read(header_bytes + bytes(data_length)).entries == parsed.entries
+
+
+def test_layout_order_puts_wider_dtypes_first_keeping_the_given_order_among_equals() -> None:
+    dtypes = ["U8", "F32", "F64", "BF16", "I32", "BOOL", "C64", "F16"]
+    assert layout_order(dtypes) == [2, 6, 1, 4, 3, 7, 0, 5]
+    assert layout_order([]) == []
+    # Laid out in the order given instead, a byte-wide tensor of odd length misaligns the next.
+    _, entries = encode_header([("a" * 64, "U8", [3]), ("b" * 64, "F32", [1])])
+    assert entries[1].begin % 4 != 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["BOOL", "U8", "F16", "BF16", "F32", "I64", "C64"]), st.integers(1, 9)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=3),
+)
+def test_tensors_in_layout_order_each_start_at_a_multiple_of_their_element_size(
+    tensors: list[tuple[str, int]], metadata: dict[str, str]
+) -> None:
+    laid_out = [tensors[index] for index in layout_order([dtype for dtype, _ in tensors])]
+    header, entries = encode_header([(f"{i:064x}", dtype, [n]) for i, (dtype, n) in enumerate(laid_out)], metadata)
+    assert all((len(header) + e.begin) % itemsize(e.dtype) == 0 for e in entries)
 
 
 def test_header_cap_is_inclusive() -> None:

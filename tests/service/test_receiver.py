@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -10,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError
-from service.format.safetensors_header import encode_header
+from service.format.safetensors_header import MAX_HEADER_BYTES, encode_header
 from service.receiver import ShardReceiver
 from service.store import Store
+from tests.format.test_safetensors_header import HOSTILE
 from tests.service.shardkit import BuiltShard, build_shard, raw
 
 TENSORS = [raw("F32", [64, 33], 1), raw("BF16", [7], 2), raw("U8", [1000], 3)]
@@ -158,3 +160,30 @@ def test_put_shard_with_bytes_that_changed_after_hashing_stores_nothing(store: S
     assert sorted(store.missing([t.digest for t in TENSORS])) == sorted(t.digest for t in TENSORS)
     assert staged(home) == []
     assert store.blobs.size(SHARD.shard_id) is None
+
+
+@pytest.mark.parametrize(("data", "match", "header_rule"), HOSTILE)
+def test_every_hostile_shard_is_refused_by_the_receiver_too(
+    tmp_path: Path, data: bytes, match: str, header_rule: bool
+) -> None:
+    del header_rule  # a stream has no file size: the receiver applies every rule
+    # The receiver takes the header's length and rules from the shard reader, so each hostile
+    # file of the reader's corpus is refused here too, fed in small pieces as an upload arrives,
+    # and nothing is left behind.
+    path = tmp_path / "s"
+    receiver = ShardReceiver(path)
+    with pytest.raises(InvalidInputError) as info:
+        for index in range(0, len(data), 7):
+            receiver.write(data[index : index + 7])
+        receiver.finish()
+    receiver.discard()
+    assert not path.exists()
+    if not data:
+        assert str(info.value) == "the shard upload is empty"
+        return
+    assert isinstance(info.value, InvalidShardError), info.value
+    announced = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else None
+    if announced is not None and announced <= MAX_HEADER_BYTES and 8 + announced > len(data):
+        assert "ended inside its header" in str(info.value)  # the reader says the header "announces" more
+    else:
+        assert re.search(match, str(info.value)), info.value
