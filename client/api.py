@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 
 from client import keys, restore
+from client.background import SaveHandle, Snapshot, Staging
 from client.hashing import DigestCache, SaveLedger
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
@@ -102,9 +104,15 @@ class Client:
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
+        self._staging = Staging()
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: SaveHandle | None = None
 
     def close(self) -> None:
-        """Release the store's resources."""
+        """Wait for a background save, then release the store's resources."""
+        self._wait_for_background(report=False)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.transport.close()
 
     def __enter__(self) -> Client:
@@ -114,6 +122,63 @@ class Client:
         self.close()
 
     # -- save ----------------------------------------------------------------------------
+
+    @overload
+    def save(
+        self,
+        run_id: str,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] | None = None,
+        blocking: Literal[True] = True,
+    ) -> SaveResult: ...
+
+    @overload
+    def save(
+        self,
+        run_id: str,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] | None = None,
+        blocking: Literal[False],
+    ) -> SaveHandle: ...
+
+    @overload
+    def save(
+        self,
+        run_id: str,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] | None = None,
+        blocking: bool,
+    ) -> SaveResult | SaveHandle: ...
 
     def save(
         self,
@@ -130,23 +195,35 @@ class Client:
         keep_best: int | None = None,
         metric: str | None = None,
         mode: Literal["min", "max"] | None = None,
-    ) -> SaveResult:
+        blocking: bool = True,
+    ) -> SaveResult | SaveHandle:
         """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``.
 
         Only tensors the store lacks are written; the version becomes visible once all of
         its bytes are stored.
 
+        With ``blocking=False`` the call returns a :class:`SaveHandle` once the state is
+        snapshotted (:mod:`client.background`): tensors the digest cache does not know are
+        copied into staging buffers this client reuses; hashing, writing and the commit run in
+        the background, and the caller may step the optimizer at once. ``handle.result()``
+        gives the SaveResult or raises the save's error; an error nobody collected is raised by
+        this client's next save. Versions stay in order: every save first waits for the one
+        before it, and so do this client's other calls and the process's exit.
+
         Given any of ``keep_last``, ``keep_best``, ``metric`` or ``mode``, the run's retention
         policy becomes exactly that before this version is committed, and the commit applies it
         (see :meth:`set_retention`): e.g. ``keep_last=3, keep_best=1, metric="val_loss"``.
         """
+        self._wait_for_background(report=True)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
         flat = flatten(model, optim, scheduler, extra)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
-        return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
+        if blocking:
+            return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
+        return self._save_in_background(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
 
     def save_state_dict(
         self,
@@ -166,6 +243,7 @@ class Client:
         Tensors may be memory-mapped: they are hashed and written shard by shard, never copied
         all at once.
         """
+        self._wait_for_background(report=True)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
@@ -192,10 +270,64 @@ class Client:
         started: float,
     ) -> SaveResult:
         """The one save path (:mod:`client.saving`)."""
-        settings = SaveSettings(
-            self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, self.ledger
+        return self._save_run(run_id, flat, step=step, metrics=metrics, tags=tags, started=started).run()
+
+    def _save_run(
+        self,
+        run_id: str,
+        flat: FlatState,
+        *,
+        step: int | None,
+        metrics: dict[str, float] | None,
+        tags: list[str],
+        started: float,
+        snapshot: Snapshot | None = None,
+    ) -> SaveRun:
+        """A save of ``flat``, or of a background ``snapshot`` of it, with its manifest checked."""
+        settings = SaveSettings(self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, self.ledger)
+        return SaveRun(
+            settings,
+            run_id,
+            snapshot.flat if snapshot is not None else flat,
+            step=step,
+            metrics=metrics,
+            tags=tags,
+            started=started,
+            known=snapshot.known if snapshot is not None else None,
+            teach=snapshot.teach if snapshot is not None else None,
         )
-        return SaveRun(settings, run_id, flat, step=step, metrics=metrics, tags=tags, started=started).run()
+
+    def _save_in_background(
+        self,
+        run_id: str,
+        flat: FlatState,
+        *,
+        step: int | None,
+        metrics: dict[str, float] | None,
+        tags: list[str],
+        started: float,
+    ) -> SaveHandle:
+        """Check the manifest and snapshot ``flat`` now; save it on this client's background thread."""
+        snapshot = self._staging.snapshot(flat, self.digest_cache)
+        run = self._save_run(run_id, flat, step=step, metrics=metrics, tags=tags, started=started, snapshot=snapshot)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
+        self._pending = SaveHandle(self._worker.submit(run.run), snapshot.staged_bytes)
+        return self._pending
+
+    def _wait_for_background(self, *, report: bool) -> None:
+        """Wait for this client's background save, if one is running. With ``report``, raise its
+        error if the save failed and no ``result()`` call has raised it yet."""
+        handle = self._pending
+        if handle is None:
+            return
+        handle.wait()
+        error = handle.error()
+        if error is None or handle.observed:
+            self._pending = None
+        elif report:
+            self._pending, handle.observed = None, True
+            raise error
 
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers,
@@ -231,6 +363,7 @@ class Client:
         some bytes of the corrupt tensor (and of those after it), so load again from a
         sound version before using it.
         """
+        self._wait_for_background(report=False)
         started = time.perf_counter()
         if optim is not None and model is None:
             raise InvalidInputError("loading optimizer state needs the model too: state is keyed by parameter name")
@@ -276,22 +409,27 @@ class Client:
 
     def runs(self) -> list[RunInfo]:
         """Every run in the store, most recently updated first."""
+        self._wait_for_background(report=False)
         return self.transport.runs()
 
     def versions(self, run_id: str) -> list[VersionInfo]:
         """Every version of ``run_id``, oldest first."""
+        self._wait_for_background(report=False)
         return self.transport.versions(run_id)
 
     def tag(self, run_id: str, version: int | str, name: str) -> int:
         """Point tag ``name`` at a version; returns the version number."""
+        self._wait_for_background(report=False)
         return self.transport.tag(run_id, version, name)
 
     def untag(self, run_id: str, name: str) -> None:
         """Remove a tag."""
+        self._wait_for_background(report=False)
         self.transport.untag(run_id, name)
 
     def delete(self, run_id: str, version: int | str) -> int:
         """Delete one version; returns its number. Stored bytes are reclaimed by garbage collection."""
+        self._wait_for_background(report=False)
         self.ledger.forget_committed()
         return self.transport.delete_version(run_id, version)
 
@@ -303,12 +441,14 @@ class Client:
         ``orphans`` also deletes blobs no shard record names (left by an interrupted collection);
         run that while no save is uploading. A server asks for an admin token.
         """
+        self._wait_for_background(report=False)
         return self.transport.gc(grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans)
 
     # -- retention -----------------------------------------------------------------------
 
     def retention(self, run_id: str) -> RetentionPolicy:
         """The run's retention policy and, in ``would_remove``, the versions it would remove now."""
+        self._wait_for_background(report=False)
         return self.transport.get_retention(run_id)
 
     def set_retention(
@@ -331,6 +471,7 @@ class Client:
         can precede the first save; :meth:`save` with a policy does this). A server asks for an
         admin token: a policy deletes versions.
         """
+        self._wait_for_background(report=False)
         try:
             return self.transport.set_retention(
                 run_id,
@@ -348,6 +489,7 @@ class Client:
 
     def apply_retention(self, run_id: str) -> list[int]:
         """Remove now the versions the run's policy does not keep; returns their numbers."""
+        self._wait_for_background(report=False)
         self.ledger.forget_committed()
         return self.transport.apply_retention(run_id)
 

@@ -64,8 +64,16 @@ class SaveRun:
         metrics: dict[str, float] | None,
         tags: Sequence[str],
         started: float,
+        known: list[str | None] | None = None,
+        teach: dict[int, tuple[torch.Tensor, Taken | None]] | None = None,
     ) -> None:
+        """``known`` and ``teach`` come from a background save's snapshot
+        (:class:`client.background.Snapshot`): the digests the cache knew when it was taken,
+        and the live tensors whose staged copies' digests the cache is to learn. Without them
+        the cache is asked here."""
         self.settings = settings
+        self._given_known = known
+        self._teach = teach or {}
         self.run_id = run_id
         self.flat = flat
         self.tags = list(tags)
@@ -96,6 +104,9 @@ class SaveRun:
             uploader.flush()
             self.stored_bytes, self.shards = uploader.finish()
         self.keep_unhashed_digests(plan, uploader.digests, taken)
+        if self.settings.cache is not None:
+            for index, (live, snapshot_taken) in self._teach.items():
+                self.settings.cache.put(live, self.digests[index], snapshot_taken)
         info = self.commit(plan)
         self.settings.ledger.keep(marks, frozenset(plan.sizes))
         return SaveResult(
@@ -115,8 +126,12 @@ class SaveRun:
     def plan(self) -> tuple[SavePlan, dict[int, Any]]:
         """The plan, and the ledger marks to keep once the version is committed."""
         settings = self.settings
-        self.cacheable = [record.trainable is False for record in self.records]  # see client.hashing
-        self.known = cached_digests(settings.cache, self.tensors, self.cacheable)
+        if self._given_known is not None:  # a snapshot: it asked the cache about the live tensors
+            self.cacheable = [False] * len(self.records)
+            self.known = list(self._given_known)
+        else:
+            self.cacheable = [record.trainable is False for record in self.records]  # see client.hashing
+            self.known = cached_digests(settings.cache, self.tensors, self.cacheable)
         lengths = [tensor.numel() * tensor.element_size() for tensor in self.tensors]
         marks: dict[int, Any] = {}
         changed = None
