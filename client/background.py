@@ -14,7 +14,6 @@ in order, since the next save (blocking or not) first waits for the one before i
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch
 
 from client.hashing import DigestCache, Taken
 from client.results import SaveResult
-from client.state import FlatState
+from client.state import FlatState, TensorRecord
 
 
 class SaveHandle:
@@ -132,7 +131,9 @@ class Staging:
         for key in list(self._buffers):  # a buffer no record used this time is let go
             if key not in used:
                 del self._buffers[key]
-        records = [dataclasses.replace(r, tensor=t) for r, t in zip(records, staged, strict=True)]
+        records = [
+            TensorRecord(r.key, t, r.placement, r.param, r.trainable) for r, t in zip(records, staged, strict=True)
+        ]
         return Snapshot(FlatState(records=records, state=flat.state), known, teach, staged_bytes)
 
     def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:

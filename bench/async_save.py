@@ -1,0 +1,198 @@
+"""How long a training loop waits for a checkpoint: background saves and resumed jobs.
+
+Every figure comes from the same run, on an embedded store on this machine's disk:
+
+- the time the caller is blocked by ``save(..., blocking=False)`` against a synchronous save
+  and against a plain copy (``clone``) of the same tensors, for a full model and for a LoRA-style
+  model (frozen base, small trainable adapters, AdamW on the adapters);
+- ``torch.distributed.checkpoint.async_save`` on the CPU (one process), blocked time and total;
+- a resumed job: a new client loads the model, trains the adapters one step and saves,
+  against the first full save.
+
+    .venv/bin/python bench/async_save.py                 # 512 MiB base, median of 5
+    .venv/bin/python bench/async_save.py --size-mib 64 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from client import Client
+
+os.environ.setdefault("CKPTSTORE_DISABLE_PROGRESS_BARS", "1")
+warnings.filterwarnings("ignore", message=".*single process.*")
+MIB = 1 << 20
+WIDTH = 1024
+RANK = 8
+
+
+class Adapted(nn.Module):
+    """``layers`` frozen WIDTH x WIDTH fp32 blocks, each with trainable rank-RANK adapters."""
+
+    def __init__(self, layers: int, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.base = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        self.base.requires_grad_(False)
+        self.down = nn.ParameterList(nn.Parameter(torch.randn(RANK, WIDTH) * 0.01) for _ in range(layers))
+        self.up = nn.ParameterList(nn.Parameter(torch.zeros(WIDTH, RANK)) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for base, down, up in zip(self.base, self.down, self.up, strict=True):
+            x = base(x) + x @ down.t() @ up.t()
+        return x
+
+
+def step(model: Adapted, optim: torch.optim.Optimizer) -> None:
+    """One training step of the adapters."""
+    model(torch.randn(4, WIDTH)).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def median_time(repeats: int, run: Callable[[], object], before: Callable[[], object] = lambda: None) -> float:
+    """Median wall time of ``run`` over ``repeats``, ``before`` untimed ahead of each."""
+    times = []
+    for _ in range(repeats):
+        before()
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def state_tensors(model: nn.Module, optim: torch.optim.Optimizer, trainable_only: bool) -> list[torch.Tensor]:
+    """The tensors a save of ``model`` and ``optim`` copies (the trainable state alone if asked)."""
+    tensors = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    tensors += [v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def main() -> None:
+    """Run every measurement and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=512, help="frozen base size (default 512)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temp folder)")
+    args = parser.parse_args()
+    layers = max(1, args.size_mib * MIB // (WIDTH * WIDTH * 4))
+    root = Path(tempfile.mkdtemp(prefix="ckpt-async-", dir=args.dir))
+    rows: list[tuple[str, float, str]] = []
+    try:
+        model = Adapted(layers)
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        step(model, optim)
+        full_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim, False))
+        counter = iter(range(10**6))
+
+        def fresh_home() -> Path:
+            return root / f"store-{next(counter)}"
+
+        # A full first save, synchronous and in the background, each to a fresh store and client.
+        def first_save() -> None:
+            with Client(home=fresh_home()) as ckpt:
+                ckpt.save("run", model, optim)
+
+        first_full = median_time(args.repeats, first_save)
+        blocked_full: list[float] = []
+        for _ in range(args.repeats):
+            with Client(home=fresh_home()) as ckpt:
+                started = time.perf_counter()
+                handle = ckpt.save("run", model, optim, blocking=False)
+                blocked_full.append(time.perf_counter() - started)
+                handle.result()
+        copy_full = median_time(args.repeats, lambda: [t.clone() for t in state_tensors(model, optim, False)])
+        rows += [
+            ("full model: first save, synchronous", first_full, f"{full_bytes / MIB:.0f} MiB"),
+            ("full model: caller blocked, blocking=False", statistics.median(blocked_full), ""),
+            ("full model: plain clone of the same tensors", copy_full, ""),
+        ]
+
+        # LoRA steady state: the same client saves after each step.
+        with Client(home=fresh_home()) as ckpt:
+            ckpt.save("lora", model, optim)
+            lora_sync = median_time(args.repeats, lambda: ckpt.save("lora", model, optim), lambda: step(model, optim))
+            blocked_lora: list[float] = []
+            for _ in range(args.repeats):
+                step(model, optim)
+                started = time.perf_counter()
+                handle = ckpt.save("lora", model, optim, blocking=False)
+                blocked_lora.append(time.perf_counter() - started)
+                handle.result()
+        copy_lora = median_time(args.repeats, lambda: [t.clone() for t in state_tensors(model, optim, True)])
+        trainable_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim, True))
+        rows += [
+            ("LoRA: save after a step, synchronous", lora_sync, f"{trainable_bytes / MIB:.1f} MiB trainable"),
+            ("LoRA: caller blocked, blocking=False", statistics.median(blocked_lora), ""),
+            ("LoRA: plain clone of the trainable state", copy_lora, ""),
+        ]
+
+        # A resumed job: a new client (as a new process has) loads, trains one step, saves.
+        home = fresh_home()
+        with Client(home=home) as ckpt:
+            ckpt.save("resume", model, optim)
+        resumed: list[float] = []
+        for _ in range(args.repeats):
+            fresh = Adapted(layers, seed=1)
+            fresh_optim = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+            with Client(home=home) as ckpt:
+                ckpt.load("resume", model=fresh, optim=fresh_optim)
+                step(fresh, fresh_optim)
+                started = time.perf_counter()
+                ckpt.save("resume", fresh, fresh_optim)
+                resumed.append(time.perf_counter() - started)
+        rows.append(("resumed job: first save after load", statistics.median(resumed), ""))
+
+        # DCP's async_save on the CPU, one process, to a fresh folder each time.
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        blocked_dcp: list[float] = []
+        total_dcp: list[float] = []
+        for _ in range(args.repeats):
+            folder = fresh_home()
+            started = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(folder))
+            blocked_dcp.append(time.perf_counter() - started)
+            future.result()
+            total_dcp.append(time.perf_counter() - started)
+        rows += [
+            ("DCP async_save: caller blocked", statistics.median(blocked_dcp), ""),
+            ("DCP async_save: until stored", statistics.median(total_dcp), ""),
+        ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    figures = {name: seconds for name, seconds, _ in rows}
+    print(f"{'what':<46} {'seconds':>9}  note")
+    for name, seconds, note in rows:
+        print(f"{name:<46} {seconds:>9.4f}  {note}")
+    print()
+    ratios = [
+        ("full: blocked / plain clone", figures["full model: caller blocked, blocking=False"], copy_full, "<= 1.5"),
+        ("LoRA: blocked / plain clone of trainable state", figures["LoRA: caller blocked, blocking=False"],
+         copy_lora, "<= 1.5"),
+        ("LoRA: blocked / synchronous full save", figures["LoRA: caller blocked, blocking=False"], first_full,
+         "<= 0.02"),
+        ("resumed LoRA save / first full save", figures["resumed job: first save after load"], first_full,
+         "<= 0.1 (goal 0.05)"),
+        ("ckptstore blocked / DCP async_save blocked (full)", figures["full model: caller blocked, blocking=False"],
+         figures["DCP async_save: caller blocked"], "lower is better"),
+    ]
+    print(f"{'ratio':<50} {'value':>8}  floor")
+    for name, numerator, denominator, floor in ratios:
+        print(f"{name:<50} {numerator / denominator:>8.3f}  {floor}")
+
+
+if __name__ == "__main__":
+    main()
