@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from service.errors import (
     CheckpointError,
@@ -35,11 +35,17 @@ if TYPE_CHECKING:
     import torch
 
     from client.api import Client
+    from client.background import SaveHandle
     from client.results import LoadResult, SaveResult
 
 # Torch is imported on first use of these, so torch-free tools (the server image, the
 # ``ckptstore serve`` command) can import this package.
-_LAZY = {"Client": "client.api", "LoadResult": "client.results", "SaveResult": "client.results"}
+_LAZY = {
+    "Client": "client.api",
+    "LoadResult": "client.results",
+    "SaveHandle": "client.background",
+    "SaveResult": "client.results",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -61,6 +67,7 @@ __all__ = [
     "MissingTensorsError",
     "NotFoundError",
     "RunInfo",
+    "SaveHandle",
     "SaveResult",
     "StateEncodingError",
     "StateMismatchError",
@@ -96,6 +103,7 @@ def default_client() -> Client:
         return _clients[settings]
 
 
+@overload
 def save(
     run_id: str,
     model: torch.nn.Module,
@@ -110,13 +118,71 @@ def save(
     keep_best: int | None = None,
     metric: str | None = None,
     mode: Literal["min", "max"] | None = None,
-) -> SaveResult:
+    blocking: Literal[True] = True,
+) -> SaveResult: ...
+
+
+@overload
+def save(
+    run_id: str,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    tags: list[str] | tuple[str, ...] = (),
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: Literal["min", "max"] | None = None,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
+@overload
+def save(
+    run_id: str,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    tags: list[str] | tuple[str, ...] = (),
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: Literal["min", "max"] | None = None,
+    blocking: bool,
+) -> SaveResult | SaveHandle: ...
+
+
+def save(
+    run_id: str,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    tags: list[str] | tuple[str, ...] = (),
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: Literal["min", "max"] | None = None,
+    blocking: bool = True,
+) -> SaveResult | SaveHandle:
     """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``,
     with the default client (:func:`default_client`).
 
     Only tensors the store lacks are written; the version becomes visible once all of its
     bytes are stored. ``keep_last``, ``keep_best``, ``metric`` and ``mode`` set the run's
-    retention policy first. Every argument is as in :meth:`Client.save`.
+    retention policy first; ``blocking=False`` returns a :class:`SaveHandle` once the state is
+    snapshotted and saves in the background. Every argument is as in :meth:`Client.save`.
     """
     return default_client().save(
         run_id,
@@ -131,6 +197,7 @@ def save(
         keep_best=keep_best,
         metric=metric,
         mode=mode,
+        blocking=blocking,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ EXPECTED = {
     "MissingTensorsError",
     "NotFoundError",
     "RunInfo",
+    "SaveHandle",
     "SaveResult",
     "StateEncodingError",
     "StateMismatchError",
@@ -50,6 +52,8 @@ def test_module_functions_take_exactly_the_methods_arguments(name: str) -> None:
     assert list(method.parameters)[0] == "self"
     assert list(function.parameters.values()) == list(method.parameters.values())[1:]
     assert function.return_annotation == method.return_annotation
+    if name == "save":  # typed per ``blocking``, like the method
+        assert len(typing.get_overloads(client.save)) == len(typing.get_overloads(client.Client.save)) == 3
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in function.parameters.values())
 
 
