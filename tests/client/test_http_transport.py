@@ -1,22 +1,29 @@
-"""The HTTP transport retries only what is safe to repeat, and reports an unreachable server."""
+"""The HTTP transport retries only what is safe to repeat, under one policy for JSON calls and
+shard bytes alike, and reports an unreachable server."""
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import client
+from client.http_retry import MAX_RETRY_AFTER_SECONDS, RetryPolicy
 from client.http_transport import HttpTransport
 from service.api import create_app
+from service.db import Database
 from service.factory import open_store
 from service.settings import Settings
+from tests.backends import empty_tables
 from tests.client.models import TinyNet
 from tests.servers import running_server
+from tests.service.shardkit import RawTensor, build_shard
 
 
 class Flaky:
@@ -122,3 +129,89 @@ def test_a_plain_http_client_builds_no_tls_context_unless_https_or_a_proxy_may_u
     monkeypatch.setenv("HTTPS_PROXY", "https://proxy.invalid:3128")
     HttpTransport("http://127.0.0.1:9").close()
     assert built  # a proxy from the environment may be reached over TLS
+
+
+@pytest.fixture
+def flaky_pg(pg_url: str, tmp_path: Path) -> Any:
+    """A server on PostgreSQL answering 503 to the first ``failures`` requests of each kind (none yet)."""
+    database = Database(pg_url)
+    empty_tables(database)
+    database.dispose()
+    settings = Settings(home=tmp_path / "server", database_url=pg_url)
+    store = open_store(settings)
+    flaky = Flaky(create_app(store, settings), failures=0)
+    try:
+        with running_server(flaky) as url:  # type: ignore[arg-type]
+            yield url, flaky
+    finally:
+        store.close()
+
+
+def test_json_calls_shard_uploads_and_ranged_reads_share_one_retry_policy(
+    flaky_pg: tuple[str, Flaky], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, flaky = flaky_pg
+    shard = build_shard([RawTensor("F32", (256,), os.urandom(1024))])
+    header, tensors = shard.data[: shard.header_length], memoryview(shard.data)[shard.header_length :]
+    kinds = [("GET", "runs/"), ("PUT", "v1/shards"), ("GET", "v1/shards")]
+
+    def calls(transport: HttpTransport) -> list[Callable[[], object]]:
+        """A JSON call, a shard upload (bulk) and a ranged shard read (bulk)."""
+        return [
+            transport.runs,
+            lambda: transport.put_shard(header, [tensors]),
+            lambda: transport.read_into(shard.shard_id, shard.header_length, memoryview(bytearray(1024))),
+        ]
+
+    transport = HttpTransport(url, retries=2, backoff_seconds=0.001)
+    assert transport.session.policy is transport.policy == RetryPolicy(transport.retry_seconds, 2, 0.001)
+    flaky.failures = 2
+    for call in calls(transport):
+        call()
+    assert [flaky.seen[kind] for kind in kinds] == [3, 3, 3]  # two 503s each, then the answer
+
+    flaky.failures, flaky.seen = 3, Counter()
+    for call in calls(transport):
+        with pytest.raises(client.StorageError, match="503"):
+            call()
+    assert [flaky.seen[kind] for kind in kinds] == [3, 3, 3]  # three tries each, then given up
+    transport.close()
+
+    monkeypatch.setenv("CKPTSTORE_RETRY_SECONDS", "0")  # the budget from the environment, for every path
+    transport = HttpTransport(url, backoff_seconds=0.001)
+    flaky.failures, flaky.seen = 1, Counter()
+    for call in calls(transport):
+        with pytest.raises(client.StorageError, match="503"):
+            call()
+    assert [flaky.seen[kind] for kind in kinds] == [1, 1, 1]
+    transport.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "safe"),
+    [
+        ("POST", "/v1/runs/run-1/versions", False),
+        ("post", "/v1/runs/run%2F1/versions?x=1", False),
+        ("GET", "/v1/runs/run-1/versions", True),
+        ("DELETE", "/v1/runs/run-1/versions/3", True),
+        ("POST", "/v1/tensors/missing", True),
+        ("POST", "/v1/runs/run-1/retention/apply", True),
+        ("PUT", "/v1/shards/" + "ab" * 32, True),
+        ("GET", "/v1/shards/" + "ab" * 32, True),
+    ],
+)
+def test_only_a_commit_is_unsafe_to_repeat(method: str, path: str, safe: bool) -> None:
+    assert RetryPolicy.safe_to_repeat(method, path) is safe
+
+
+def test_pauses_back_off_with_jitter_and_follow_retry_after_within_limits() -> None:
+    policy = RetryPolicy(seconds=60, backoff_seconds=0.5)
+    pauses = [policy.pause(attempt, left=60) for attempt in range(8) for _ in range(20)]
+    for attempt in range(8):
+        full = min(4.0, 0.5 * 2**attempt)
+        assert all(full / 2 <= pause <= full for pause in pauses[attempt * 20 : attempt * 20 + 20])
+    assert len(set(pauses)) > 100  # jitter: tries of many clients do not line up
+    assert policy.pause(0, left=60, retry_after="7") == 7.0
+    assert policy.pause(0, left=60, retry_after="600") == MAX_RETRY_AFTER_SECONDS
+    assert policy.pause(0, left=2.5, retry_after="7") == 2.5  # never past the budget
+    assert 0.25 <= policy.pause(0, left=60, retry_after="Wed, 21 Oct 2099 07:28:00 GMT") <= 0.5

@@ -1,0 +1,38 @@
+"""The one place where a server's error answer becomes the exception the embedded store raises.
+
+Error answers carry ``{"code", "message"}`` (and ``X-Error-Code``); the code names the class
+(:func:`service.errors.error_class_for_code`). JSON calls and shard bytes alike pass here.
+"""
+
+from __future__ import annotations
+
+import json
+
+from client.http_retry import Reply
+from service.errors import CheckpointError, MissingTensorsError, StateMismatchError, StorageError, error_class_for_code
+
+
+def raise_for_error(reply: Reply) -> None:
+    """Raise the CheckpointError an error answer stands for; return on success."""
+    status = reply.status_code
+    if status < 400:
+        return
+    try:
+        body = json.loads(reply.content)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body, code, message = {}, "", reply.content[:500].decode("utf-8", "replace")
+    else:
+        code, message = str(body.get("code", "")), str(body.get("message", ""))
+    code = code or reply.headers.get("x-error-code", "")
+    cls = error_class_for_code(code)
+    text = message or f"HTTP {status} from {reply.url}"
+    if issubclass(cls, MissingTensorsError):
+        raise cls(text, body.get("digests") or [])
+    if issubclass(cls, StateMismatchError):
+        raise cls(text)
+    if cls is CheckpointError:
+        fallback = StorageError if status >= 500 else CheckpointError
+        raise fallback(f"HTTP {status}: {message}" if message else text)
+    raise cls(text)
