@@ -108,10 +108,12 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port [env CKPTSTORE_PORT; default 8000].")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes [env CKPTSTORE_WORKERS; default 1].")] = None,
 ) -> None:
-    """Run the HTTP service (API, pages) on the configured store with uvicorn."""
-    import os
+    """Run the HTTP service (API, pages) on the configured store with uvicorn.
 
-    import uvicorn
+    Body limits, read timeouts and the connection cap come from the settings (README, "Limits
+    and timeouts"); the access log records paths, never a query string's values.
+    """
+    import os
 
     from service.api.app import check_auth_setup
     from service.auth import TokenSet
@@ -134,20 +136,9 @@ def serve(
     typer.echo(
         f"ckptstore serving {settings.resolved_database_url.split('@')[-1]} on http://{settings.host}:{settings.port}"
     )
-    from service.api.server import http_protocol
+    from service.api.server import run, server_config
 
-    if settings.workers == 1:
-        uvicorn.run(application, host=settings.host, port=settings.port, http=http_protocol(), log_level="info")
-    else:
-        uvicorn.run(
-            "service.api.server:app_from_env",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            http=http_protocol(),
-            log_level="info",
-        )
+    run(server_config(application if settings.workers == 1 else "service.api.server:app_from_env", settings))
 
 
 db_app = typer.Typer(help="Manage the metadata database schema.", no_args_is_help=True)

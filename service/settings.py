@@ -36,8 +36,20 @@ class Settings(BaseSettings):
     max_shard_bytes: int = Field(default=8 << 30, ge=1 << 20)
     #: Write shards around the page cache (O_DIRECT) where the file system allows it.
     direct_writes: bool = True
-    #: Largest JSON request body accepted, in bytes.
-    max_json_bytes: int = Field(default=256 << 20, ge=1 << 16)
+    #: Largest commit (manifest) body accepted, in bytes (about 30,000 tensors by default); also
+    #: caps every other JSON body. See README "Limits and timeouts" before raising it.
+    max_json_bytes: int = Field(default=8 << 20, ge=1 << 16)
+    #: Seconds a client has to send a request's line and headers (from connecting, or from the
+    #: first byte of a request on a kept-alive connection).
+    header_timeout: float = Field(default=20.0, gt=0, le=3600)
+    #: A request body must bring ``min_body_rate`` bytes a second over every window of this many
+    #: seconds (while the server is reading it), else the connection is closed.
+    body_timeout: float = Field(default=20.0, gt=0, le=3600)
+    min_body_rate: int = Field(default=1024, ge=0)
+    #: Seconds an idle kept-alive connection stays open between requests.
+    keep_alive_timeout: float = Field(default=5.0, gt=0, le=3600)
+    #: Connections served at once (per worker); past it new requests get 503.
+    max_connections: int = Field(default=512, ge=2, le=1_000_000)
 
     @property
     def home_path(self) -> Path:

@@ -10,18 +10,23 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
-from service.api.server import http_protocol, tune_uvicorn
+from service.api.server import http_protocol, server_config, tune_uvicorn
+from service.settings import Settings
 
 
 @contextmanager
-def running_server(app: FastAPI) -> Iterator[str]:
+def running_server(app: FastAPI, settings: Settings | None = None, **overrides: Any) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port, set up as ``ckptstore serve`` runs it.
 
-    Yields the server's base URL.
+    With ``settings`` the server is configured as ``ckptstore serve`` configures it for them
+    (limits, timeouts), except that this process's logging is left alone (``log_config=None``;
+    ``overrides`` change that or any other uvicorn option); without, quietly, with uvicorn's
+    default limits. Yields the server's base URL.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -29,7 +34,11 @@ def running_server(app: FastAPI) -> Iterator[str]:
     sock.listen(128)
     port = sock.getsockname()[1]
     tune_uvicorn()
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=http_protocol())
+    if settings is not None:
+        options: dict[str, Any] = {"lifespan": "off", "log_config": None, **overrides}
+        config: uvicorn.Config = server_config(app, settings, **options)
+    else:
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=http_protocol())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

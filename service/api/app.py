@@ -36,7 +36,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     tokens = TokenSet.parse(settings.tokens)
     check_auth_setup(tokens, settings.host)
-    redact.install()
+    redact.install(settings.tokens)
     app = FastAPI(
         title="ckptstore",
         version=__version__,

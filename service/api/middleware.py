@@ -25,7 +25,8 @@ class CountAndLimit:
     Args:
         app: the application inside.
         metrics: where request counts go.
-        max_json_bytes: the JSON body cap, handed to routes through the scope.
+        max_json_bytes: the ``max_json_bytes`` setting, the ceiling of every route's JSON body
+            limit (:mod:`service.api.body_limits`), handed to routes through the scope.
     """
 
     def __init__(self, app: ASGIApp, metrics: Metrics, max_json_bytes: int) -> None:

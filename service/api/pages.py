@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
-from service.api import pages_data
+from service.api import pages_data, redact
 from service.api.deps import QUERY_TOKEN_NAMES, StoreDep
 from service.api.errors import public_message
 from service.auth import MAX_TOKEN_CHARS, TokenSet
@@ -89,7 +89,9 @@ def _describe(exc: RequestValidationError) -> str:
 def error_page(request: Request, exc: Exception) -> Response:
     """The HTML answer to an error raised by a page route."""
     if type(exc) is AuthenticationError and not request.headers.get("authorization") and request.method == "GET":
-        here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        # Without any token-like parameter (?ckptstore_token=…): a redirect's URL ends up in
+        # browser history and the access log.
+        here = redact.safe_target(request.url.path, request.url.query)
         return RedirectResponse("/login?" + urlencode({"next": here}), status_code=303, headers=HEADERS)
     if isinstance(exc, CheckpointError):
         status, code, message = exc.http_status, exc.code, public_message(request, exc)

@@ -10,15 +10,42 @@ the pieces itself before it hashes and writes them.
 Everything else (flow control, ``Expect: 100-continue``, disconnects, pipelining, keep-alive)
 is uvicorn's own: only the request cycle's body buffer and ``receive`` are replaced, on the
 cycle object uvicorn has just built for each request.
+
+Three more things uvicorn lacks are added per connection (:class:`PiecewiseBodyProtocol`):
+
+- **read timeouts.** A request's line and headers must arrive within ``header_timeout``
+  seconds (counted from the connection's start, or from a request's first byte on a kept-alive
+  connection), else the connection is closed, with a 408 if part of a request came. A body must
+  bring ``min_body_rate`` bytes a second over every ``body_timeout`` window in which the server
+  was reading it (a window in which the server paused reading, being busy with what it had, does
+  not count), else the connection is closed. A client trickling a byte a second is dropped at
+  the end of its first window; other connections never wait on it.
+- **a connection cap** (uvicorn's ``limit_concurrency``): past ``max_connections`` open
+  connections a request is answered 503, in JSON.
+- **JSON errors.** uvicorn answers a request it cannot parse with a plain-text 400; here the
+  body is ``{"code": "invalid_input", "message": ...}`` like every other error of the service.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from collections import deque
+from typing import Any
 
 from uvicorn._types import ASGIReceiveEvent
+from uvicorn.config import Config
 from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
+
+#: Defaults of the read timeouts, for a uvicorn Config that does not carry them
+#: (see :class:`service.api.server.ServerConfig`, which takes them from the settings).
+HEADER_TIMEOUT = 20.0
+BODY_TIMEOUT = 20.0
+MIN_BODY_RATE = 1024
 
 
 class BodyPieces:
@@ -74,13 +101,213 @@ class PiecewiseRequestCycle(RequestResponseCycle):
         return {"type": "http.request", "body": piece, "more_body": bool(self.body) or self.more_body}
 
 
+class WatchedFlow(FlowControl):
+    """uvicorn's flow control, remembering whether reading was paused since the last look."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport)
+        self.paused_since_look = False
+
+    def pause_reading(self) -> None:
+        """Stop reading the socket (the request body buffered is at the high-water mark)."""
+        super().pause_reading()
+        self.paused_since_look = True
+
+    def look(self) -> bool:
+        """Whether reading is or was paused since the previous call."""
+        paused = self.paused_since_look or self.read_paused
+        self.paused_since_look = False
+        return paused
+
+
+def error_bytes(status: int, phrase: str, code: str, message: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A complete HTTP/1.1 error response with a JSON ``{"code", "message"}`` body; it closes the connection."""
+    body = json.dumps({"code": code, "message": message}).encode()
+    lines = [f"HTTP/1.1 {status} {phrase}\r\n".encode()]
+    lines += [name + b": " + value + b"\r\n" for name, value in headers]
+    lines += [
+        b"content-type: application/json\r\n",
+        b"x-error-code: " + code.encode() + b"\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n\r\n",
+        body,
+    ]
+    return b"".join(lines)
+
+
 class PiecewiseBodyProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol whose request cycles are :class:`PiecewiseRequestCycle`."""
+    """HttpToolsProtocol with piecewise request bodies, read timeouts, a connection cap and JSON errors."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.header_timeout = float(getattr(config, "header_timeout", HEADER_TIMEOUT))
+        self.body_timeout = float(getattr(config, "body_timeout", BODY_TIMEOUT))
+        self.min_body_rate = int(getattr(config, "min_body_rate", MIN_BODY_RATE))
+        # uvicorn's own check answers in plain text and counts this connection against the cap.
+        self.max_connections, self.limit_concurrency = self.limit_concurrency, None
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.body_timer: asyncio.TimerHandle | None = None
+        self.request_begun = False
+        self.window_bytes = 0
+
+    # -- connection ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start serving a connection; its first request's headers are due within header_timeout."""
+        super().connection_made(transport)
+        self.flow = WatchedFlow(transport)
+        self.header_timer = self.loop.call_later(self.header_timeout, self.headers_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Forget the connection's timers, then let uvicorn clean up."""
+        self.cancel_timers()
+        super().connection_lost(exc)
+
+    def cancel_timers(self) -> None:
+        """Stop both read timers."""
+        for timer in (self.header_timer, self.body_timer):
+            if timer is not None:
+                timer.cancel()
+        self.header_timer = self.body_timer = None
+
+    def refuse(self, status: int, phrase: str, code: str, message: str) -> None:
+        """Answer with a JSON error and close, unless a response is under way (then only close)."""
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            if self.cycle is not None and not self.cycle.response_complete:
+                # The app's own answer, if it comes, must not follow this one on the wire.
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.write(error_bytes(status, phrase, code, message, self.server_state.default_headers))
+        self.transport.close()
+
+    # -- read timeouts -----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        """A request's first byte: its headers are due within header_timeout (if not already)."""
+        super().on_message_begin()
+        self.request_begun = True
+        if self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.header_timeout, self.headers_timed_out)
+
+    def headers_timed_out(self) -> None:
+        """Close a connection whose request headers did not all arrive in time."""
+        self.header_timer = None
+        if self.transport.is_closing():
+            return
+        self.logger.warning(
+            "closed a connection from %s: no complete request headers in %g s", self.peer(), self.header_timeout
+        )
+        if not self.request_begun:
+            self.transport.close()  # nothing was asked: nothing to answer
+            return
+        message = f"the request's headers did not arrive within {self.header_timeout:g} seconds"
+        self.refuse(408, "Request Timeout", "request_timeout", message)
 
     def on_headers_complete(self) -> None:
-        """Let uvicorn build the request's cycle, then give it a piecewise body."""
-        super().on_headers_complete()
+        """Headers in: stop their timer, start the body's, apply the cap, then let uvicorn go on."""
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+        self.request_begun = False
+        app = self.app
+        if self.max_connections is not None and (
+            len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections
+        ):
+            self.logger.warning(
+                "answered 503: %d connections are open, at most %d are served",
+                len(self.connections),
+                self.max_connections,
+            )
+            self.app = self.over_capacity
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
         adopt(self.cycle)
+        self.start_body_window()
+
+    async def over_capacity(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app for a request past the connection cap: 503 in JSON, connection closed."""
+        body = json.dumps(
+            {
+                "code": "unavailable",
+                "message": f"the server has {self.max_connections} connections open, its limit; retry shortly",
+            }
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-error-code", b"unavailable"),
+            (b"retry-after", b"1"),
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def start_body_window(self) -> None:
+        """Start a window of body_timeout seconds in which the body must bring min_body_rate bytes a second."""
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+        self.window_bytes = 0
+        self.flow.look()  # type: ignore[attr-defined]
+        self.body_timer = self.loop.call_later(self.body_timeout, self.body_window_ended)
+
+    def on_body(self, body: bytes) -> None:
+        """Count a piece of body (even one the app no longer wants), then let uvicorn queue it."""
+        self.window_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        """The body is complete: no more timer for it."""
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+        super().on_message_complete()
+
+    def body_window_ended(self) -> None:
+        """Close the connection if the body came too slowly over the window just ended."""
+        self.body_timer = None
+        if self.transport.is_closing():
+            return
+        paused = self.flow.look()  # type: ignore[attr-defined]
+        waiting = self.cycle is not None and self.cycle.waiting_for_100_continue
+        if paused or waiting or self.window_bytes >= self.min_body_rate * self.body_timeout:
+            self.start_body_window()
+            return
+        self.logger.warning(
+            "closed a connection from %s: %d bytes of request body in %g s, below %d bytes a second",
+            self.peer(),
+            self.window_bytes,
+            self.body_timeout,
+            self.min_body_rate,
+        )
+        message = (
+            f"the request body brought {self.window_bytes} bytes in {self.body_timeout:g} seconds; "
+            f"the server needs at least {self.min_body_rate} bytes a second"
+        )
+        self.refuse(408, "Request Timeout", "request_timeout", message)
+
+    def peer(self) -> str:
+        """The client's address, for log lines."""
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+    # -- uvicorn's own error -----------------------------------------------------------------
+
+    def send_400_response(self, msg: str) -> None:
+        """Answer a request the parser refused, in JSON (called while the parser's error is handled)."""
+        error = sys.exc_info()[1]
+        detail = f" ({error})" if error is not None and str(error) else ""
+        message = f"malformed HTTP request{detail}: the request line or a header is not valid HTTP/1.1"
+        self.cancel_timers()
+        response = error_bytes(400, "Bad Request", "invalid_input", message, self.server_state.default_headers)
+        self.transport.write(response)
+        self.transport.close()
 
 
 def adopt(cycle: RequestResponseCycle | None) -> None:

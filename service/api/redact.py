@@ -1,35 +1,141 @@
-"""Keep secrets out of access logs: tokens sent in a query string are masked before logging.
+"""Keep secrets out of the server's logs and redirects.
 
-Such requests are refused (tokens belong in the Authorization header), but the server's access
-log would otherwise record the URL, token included.
+Tokens belong in the ``Authorization`` header; one sent in a URL is refused (400), but the
+access log records the request before anyone looks at it. So what reaches a log is cut down:
+
+- the access log's request target (:func:`loggable_target`) keeps the path, percent-decoded
+  until it stops changing and cut at the first ``;`` (matrix parameters), ``?`` or ``#``, and
+  the query string's parameter names, each value replaced by ``***`` (a name longer than any
+  word, as long as a token can be, is masked too);
+- every other log line (:func:`redact`) has the values of token-like parameters masked, the
+  names matched after percent-decoding, in any case;
+- anywhere, a token this server accepts is replaced by ``***``, plain or percent-encoded.
+
+The pages' ``/login?next=`` redirect carries :func:`safe_target`: no token-like parameter.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
+from urllib.parse import parse_qsl, quote, unquote, urlencode
 
-_SECRET_QUERY = re.compile(r"(?i)([?&](?:token|access_token|api_key|apikey|key)=)[^&\s]*")
+MASK = "***"
+#: A query parameter name this long or longer may be a token (tokens have at least 16 characters).
+LONGEST_NAME = 15
+MAX_NAMES = 16
+_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
+_SECRET_NAME = r"[^=&;\s?#]*(?:token|key|auth|bearer|secret|pass|session|sig|credential)[^=&;\s?#]*"
+_SECRET_PARAM = re.compile(rf"(?i)((?:^|[?&;\s\x22\x27(])({_SECRET_NAME})=)[^&;\s\x22\x27]*")
+_secrets: set[str] = set()
+LOGGERS = ("uvicorn.access", "uvicorn.error", "uvicorn.asgi", "ckptstore.api", "ckptstore.pages", "ckptstore.server")
+
+
+def remember(secrets: Iterable[str]) -> None:
+    """Add the tokens a server accepts to those masked wherever they appear in a log line."""
+    _secrets.update(secret for secret in secrets if secret)
+
+
+def decoded(text: str, rounds: int = 4) -> str:
+    """``text`` percent-decoded until it stops changing (``%2574`` is ``t`` after two rounds)."""
+    for _ in range(rounds):
+        once = unquote(text)
+        if once == text:
+            break
+        text = once
+    return text
+
+
+def _mask_secrets(text: str) -> str:
+    for secret in sorted(_secrets, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def safe_path(path: str) -> str:
+    """A request path fit for a log or a redirect: decoded, cut at ``;``, ``?`` or ``#``, tokens
+    masked, and percent-encoded again so no control character reaches the log."""
+    plain = decoded(path)
+    cut = min((at for at in map(plain.find, ";?#") if at >= 0), default=len(plain))
+    return quote(_mask_secrets(plain[:cut]), safe="/-._~*")
+
+
+def safe_target(path: str, query: str) -> str:
+    """Where a redirect may send a browser back to: :func:`safe_path` and the query parameters
+    whose names (decoded) look like no secret and whose values hold no accepted token."""
+    kept = [
+        (name, value)
+        for name, value in parse_qsl(query, keep_blank_values=True)
+        if _shown_name(name) != MASK
+        and not _SECRET_PARAM.match(f"?{decoded(name)}=")
+        and _mask_secrets(decoded(value)) == decoded(value)
+    ]
+    return safe_path(path) + (f"?{urlencode(kept)}" if kept else "")
+
+
+def _shown_name(name: str) -> str:
+    plain = decoded(name)
+    if len(plain) > LONGEST_NAME or not _NAME.fullmatch(plain):
+        return MASK
+    return plain
+
+
+def loggable_target(target: str) -> str:
+    """An access-log request target (path and query): :func:`safe_path`, and the query's names
+    with every value masked (``/v1/runs?token=***&page=***``)."""
+    path, _, query = target.partition("?")
+    shown = safe_path(path)
+    if not query:
+        return shown
+    names = [_shown_name(name) for name, _ in parse_qsl(query, keep_blank_values=True)][: MAX_NAMES + 1]
+    if len(names) > MAX_NAMES:
+        names[MAX_NAMES:] = ["…"]
+    return f"{shown}?{'&'.join(f'{name}={MASK}' if name != '…' else name for name in names)}"
 
 
 def redact(text: str) -> str:
-    """``text`` with the values of token-like query parameters replaced by ``***``."""
-    return _SECRET_QUERY.sub(r"\1***", text)
+    """``text`` with the values of token-like parameters and every accepted token masked.
+
+    Parameter names are matched after percent-decoding, so ``to%6ben=`` counts as ``token=``.
+    """
+    plain = decoded(text)
+    masked = _mask_secrets(_SECRET_PARAM.sub(rf"\1{MASK}", plain))
+    return text if masked == plain else masked
 
 
 class RedactTokens(logging.Filter):
-    """A logging filter masking token-like query parameters in a record's arguments."""
+    """A logging filter that makes a record safe to write (see the module's description).
+
+    Records of ``uvicorn.access`` get their request target replaced by :func:`loggable_target`;
+    every other string argument, the message and a formatted traceback go through :func:`redact`.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
-        record.msg = redact(record.msg) if isinstance(record.msg, str) else record.msg
+        args = record.args
+        if isinstance(args, tuple):
+            if record.name == "uvicorn.access" and len(args) == 5 and isinstance(args[2], str):
+                args = (*args[:2], loggable_target(args[2]), *args[3:])
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in args)
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
         return True
 
 
-def install() -> None:
-    """Attach the filter to uvicorn's access and error loggers (once)."""
-    for name in ("uvicorn.access", "uvicorn.error"):
+def install(token_spec: str | None = None) -> None:
+    """Attach the filter to the loggers of uvicorn and of the service (once each), and mask the
+    tokens of ``token_spec`` (``CKPTSTORE_TOKENS``: ``scope:token`` pairs) in every line.
+
+    A logger's filters see only the records logged on it, not those of its children, hence the
+    list; :func:`service.api.server.log_config` also filters the handlers ``ckptstore serve`` writes.
+    """
+    remember(item.strip().partition(":")[2] for item in (token_spec or "").split(","))
+    for name in LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactTokens) for f in logger.filters):
             logger.addFilter(RedactTokens())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import json.scanner
 import math
 from typing import Any
 
@@ -39,19 +40,35 @@ def strict_decoder(error: type[InvalidInputError], what: str, *, floats: bool = 
     return json.JSONDecoder(object_pairs_hook=no_duplicates, parse_constant=no_constant, parse_float=finite_float)
 
 
-_DECODER = strict_decoder(InvalidInputError, "JSON body")
+def _yielding_decoder() -> json.JSONDecoder:
+    """The strict decoder for request bodies, scanning with Python code instead of C.
+
+    The C scanner reads a whole array of strings, or an object of string values, without ever
+    giving up the GIL, so even on a worker thread a large body would stall the server's event
+    loop for as long as the scan takes. The Python scanner lets other threads run between
+    tokens (strings are still decoded in C), and next to validation it costs little.
+    """
+    decoder = strict_decoder(InvalidInputError, "JSON body")
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    return decoder
+
+
+_DECODER = _yielding_decoder()
 
 
 def _depth(value: Any, limit: int) -> None:
-    stack = [(value, 1)]
+    # Depth first with one iterator per open container: memory grows with the depth, not with
+    # the number of values (a stack of every value waiting cost 60 bytes for each).
+    stack = [iter((value,))]
     while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            raise InvalidInputError(f"JSON nests deeper than {limit} levels")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+        for item in stack[-1]:
+            if isinstance(item, (dict, list)) and item:
+                if len(stack) >= limit:
+                    raise InvalidInputError(f"JSON nests deeper than {limit} levels")
+                stack.append(iter(item.values() if isinstance(item, dict) else item))
+                break
+        else:
+            stack.pop()
 
 
 def parse_json(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:

@@ -201,7 +201,8 @@ def _check_json_tree(value: Any, path: str, depth: int) -> list[str]:
             refs += _check_json_tree(item, f"{path}/{index}", depth + 1)
         return refs
     if isinstance(value, dict):
-        if set(value) == {TENSOR_REF} and isinstance(value[TENSOR_REF], str):
+        # len() first: set(value) of an object with a million keys holds the GIL for 100 ms.
+        if len(value) == 1 and isinstance(value.get(TENSOR_REF), str):
             return [value[TENSOR_REF]]
         for name, item in value.items():
             refs += _check_json_tree(item, f"{path}/{name}", depth + 1)
