@@ -1,0 +1,5 @@
+"""``python -m client.cli``: the ``ckptstore`` command line."""
+
+from client.cli import app
+
+app()

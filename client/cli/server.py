@@ -1,0 +1,98 @@
+"""``ckptstore serve`` and ``ckptstore db``: the server's own commands.
+
+Torch-free, like every module of this package at import: the server image has no torch and
+runs these two. Each imports the engine and the HTTP service only when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to bind [env CKPTSTORE_HOST; default 127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port [env CKPTSTORE_PORT; default 8000].")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes [env CKPTSTORE_WORKERS; default 1].")] = None,
+) -> None:
+    """Run the HTTP service (API, pages) on the configured store with uvicorn.
+
+    Body limits, read timeouts and the connection cap come from the settings (README, "Limits
+    and timeouts"); the access log records paths, never a query string's values.
+    """
+    import os
+
+    from service.api.app import check_auth_setup
+    from service.auth import TokenSet
+    from service.errors import CheckpointError
+    from service.settings import Settings
+
+    for name, value in (("HOST", host), ("PORT", port), ("WORKERS", workers)):
+        if value is not None:
+            os.environ[f"CKPTSTORE_{name}"] = str(value)
+    try:
+        settings = Settings()
+        check_auth_setup(TokenSet.parse(settings.tokens), settings.host)
+        if settings.workers == 1:
+            from service.api.server import app_from_env
+
+            application = app_from_env()
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(
+        f"ckptstore serving {settings.resolved_database_url.split('@')[-1]} on http://{settings.host}:{settings.port}"
+    )
+    from service.api.server import run, server_config
+
+    run(server_config(application if settings.workers == 1 else "service.api.server:app_from_env", settings))
+
+
+db_app = typer.Typer(help="Manage the metadata database schema.", no_args_is_help=True)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Migrate the configured database (CKPTSTORE_DATABASE_URL, else the embedded one) to the latest schema."""
+    from service.db import Database
+    from service.db.schema import current_revision, head_revision, upgrade
+    from service.errors import CheckpointError
+    from service.settings import Settings
+
+    settings = Settings()
+    url = settings.resolved_database_url
+    try:
+        if settings.database_url is None:
+            settings.home_path.mkdir(parents=True, exist_ok=True)
+        database = Database(url)
+        before = current_revision(database)
+        upgrade(database)
+        after = current_revision(database)
+        database.dispose()
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    where = url.split("@")[-1]
+    if before == after:
+        typer.echo(f"{where}: already at revision {after} (head {head_revision()})")
+    else:
+        typer.echo(f"{where}: upgraded from {before or 'an empty database'} to {after}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the database's schema revision and the newest one this ckptstore knows."""
+    from service.db import Database
+    from service.db.schema import current_revision, head_revision
+    from service.errors import CheckpointError
+    from service.settings import Settings
+
+    try:
+        database = Database(Settings().resolved_database_url)
+        current = current_revision(database)
+        database.dispose()
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"current: {current or 'none'}  head: {head_revision()}")
