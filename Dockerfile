@@ -1,5 +1,6 @@
 # The ckptstore service image: the torch-free engine and HTTP API. No torch is installed;
-# the service never imports it.
+# the service never imports it, and neither do the `ckptstore serve` and `ckptstore db`
+# commands (the client's torch side is imported only by commands that handle tensors).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -18,7 +19,8 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY client ./client
 COPY migrations ./migrations
-RUN pip install . && python -c "import service.api.server, service.db.schema; import importlib.util as u; assert u.find_spec('torch') is None"
+RUN pip install . && python -c "import service.api.server, service.db.schema; import importlib.util as u; assert u.find_spec('torch') is None" \
+    && ckptstore serve --help > /dev/null && ckptstore db upgrade --help > /dev/null
 
 USER ckptstore
 EXPOSE 8000

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from service.db.schema import head_revision
@@ -46,6 +47,9 @@ def test_dockerfile_builds_a_torch_free_non_root_service_image() -> None:
             assert "torch" not in arguments.replace("find_spec('torch') is None", ""), (
                 "the image must not install torch"
             )
+            if arguments.startswith("pip install"):
+                # The build fails if the server's commands cannot start without torch.
+                assert "ckptstore serve --help" in arguments and "ckptstore db upgrade --help" in arguments
     copied = {shlex.split(a)[0] for k, a in instructions if k == "COPY"}
     assert {"service", "client", "migrations", "pyproject.toml"} <= copied
     assert ("USER", "ckptstore") in instructions, "the service must not run as root"
@@ -85,6 +89,7 @@ def test_compose_wires_the_service_to_postgres_and_minio() -> None:
     assert set(compose["volumes"]) == {"postgres-data", "minio-data"}
 
 
+@pytest.mark.slow  # a fresh virtual environment and a pip install
 def test_the_image_install_step_works_without_torch(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -104,6 +109,12 @@ def test_the_image_install_step_works_without_torch(tmp_path: Path) -> None:
     built = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert built.returncode == 0, built.stderr[-3000:]
     assert int(built.stdout) >= 10
+    # The image's commands, through the installed entry point: `serve` and `db` need no torch.
+    helped = subprocess.run(
+        [str(venv / "bin" / "ckptstore"), "serve", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "--workers" in helped.stdout
     upgraded = subprocess.run(
         [str(venv / "bin" / "ckptstore"), "db", "upgrade"], capture_output=True, text=True, env=env, cwd=tmp_path
     )

@@ -1,8 +1,8 @@
 """What every ``ckptstore`` command shares: the client from the environment, RUN@REF targets,
 error reporting, sizes and aligned tables.
 
-Torch-free at import, like :mod:`client.cli`: the server image runs ``ckptstore serve`` and
-``ckptstore db`` without torch.
+Torch-free at import, like every module of :mod:`client.cli`: the server image runs ``ckptstore
+serve`` and ``ckptstore db`` without torch.
 """
 
 from __future__ import annotations

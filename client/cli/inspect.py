@@ -1,18 +1,20 @@
-"""``ckptstore show`` and ``ckptstore diff``: a version's summary and tensors, and what changed."""
+"""``ckptstore ls``, ``show`` and ``diff``: runs and versions, a version's summary and tensors, and
+what changed."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
 from client import keys
-from client.cli_common import echo_json, open_client, parse_target, reported, size, table
+from client.cli.common import echo_json, open_client, parse_target, reported, size, table
 from service.diff import VersionDiff, diff_manifests
 from service.errors import NotFoundError
 from service.format.manifest import Manifest, TensorEntry
-from service.records import VersionInfo
+from service.format.names import validate_run_id
+from service.records import RunInfo, VersionInfo
 
 #: Key prefix -> section title, in the order sections are shown.
 SECTIONS = (
@@ -157,3 +159,57 @@ def diff(
         echo_json(result.model_dump(mode="json"))
     else:
         _print_diff(result)
+
+
+def _print_runs(runs: list[RunInfo]) -> None:
+    rows = [
+        (
+            run.run_id,
+            run.versions,
+            run.latest_version,
+            size(run.bytes_total),
+            size(run.bytes_new),
+            f"{run.updated_at:%Y-%m-%d %H:%M}",
+        )
+        for run in runs
+    ]
+    table(("RUN", "VERSIONS", "LATEST", "LOGICAL", "STORED", "UPDATED"), rows, right=(1, 2, 3, 4))
+
+
+def _print_versions(versions: list[VersionInfo]) -> None:
+    rows = [
+        (
+            v.version,
+            v.step,
+            size(v.bytes_total),
+            size(v.bytes_new),
+            f"{v.dedup_ratio:.1%}",
+            f"{v.created_at:%Y-%m-%d %H:%M}",
+            ",".join(v.tags),
+        )
+        for v in versions
+    ]
+    table(("VERSION", "STEP", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"), rows, right=(0, 1, 2, 3, 4))
+
+
+def list_(
+    run_id: Annotated[str | None, typer.Argument(metavar="RUN", help="A run: list its versions instead.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """List runs, or the versions of RUN.
+
+    --json prints a list of objects: for runs run_id, created_at, updated_at, versions,
+    latest_version, bytes_total, bytes_new; for versions run_id, version, parent, created_at,
+    tags, step, metrics, tensors_total, tensors_new, bytes_total, bytes_new, bytes_trainable.
+    """
+    with reported():
+        if run_id is not None:
+            validate_run_id(run_id)
+        with open_client() as ckpt:
+            records: list[RunInfo] | list[VersionInfo] = ckpt.runs() if run_id is None else ckpt.versions(run_id)
+    if as_json:
+        echo_json([r.model_dump(mode="json") for r in records])
+    elif run_id is None:
+        _print_runs(cast(list[RunInfo], records))
+    else:
+        _print_versions(cast(list[VersionInfo], records))

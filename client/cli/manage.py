@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from client.cli_common import UsageProblem, echo_json, open_client, parse_target, reported, size
+from client.cli.common import UsageProblem, echo_json, open_client, parse_target, reported, size
 from service.format.names import validate_run_id, validate_tag
 
 #: ``--grace`` units: seconds, minutes, hours, days.

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from client.cli_common import UsageProblem, echo_json, open_client, reported
+from client.cli.common import UsageProblem, echo_json, open_client, reported
 from service.errors import InvalidInputError
 from service.format.names import validate_run_id
 from service.records import RetentionPolicy

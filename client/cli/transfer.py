@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from client.cli_common import (
+from client.cli.common import (
     EXIT_FAILED,
     UsageProblem,
     echo_json,

@@ -11,7 +11,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from client.cli_common import UsageProblem, parse_size
+from client.cli.common import UsageProblem, parse_size
 from client.exporting import plan_files
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal, train
