@@ -401,6 +401,7 @@ class Client:
                     raise StateMismatchError(f"version {manifest.version} holds no scheduler state")
                 scheduler.load_state_dict(restore.restore_section(reader, "scheduler", host_or_target))
             result.extra = restore.restore_section(reader, "extra", host_or_target)
+        self.ledger.loaded(frozenset(manifest.digests()))
         result.bytes_read = reader.bytes_read
         result.seconds = time.perf_counter() - started
         return result

@@ -191,6 +191,11 @@ class SaveLedger:
         """Make ``marks`` (from :meth:`snapshot`) and the ``committed`` digests the last save's."""
         self._marks, self.committed = marks, committed
 
+    def loaded(self, digests: frozenset[str]) -> None:
+        """Take the digests of a version this client just loaded as stored, as a committed
+        version's are (a resumed job's first save then asks only about what changed)."""
+        self.committed = self.committed | digests
+
     def forget_committed(self) -> None:
         """Forget the last version's digests (this client deleted a version: they may go)."""
         self.committed = frozenset()

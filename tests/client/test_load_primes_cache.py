@@ -119,3 +119,25 @@ def test_a_load_onto_meta_teaches_the_cache_nothing_and_fails_nothing(resumed: c
     resumed.load("resumed", model=model, device="meta")
     assert resumed.digest_cache is not None
     assert all(resumed.digest_cache.get(p) is None for p in model.parameters())
+
+
+def test_a_resumed_job_asks_the_store_only_about_what_changed(
+    resumed: client.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = Adapted(seed=1)
+    optim = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    loaded = resumed.load("resumed", model=model, optim=optim)
+    stored = {e.key: e.digest for e in resumed.transport.manifest("resumed", loaded.version).tensors}
+    _train(model, optim)
+    asked: list[str] = []
+    transport: Any = resumed.transport
+    real = transport.missing
+
+    def spied(digests: Any) -> list[str]:
+        asked.extend(digests)
+        return real(digests)
+
+    monkeypatch.setattr(transport, "missing", spied)
+    resumed.save("resumed", model, optim)
+    unchanged = {stored[key] for key in ("model/base.0.bias", "model/base.1.bias", *BASE_WEIGHTS)}
+    assert asked and not unchanged & set(asked)
