@@ -12,6 +12,8 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
@@ -91,6 +93,7 @@ def torch_free_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow  # subprocesses with torch, numpy and client.api hidden
 def test_serve_and_db_upgrade_run_without_torch_numpy_or_the_client_api(tmp_path: Path) -> None:
     database = tmp_path / "server.db"
     env = service_env(tmp_path / "home", database_url=f"sqlite:///{database}")
@@ -109,6 +112,7 @@ def test_serve_and_db_upgrade_run_without_torch_numpy_or_the_client_api(tmp_path
     assert listed.returncode != 0 and "client.api may not be imported" in listed.stderr
 
 
+@pytest.mark.slow  # starts ckptstore serve in a subprocess
 def test_ckptstore_serve_answers_over_http_without_torch(tmp_path: Path) -> None:
     env = service_env(tmp_path / "home", host="127.0.0.1", port="0")
     process = subprocess.Popen(
@@ -162,6 +166,7 @@ def engine_modules_after(opening: str, *args: str) -> list[str]:
     return [m for m in done.stdout.strip().split(",") if m]
 
 
+@pytest.mark.slow  # a subprocess saving and loading over HTTP
 def test_a_client_over_http_imports_no_engine(tmp_path: Path) -> None:
     # Nothing listens on port 9: building a client over HTTP connects to nothing.
     assert engine_modules_after("client.Client('http://127.0.0.1:9')") == []

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,6 +30,7 @@ def test_readme_demo_command_installs_runs_the_quickstart_and_serves() -> None:
     assert "torch==2.13.0" in demo and "ckptstore quickstart &&" in demo and demo.endswith("ckptstore serve")
 
 
+@pytest.mark.slow  # runs the quickstart and the CLI in subprocesses
 def test_quickstart_runs_on_a_fresh_embedded_store(tmp_path: Path) -> None:
     env = {**os.environ, "CKPTSTORE_HOME": str(tmp_path / "home"), "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
     done = subprocess.run(
@@ -53,6 +56,7 @@ def test_ruff_is_clean() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # type-checks the whole product (run .venv/bin/mypy directly day to day)
 def test_mypy_is_clean() -> None:
     done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

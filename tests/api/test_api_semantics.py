@@ -134,6 +134,7 @@ def test_every_json_route_is_covered(served: ServedStore) -> None:
     assert reading_json == set(JSON_BODIES)
 
 
+@pytest.mark.slow  # every JSON route x content type, each on a fresh PostgreSQL database
 @pytest.mark.parametrize(
     "content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data", None]
 )
@@ -153,6 +154,7 @@ def test_a_json_body_sent_as_another_type_is_415_saying_how_to_send_it(
     assert runs(served) == [SEEDED_RUN] and len(served.store.versions(SEEDED_RUN)) == 1
 
 
+@pytest.mark.slow  # every JSON route x JSON content type, each on a fresh PostgreSQL database
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8"])
 @pytest.mark.parametrize("route", list(JSON_BODIES), ids=[" ".join(route) for route in JSON_BODIES])
 def test_a_json_body_sent_as_json_is_read(served: ServedStore, route: tuple[str, str], content_type: str) -> None:

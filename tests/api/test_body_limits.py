@@ -228,6 +228,7 @@ def warm_up(server: ServedProcess) -> None:
 # -- the largest bodies, with /healthz and memory watched -------------------------------------
 
 
+@pytest.mark.slow  # bodies at the size limit, with memory watched
 def test_the_largest_digest_lists_leave_healthz_fast_and_memory_bounded(
     serve_pg: Callable[..., ServedProcess],
 ) -> None:
@@ -282,6 +283,7 @@ COMMITS: dict[str, tuple[Callable[[], bytes], int]] = {
 }
 
 
+@pytest.mark.slow  # bodies at the size limit, with memory watched
 @pytest.mark.parametrize("shape", list(COMMITS))
 def test_the_largest_commits_leave_healthz_fast_and_memory_bounded(
     serve_pg: Callable[..., ServedProcess], shape: str

@@ -198,6 +198,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # 30 drawn numbers for each of ~20 bounded inputs, on SQLite and PostgreSQL
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=NUMBERS)

@@ -615,6 +615,7 @@ def commit_bodies(draw: st.DrawFn) -> bytes:
     return json.dumps(body).encode()
 
 
+@pytest.mark.slow  # 200 fuzzed commit bodies
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=commit_bodies())
 def test_fuzzed_commit_bodies_never_get_a_5xx(client: TestClient, seeded: Store, body: bytes) -> None:

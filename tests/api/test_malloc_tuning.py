@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two subprocesses that churn multi-MiB buffers
+
 # Four 4 MiB buffers alive at once (a download's pieces in flight), freed, allocated again:
 # how many pages the kernel had to fault in over the rounds after the first.
 CHURN = """

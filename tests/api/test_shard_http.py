@@ -161,6 +161,7 @@ def header_of(kind: str, first: Any, last: int | None) -> str:
     return f"bytes={first}-{'' if last is None else last}"
 
 
+@pytest.mark.slow  # 150 drawn Range headers against a real server
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=RANGES)
 def test_any_range_header_matches_python_slicing(http: httpx.Client, case: tuple[str, Any, int | None]) -> None:

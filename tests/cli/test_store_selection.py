@@ -121,6 +121,7 @@ def save_three(ckpt: client.Client) -> None:
     ckpt.save("other", TinyNet(seed=5), step=7)
 
 
+@pytest.mark.slow  # the CLI against PostgreSQL and S3, several commands
 def test_verify_ls_and_gc_work_on_the_configured_postgres_and_s3_store(
     server_store: ServerStore, bare_env: Path
 ) -> None:
@@ -228,6 +229,7 @@ def test_a_home_that_holds_no_store_is_refused_not_created(bare_env: Path, monke
     assert not (bare_env / "nowhere").exists()
 
 
+@pytest.mark.slow  # a subprocess importing the client
 def test_the_refusal_holds_in_a_separate_process(bare_env: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "client.cli", "verify", "--json"],

@@ -188,6 +188,7 @@ def _where(backend: Backend) -> str:
     return repr(transport.url)
 
 
+@pytest.mark.slow  # a saving subprocess killed, on every backend
 @pytest.mark.parametrize("hook", ["put_shard", "commit"])
 def test_a_process_killed_during_a_background_save_leaves_no_version(
     backend: Backend, tmp_path: Path, hook: str
@@ -210,6 +211,7 @@ def test_a_process_killed_during_a_background_save_leaves_no_version(
     assert all(tensors_equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # a saving subprocess run to its exit, on every backend
 def test_the_process_waits_for_a_pending_background_save_at_exit(backend: Backend, tmp_path: Path) -> None:
     child = _child(_where(backend), "", tmp_path)
     out, _ = child.communicate(timeout=300)

@@ -47,6 +47,8 @@ from tests.client.layouts import (
 )
 from tests.servers import running_server
 
+pytestmark = pytest.mark.slow  # hypothesis draws of every layout, on every backend
+
 EXAMPLES = int(os.environ.get("CKPTSTORE_LAYOUT_EXAMPLES", "25"))
 SEED = int(os.environ.get("CKPTSTORE_LAYOUT_SEED", "20261124"))
 LAYOUT_SETTINGS = settings(

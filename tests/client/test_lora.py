@@ -8,6 +8,8 @@ import torch
 import client
 from tests.client.models import tensors_equal
 
+pytestmark = pytest.mark.slow  # trains Llama-shaped adapters over many versions, on every backend
+
 transformers = pytest.importorskip("transformers")  # a declared test dependency; installed in CI
 peft = pytest.importorskip("peft")
 

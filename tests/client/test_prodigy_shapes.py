@@ -21,6 +21,8 @@ from torch import nn
 import client
 from tests.client.models import tensors_equal
 
+pytestmark = pytest.mark.slow  # hypothesis draws of model widths and optimizer options
+
 META = torch.device("meta")
 STEPS = 3
 

@@ -72,6 +72,7 @@ def test_module_save_and_load_pass_every_keyword(tmp_path: Path, monkeypatch: py
     assert loaded.extra == {"note": "x"}
     assert all(a.equal(b) for a, b in pairs)
 
+
 def test_errors_form_one_tree() -> None:
     for name in EXPECTED:
         value = getattr(client, name)

@@ -137,6 +137,7 @@ def restart_after_failures(server: RestartableServer, failures: FailedTries, wan
     return thread
 
 
+@pytest.mark.slow  # waits out a server restart
 def test_a_load_and_a_listing_ride_out_a_server_restart(server: RestartableServer, failed_tries: FailedTries) -> None:
     saved = TinyNet(seed=4)
     with client.Client(server.url) as ckpt:  # the default budget
@@ -172,6 +173,7 @@ def test_a_commit_is_sent_again_only_while_its_connection_is_refused(
         assert [v.version for v in ckpt.versions("run")] == [1, 2]  # committed exactly once
 
 
+@pytest.mark.slow  # retries until its budget runs out
 def test_with_a_short_budget_an_unreachable_server_is_an_error_naming_it(server: RestartableServer) -> None:
     with client.Client(server.url, retry_seconds=1.0) as ckpt:
         assert ckpt.runs() == []

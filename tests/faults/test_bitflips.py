@@ -31,6 +31,8 @@ from service.store import Store
 from tests.client.models import TinyNet, tensors_equal, train
 from tests.servers import running_server
 
+pytestmark = pytest.mark.slow  # flips hundreds of bits, loading and verifying after each
+
 RANDOM_DATA_FLIPS = 112  # plus each stored tensor's first and last byte
 RANDOM_HEADER_FLIPS = 40  # plus the first and last byte of the prefix and of the JSON text
 HTTP_DATA_FLIPS = 10

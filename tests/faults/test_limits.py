@@ -75,6 +75,7 @@ def test_a_manifest_of_a_million_entries_over_the_body_limit_is_413(store: Store
     assert store.runs() == []
 
 
+@pytest.mark.slow  # a million-entry manifest
 def test_a_manifest_of_a_million_bad_entries_within_the_limit_is_one_short_422(store: Store) -> None:
     # 16 bytes an entry, the most objects a commit may hold for its size (denser bodies are refused
     # before they are parsed: service/api/body_limits.py); 16 MB, so the limit is raised to parse it.
@@ -86,6 +87,7 @@ def test_a_manifest_of_a_million_bad_entries_within_the_limit_is_one_short_422(s
     assert store.runs() == []
 
 
+@pytest.mark.slow  # bodies of 200,000 fields
 @pytest.mark.parametrize(
     "body",
     [

@@ -33,6 +33,8 @@ from service.settings import Settings
 from service.store import Store
 from tests.api.kit import TOKENS, bearer, build_shard, commit_body, entry, tensor
 
+pytestmark = pytest.mark.slow  # a bounded schemathesis run of every operation (about 50 s)
+
 EXAMPLES = 120  # per operation: about 40 s for the whole file on two idle cores
 SHARD = build_shard(tensor(11, "F32", (4, 4)), tensor(12, "I64", (3,)))
 RUN = "run-a"

@@ -517,6 +517,7 @@ ENTRY_VALUES = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow  # a hypothesis search over header structures
 @FUZZ
 @given(
     st.lists(
@@ -582,6 +583,7 @@ def test_verify_honours_the_header_cap(shard_path: Path) -> None:
         verify_shard_file(shard_path, max_header_bytes=16)
 
 
+@pytest.mark.slow  # verifies the shard once per bit
 def test_verify_detects_every_single_bit_flip_anywhere(shard_path: Path) -> None:
     """The header pins every tensor by digest and the layout by rule, so no flipped bit gets through."""
     for position in range(len(VALID)):

@@ -21,6 +21,8 @@ from service.store import Store
 from tests.pages.kit import ATTRIBUTE_KEY, SCRIPT_KEY, long_loss
 from tests.servers import running_server
 
+pytestmark = pytest.mark.slow  # a headless browser drives the pages
+
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = [

@@ -180,6 +180,7 @@ def browser() -> Iterator[Browser]:
             launched.close()
 
 
+@pytest.mark.slow  # a headless browser renders every operation
 def test_docs_renders_every_operation_without_leaving_the_server(
     browser: Browser, base_url: str, tmp_path: Path
 ) -> None:

@@ -106,6 +106,7 @@ def process_writer(home: str, writer: int, commits: int, barrier: threading.Barr
         raise
 
 
+@pytest.mark.slow  # several processes, each importing the engine
 def test_processes_number_versions_without_gaps(tmp_path: Path) -> None:
     writers, commits = 4, 10
     home = tmp_path / "home"

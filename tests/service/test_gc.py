@@ -550,6 +550,7 @@ def check_round(store: Store, game: Round) -> None:
         assert game.rows_before - shard_rows(store) <= game.aged, where
 
 
+@pytest.mark.slow  # 60 rounds of interleaved saves, deletes and collections on each database
 @pytest.mark.parametrize("first", [0, 30], ids=["rounds-0-29", "rounds-30-59"])
 def test_saves_deletes_and_collections_in_random_interleavings_never_lose_a_committed_byte(
     store: Store, ingest: Ingest, first: int

@@ -69,6 +69,7 @@ def all_at_once(url: str, home: Path, writers: int, work: Callable[[Store, int],
         return [future.result(timeout=300) for future in futures]
 
 
+@pytest.mark.slow  # fifty concurrent commits
 def test_fifty_concurrent_commits_to_a_new_run_are_numbered_without_gaps(
     url: str, reader: Store, tmp_path: Path
 ) -> None:

@@ -349,6 +349,7 @@ def at_once(opener: Callable[[], Store], writers: int, work: Callable[[Store, in
         return [future.result(timeout=300) for future in [pool.submit(writer, i) for i in range(writers)]]
 
 
+@pytest.mark.slow  # concurrent commits on each database
 def test_concurrent_commits_leave_exactly_what_the_policy_keeps(opener: Callable[[], Store]) -> None:
     setup = opener()
     try:

@@ -32,6 +32,7 @@ def stress_seed() -> int:
         pytest.fail(f"CKPTSTORE_STRESS_SEED must be a whole number, not {value[:40]!r}")
 
 
+@pytest.mark.slow  # 20 saves killed and the store checked after each: minutes for the server mode
 @pytest.mark.parametrize("mode", MODES)
 def test_killed_saves_leave_whole_versions_and_no_temp_files(mode: str, tmp_path: Path) -> None:
     seed = stress_seed()
