@@ -141,7 +141,8 @@ class Peer:
 
 
 def child_env(home: Path, tmp: Path) -> dict[str, str]:
-    """The environment of every child: the store's home, a private temp folder, no progress bars."""
+    """The environment of every child: the store's home, a private temp folder, no progress bars,
+    a 3 s retry budget."""
     env = dict(os.environ)
     env.update(
         CKPTSTORE_HOME=str(home),
@@ -149,6 +150,9 @@ def child_env(home: Path, tmp: Path) -> dict[str, str]:
         TMPDIR=str(tmp),
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        # A killed server stays down until the save gives up: a short retry budget, not the
+        # default that rides out a restart.
+        CKPTSTORE_RETRY_SECONDS="3",
     )
     for name in ("CKPTSTORE_URL", "CKPTSTORE_DATABASE_URL", "CKPTSTORE_BLOBS", "CKPTSTORE_TOKENS"):
         env.pop(name, None)
