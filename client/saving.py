@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +163,7 @@ class SaveRun:
         return taken
 
     def hash_ask_send(
-        self, plan: SavePlan, group: list[int], uploader: ShardUploader, on_skipped: Any
+        self, plan: SavePlan, group: list[int], uploader: ShardUploader, on_skipped: Callable[[int], object]
     ) -> None:
         """Hash one group, ask the store which of its digests it lacks, queue those tensors."""
         hashed = digest_all(

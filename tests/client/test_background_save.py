@@ -4,6 +4,7 @@ caller did next; errors reach the caller; versions stay in order; nothing partia
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import sys
 import textwrap
@@ -174,8 +175,6 @@ def _child(where: str, hook: str, tmp_path: Path) -> subprocess.Popen[str]:
 
 
 def _environment() -> dict[str, str]:
-    import os
-
     return {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")} | {
         "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"
     }
