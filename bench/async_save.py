@@ -134,7 +134,10 @@ def main() -> None:
                 handle = ckpt.save("lora", model, optim, blocking=False)
                 blocked_lora.append(time.perf_counter() - started)
                 handle.result()
-        copy_lora = median_time(args.repeats, lambda: [t.clone() for t in state_tensors(model, optim, True)])
+        # After a step, as the blocked times are: the step leaves the CPU's caches as a save finds them.
+        copy_lora = median_time(
+            args.repeats, lambda: [t.clone() for t in state_tensors(model, optim, True)], lambda: step(model, optim)
+        )
         trainable_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim, True))
         rows += [
             ("LoRA: save after a step, synchronous", lora_sync, f"{trainable_bytes / MIB:.1f} MiB trainable"),
@@ -183,14 +186,30 @@ def main() -> None:
     print()
     ratios = [
         ("full: blocked / plain clone", figures["full model: caller blocked, blocking=False"], copy_full, "<= 1.5"),
-        ("LoRA: blocked / plain clone of trainable state", figures["LoRA: caller blocked, blocking=False"],
-         copy_lora, "<= 1.5"),
-        ("LoRA: blocked / synchronous full save", figures["LoRA: caller blocked, blocking=False"], first_full,
-         "<= 0.02"),
-        ("resumed LoRA save / first full save", figures["resumed job: first save after load"], first_full,
-         "<= 0.1 (goal 0.05)"),
-        ("ckptstore blocked / DCP async_save blocked (full)", figures["full model: caller blocked, blocking=False"],
-         figures["DCP async_save: caller blocked"], "lower is better"),
+        (
+            "LoRA: blocked / plain clone of trainable state",
+            figures["LoRA: caller blocked, blocking=False"],
+            copy_lora,
+            "<= 1.5",
+        ),
+        (
+            "LoRA: blocked / synchronous full save",
+            figures["LoRA: caller blocked, blocking=False"],
+            first_full,
+            "<= 0.02",
+        ),
+        (
+            "resumed LoRA save / first full save",
+            figures["resumed job: first save after load"],
+            first_full,
+            "<= 0.1 (goal 0.05)",
+        ),
+        (
+            "ckptstore blocked / DCP async_save blocked (full)",
+            figures["full model: caller blocked, blocking=False"],
+            figures["DCP async_save: caller blocked"],
+            "lower is better",
+        ),
     ]
     print(f"{'ratio':<50} {'value':>8}  floor")
     for name, numerator, denominator, floor in ratios:

@@ -12,13 +12,13 @@ from typing import Any, Literal, overload
 import torch
 
 from client import keys, restore
-from client.background import SaveHandle, Snapshot, Staging
+from client.background import SaveHandle, Staging
 from client.hashing import DigestCache, SaveLedger
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
-from client.saving import SaveRun, SaveSettings
+from client.saving import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
 from client.state import FlatState, TensorRecord, flatten
 from client.transport import Transport
 from service.errors import (
@@ -288,13 +288,12 @@ class Client:
         return SaveRun(
             settings,
             run_id,
-            snapshot.flat if snapshot is not None else flat,
+            flat,
             step=step,
             metrics=metrics,
             tags=tags,
             started=started,
-            known=snapshot.known if snapshot is not None else None,
-            teach=snapshot.teach if snapshot is not None else None,
+            snapshot=snapshot,
         )
 
     def _save_in_background(
@@ -307,12 +306,25 @@ class Client:
         tags: list[str],
         started: float,
     ) -> SaveHandle:
-        """Check the manifest and snapshot ``flat`` now; save it on this client's background thread."""
+        """Snapshot ``flat`` now; check its manifest and save it on this client's background thread.
+
+        Step and metrics are checked now; the rest of the manifest is built and checked in the
+        background (its cost grows with the tensor count): a bad key fails the handle, as any
+        other error of the save does.
+        """
+        check_step_and_metrics(step, metrics)
         snapshot = self._staging.snapshot(flat, self.digest_cache)
-        run = self._save_run(run_id, flat, step=step, metrics=metrics, tags=tags, started=started, snapshot=snapshot)
+        metrics = dict(metrics) if metrics is not None else None  # the caller may change it
+
+        def save() -> SaveResult:
+            run = self._save_run(
+                run_id, flat, step=step, metrics=metrics, tags=tags, started=started, snapshot=snapshot
+            )
+            return run.run()
+
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-        self._pending = SaveHandle(self._worker.submit(run.run), snapshot.staged_bytes)
+        self._pending = SaveHandle(self._worker.submit(save), snapshot.staged_bytes)
         return self._pending
 
     def _wait_for_background(self, *, report: bool) -> None:
@@ -401,7 +413,7 @@ class Client:
                     raise StateMismatchError(f"version {manifest.version} holds no scheduler state")
                 scheduler.load_state_dict(restore.restore_section(reader, "scheduler", host_or_target))
             result.extra = restore.restore_section(reader, "extra", host_or_target)
-        self.ledger.loaded(frozenset(manifest.digests()))
+        self.ledger.loaded(frozenset(manifest.digests()), restore.live_tensors(model, optim))
         result.bytes_read = reader.bytes_read
         result.seconds = time.perf_counter() - started
         return result

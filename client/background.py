@@ -16,13 +16,13 @@ from __future__ import annotations
 import atexit
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from client.hashing import DigestCache, Taken
 from client.results import SaveResult
-from client.state import FlatState, TensorRecord
+from client.saving import Snapshot
+from client.state import FlatState
 
 
 class SaveHandle:
@@ -73,20 +73,6 @@ class SaveHandle:
         return self._future.exception() if self._future.done() else None
 
 
-@dataclass
-class Snapshot:
-    """A save's state as it was when snapshotted: records over staged copies or known tensors."""
-
-    flat: FlatState
-    #: Each record's digest where the cache knew it (that tensor was not copied), else None.
-    known: list[str | None]
-    #: For staged copies of cacheable tensors: the live tensor and what the cache must know
-    #: of it as it was copied, so it learns the copy's digest once it is hashed.
-    teach: dict[int, tuple[torch.Tensor, Taken | None]]
-    #: Bytes copied into staging buffers.
-    staged_bytes: int
-
-
 class Staging:
     """Staging buffers reused across one client's background saves, by record key."""
 
@@ -108,50 +94,43 @@ class Staging:
             asked = [t for t, ok in zip(tensors, cacheable, strict=True) if ok]
             answers = iter(cache.get_many(asked))
             known = [next(answers) if ok else None for ok in cacheable]
+        devices = ["cpu" if t.is_cpu else t.device.type for t in tensors]  # is_cpu: a sixth of the time
         staged: list[torch.Tensor] = []
         copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once and stays tied
         teach: dict[int, tuple[torch.Tensor, Taken | None]] = {}
         staged_bytes = 0
         used: set[str] = set()
-        for index, (record, digest) in enumerate(zip(records, known, strict=True)):
-            tensor = record.tensor
-            if digest is not None:
-                staged.append(tensor)
-                continue
-            if cache is not None and cacheable[index]:
-                teach[index] = (tensor, cache.take(tensor))
-            copy = copies.get(id(tensor))
-            if copy is None:
-                copy = self._copy(record.key, tensor)
-                copies[id(tensor)] = copy
-                staged_bytes += copy.numel() * copy.element_size()
-            used.add(record.key)
-            staged.append(copy)
-        self._synchronize(tensors)
-        for key in list(self._buffers):  # a buffer no record used this time is let go
-            if key not in used:
-                del self._buffers[key]
-        records = [
-            TensorRecord(r.key, t, r.placement, r.param, r.trainable) for r, t in zip(records, staged, strict=True)
-        ]
-        return Snapshot(FlatState(records=records, state=flat.state), known, teach, staged_bytes)
-
-    def _copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``'s values in this key's staging buffer (row-major, on the host)."""
-        source = tensor.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            pinned = source.device.type not in ("cpu", "meta") and torch.cuda.is_available()
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
-            self._buffers[key] = buffer
-        buffer.copy_(source, non_blocking=buffer.is_pinned())
-        return buffer
-
-    @staticmethod
-    def _synchronize(tensors: list[torch.Tensor]) -> None:
-        """Wait for copies started without blocking from accelerator memory."""
-        if any(t.device.type == "cuda" for t in tensors):
+        with torch.no_grad():  # a copy of a parameter must not join its autograd graph
+            for index, (record, digest) in enumerate(zip(records, known, strict=True)):
+                tensor = record.tensor
+                if digest is not None:
+                    staged.append(tensor)
+                    continue
+                if cache is not None and cacheable[index]:
+                    teach[index] = (tensor, cache.take(tensor))
+                copy = copies.get(id(tensor))
+                if copy is None:
+                    copy = self._copy(record.key, tensor, devices[index])
+                    copies[id(tensor)] = copy
+                    staged_bytes += copy.nbytes
+                used.add(record.key)
+                staged.append(copy)
+        if "cuda" in devices:  # wait for the copies started without blocking
             torch.cuda.synchronize()
+        if len(used) != len(self._buffers):  # a buffer no record used this time is let go
+            self._buffers = {key: buffer for key, buffer in self._buffers.items() if key in used}
+        return Snapshot(staged, known, teach, staged_bytes, devices)
+
+    def _copy(self, key: str, tensor: torch.Tensor, device: str) -> torch.Tensor:
+        """``tensor``'s values in this key's staging buffer (row-major, on the host); from CUDA the
+        copy goes to pinned memory without blocking (the caller synchronizes)."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pinned = device not in ("cpu", "meta") and torch.cuda.is_available()
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            self._buffers[key] = buffer
+        buffer.copy_(tensor, non_blocking=device == "cuda")
+        return buffer
 
 
 _running: set[SaveHandle] = set()

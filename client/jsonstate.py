@@ -29,6 +29,11 @@ TUPLE, FLOAT, DICT, DTYPE, DEVICE = "__tuple__", "__float__", "__dict__", "__dty
 MARKERS = {TENSOR_REF, TUPLE, FLOAT, DICT, DTYPE, DEVICE}
 _INT64 = (-(2**63), 2**63 - 1)
 
+#: Values encoded as they are, whatever their path (bool, str, None; not int or float: bounds).
+_PLAIN_SCALARS = frozenset({bool, str, type(None)})
+#: Tensor types handed to the sink at once (a subclass goes through encode, and is refused there).
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
 TensorSink = Callable[[torch.Tensor, str], str]
 TensorSource = Callable[[str], torch.Tensor]
 
@@ -51,7 +56,7 @@ def encode(value: Any, path: str, on_tensor: TensorSink) -> Any:
         return [encode(v, f"{path}/{i}", on_tensor) for i, v in enumerate(value)]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in MARKERS):
-            return {k: encode(v, f"{path}/{escape(k)}", on_tensor) for k, v in value.items()}
+            return _encode_str_dict(value, path, on_tensor)
         return {
             DICT: [
                 [encode(k, f"{path}/~key{i}", on_tensor), encode(v, f"{path}/{escape(k)}", on_tensor)]
@@ -67,6 +72,22 @@ def encode(value: Any, path: str, on_tensor: TensorSink) -> Any:
         "checkpoints hold JSON values, tuples, dicts and tensors only (never pickle). "
         "Convert it to one of those, or keep it out of the state you save"
     )
+
+
+def _encode_str_dict(value: dict[str, Any], path: str, on_tensor: TensorSink) -> dict[str, Any]:
+    """:func:`encode` of a dict with string keys. Its plain scalars and tensors (all of an
+    optimizer's per-parameter state) are encoded here, without a call each: a save encodes
+    one such dict per parameter."""
+    encoded: dict[str, Any] = {}
+    for key, item in value.items():
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            encoded[key] = item
+        elif kind in _PLAIN_TENSORS:
+            encoded[key] = {TENSOR_REF: on_tensor(item, f"{path}/{escape(key)}")}
+        else:
+            encoded[key] = encode(item, f"{path}/{escape(key)}", on_tensor)
+    return encoded
 
 
 def decode(value: Any, tensor_for: TensorSource) -> Any:

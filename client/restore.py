@@ -255,3 +255,12 @@ def restore_section(reader: TensorReader, section: str, target: torch.device) ->
     if section not in reader.manifest.state:
         return None
     return jsonstate.decode(reader.manifest.state[section], _placed_reader(reader, f"{section}/", {}, target))
+
+
+def live_tensors(model: torch.nn.Module | None, optim: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The tensors a load filled: the model's state_dict and the optimizer's state and groups."""
+    tensors = list(model.state_dict(keep_vars=True).values()) if model is not None else []
+    if optim is not None:
+        holders = [*optim.state.values(), *optim.param_groups]
+        tensors += [v for holder in holders for v in holder.values() if isinstance(v, torch.Tensor)]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]

@@ -20,7 +20,7 @@ from service.errors import StateEncodingError, StateMismatchError
 from service.format.manifest import Placement
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorRecord:
     """One tensor to store: its key, the tensor, and how load must place it."""
 
@@ -92,14 +92,15 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
     saved = optim.state_dict()
     index_names = [name for names in group_names for name in names]
     group_of = [g for g, names in enumerate(group_names) for _ in names]
+    step_on_host = [not group_places_step_on_device(group) for group in saved["param_groups"]]
     state_json: dict[str, Any] = {}
     for index, param_state in saved["state"].items():
         name = index_names[index]
-        group = saved["param_groups"][group_of[index]]
         prefix = keys.join("optim", "state", name)
+        host_step = f"{prefix}/step" if step_on_host[group_of[index]] else None
 
-        def store(tensor: torch.Tensor, path: str, name: str = name, prefix: str = prefix, group: Any = group) -> str:
-            if path == f"{prefix}/step" and not group_places_step_on_device(group):
+        def store(tensor: torch.Tensor, path: str, name: str = name, host_step: str | None = host_step) -> str:
+            if path == host_step:
                 return flat.add(TensorRecord(path, tensor, "host"))
             return flat.add(TensorRecord(path, tensor, "param", name))
 

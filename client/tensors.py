@@ -111,7 +111,7 @@ def host_contiguous(tensor: torch.Tensor, key: str) -> torch.Tensor:
 
 
 #: dtypes whose numpy view has the tensor's own bytes: their views skip reinterpreting.
-_NUMPY_NATIVE = frozenset(
+NUMPY_NATIVE = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
     | {torch.float16, torch.float32, torch.float64, torch.complex64}
 )
@@ -132,7 +132,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     count = tensor.numel()
     if count == 0:
         return memoryview(b"")
-    if tensor.dtype in _NUMPY_NATIVE:
+    if tensor.dtype in NUMPY_NATIVE:
         return tensor.numpy().data.cast("B")
     return tensor.as_strided((count,), (1,)).view(torch.uint8).numpy().data.cast("B")
-

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import client
@@ -20,6 +22,21 @@ def frozen_model() -> torch.nn.Module:
     for param in model.parameters():
         param.requires_grad_(False)
     return model
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_write_to_any_stretch_over_a_32nd_of_a_tensor_changes_its_sample(data: st.DataObject) -> None:
+    count = data.draw(st.integers(1, 100_000), label="elements")
+    run = hashing.SAMPLE_ELEMENTS // hashing.SAMPLE_RUNS
+    spacing = max(1, count // run // hashing.SAMPLE_RUNS) * run  # between the starts of two runs
+    length = data.draw(st.integers(min(count, spacing + run), count), label="length")
+    start = data.draw(st.integers(0, count - length), label="start")
+    tensor = torch.arange(count, dtype=torch.float32)
+    before = hashing.sample(tensor)
+    assert len(before) >= min(count, hashing.SAMPLE_ELEMENTS) * 4
+    tensor[start : start + length] += 0.5
+    assert hashing.sample(tensor) != before
 
 
 def test_unchanged_frozen_tensors_are_not_hashed_again() -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import client
-from client import saving
+from client import saving, uploading
 from tests.client.conftest import Backend
 from tests.client.models import tensors_equal
 
@@ -43,18 +43,33 @@ def _train(model: Adapted, optim: torch.optim.Optimizer) -> None:
 
 def _hashed_by_next_save(monkeypatch: pytest.MonkeyPatch, ckpt: client.Client, model: Adapted, optim: Any) -> set[str]:
     """The keys whose bytes the next save of ``model`` hashes on the client (cache misses)."""
+    return _next_save(monkeypatch, ckpt, model, optim)[0]
+
+
+def _next_save(
+    monkeypatch: pytest.MonkeyPatch, ckpt: client.Client, model: Adapted, optim: Any
+) -> tuple[set[str], set[str]]:
+    """The keys whose bytes the next save of ``model`` hashes on the client (cache misses), and
+    those it hands to the store unhashed (changed in place since the store got them)."""
     hashed: list[str] = []
+    unhashed: list[str] = []
     real = saving.digest_all
+    real_add = uploading.ShardUploader.add_unhashed
 
     def spied(tensors: list[tuple[str, torch.Tensor]], cache: Any, **kwargs: Any) -> list[str]:
         known = kwargs.get("known") or [None] * len(tensors)
         hashed.extend(key for (key, _), digest in zip(tensors, known, strict=True) if digest is None)
         return real(tensors, cache, **kwargs)
 
+    def spied_add(self: Any, index: int, key: str, tensor: torch.Tensor, nbytes: int) -> None:
+        unhashed.append(key)
+        real_add(self, index, key, tensor, nbytes)
+
     with monkeypatch.context() as patch:
         patch.setattr(saving, "digest_all", spied)
+        patch.setattr(uploading.ShardUploader, "add_unhashed", spied_add)
         ckpt.save("resumed", model, optim)
-    return set(hashed)
+    return set(hashed), set(unhashed)
 
 
 @pytest.fixture
@@ -81,9 +96,14 @@ def test_a_resumed_job_does_not_hash_the_frozen_base_again(
     optim = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
     resumed.load("resumed", model=model, optim=optim)
     _train(model, optim)
-    hashed = _hashed_by_next_save(monkeypatch, resumed, model, optim)
+    hashed, unhashed = _next_save(monkeypatch, resumed, model, optim)
     assert not hashed & BASE_WEIGHTS, f"the frozen base was hashed again: {sorted(hashed & BASE_WEIGHTS)}"
-    assert "model/head.weight" in hashed
+    assert not unhashed & BASE_WEIGHTS, "the frozen base was written again"
+    trained = {"model/head.weight", "optim/state/head.weight/exp_avg"}
+    if resumed.transport.takes_unhashed:  # changed in place since the load: written, hashed as written
+        assert trained <= unhashed and not trained & hashed
+    else:
+        assert trained <= hashed
     loaded = Adapted(seed=2)
     resumed.load("resumed", model=loaded)
     for name, tensor in model.state_dict().items():
@@ -140,4 +160,6 @@ def test_a_resumed_job_asks_the_store_only_about_what_changed(
     monkeypatch.setattr(transport, "missing", spied)
     resumed.save("resumed", model, optim)
     unchanged = {stored[key] for key in ("model/base.0.bias", "model/base.1.bias", *BASE_WEIGHTS)}
-    assert asked and not unchanged & set(asked)
+    assert not unchanged & set(asked)
+    # What changed in place since the load goes to an embedded store unhashed: nothing to ask.
+    assert bool(asked) != resumed.transport.takes_unhashed
