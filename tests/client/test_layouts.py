@@ -8,6 +8,8 @@ param_group, scheduler state and an extra, on the embedded store and over HTTP (
 folder; PostgreSQL and S3). The first save hashes every tensor; after the storages change in
 place the same client saves again, which sends an embedded store the changed tensors
 unhashed; the second version is also exported and read back with the safetensors library.
+A third save runs in the background and the storages change again as soon as it returns: its
+version holds the views as they were (the snapshot's staging copies of every layout).
 
 ``CKPTSTORE_LAYOUT_EXAMPLES`` and ``CKPTSTORE_LAYOUT_SEED`` set the example count and seed
 (CI: a fixed seed and a bounded count; ``tests/layouts_long.py`` runs thousands).
@@ -186,6 +188,11 @@ def test_every_layout_round_trips_in_every_place(
         _check_load(layout_client, run, second.version, views, tie)
         _check_load(layout_client, run, first.version, expected_first, tie)
         _check_export(layout_client, run, second.version, views, tmp_path_factory.mktemp("export"))
+        # In the background: the version holds the views as they were when save() returned.
+        expected_second = [v.clone() for v in views]
+        third = layout_client.save(run, model, optim, scheduler=scheduler, extra=extra, blocking=False)
+        _change_in_place(groups)
+        _check_load(layout_client, run, third.result().version, expected_second, tie)
     except AssertionError as exc:
         raise AssertionError(f"{exc} [{described}]") from exc
 
