@@ -284,9 +284,8 @@ class Client:
         snapshot: Snapshot | None = None,
     ) -> SaveRun:
         """A save of ``flat``, or of a background ``snapshot`` of it, with its manifest checked."""
-        settings = SaveSettings(self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, self.ledger)
         return SaveRun(
-            settings,
+            self.save_settings(self.ledger),
             run_id,
             snapshot.flat if snapshot is not None else flat,
             step=step,
@@ -328,6 +327,17 @@ class Client:
         elif report:
             self._pending, handle.observed = None, True
             raise error
+
+    def save_settings(self, ledger: SaveLedger) -> SaveSettings:
+        """What a save through this client writes to and with: transport, shard size, uploads
+        in flight, the digest cache, and ``ledger`` (the client's own, or a fresh one for
+        saves whose commit another process makes)."""
+        return SaveSettings(self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, ledger)
+
+    @property
+    def read_threads(self) -> int:
+        """Reads a load runs at once through this client's transport."""
+        return self._widths()[0]
 
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers,

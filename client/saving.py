@@ -66,11 +66,13 @@ class SaveRun:
         started: float,
         known: list[str | None] | None = None,
         teach: dict[int, tuple[torch.Tensor, Taken | None]] | None = None,
+        check_manifest: bool = True,
     ) -> None:
         """``known`` and ``teach`` come from a background save's snapshot
         (:class:`client.background.Snapshot`): the digests the cache knew when it was taken,
         and the live tensors whose staged copies' digests the cache is to learn. Without them
-        the cache is asked here."""
+        the cache is asked here. Without ``check_manifest`` no manifest is built: the caller
+        only :meth:`store` s the tensors (one rank of a sharded save) and commits elsewhere."""
         self.settings = settings
         self._given_known = known
         self._teach = teach or {}
@@ -84,12 +86,32 @@ class SaveRun:
         #: Which tensors the digest cache may hold, and the digests it held (None: hash it).
         self.cacheable: list[bool] = []
         self.known: list[str | None] = []
-        self.body = manifest_body(flat, self.digests, step, metrics)
+        self.body = manifest_body(flat, self.digests, step, metrics) if check_manifest else None
         self.stored_bytes = 0
         self.shards = 0
 
     def run(self) -> SaveResult:
         """Plan, write the changed tensors, hash-ask-send the rest, commit; returns the result."""
+        plan, marks = self.store()
+        info = self.commit(plan)
+        self.settings.ledger.keep(marks, frozenset(plan.sizes))
+        return SaveResult(
+            run_id=self.run_id,
+            version=info.version,
+            bytes_total=info.bytes_total,
+            bytes_new=plan.bytes_sent(),
+            bytes_stored=self.stored_bytes,
+            tensors_total=len(self.records),
+            tensors_new=len(plan.sent),
+            shards=self.shards,
+            seconds=time.perf_counter() - self.started,
+        )
+
+    def store(self) -> tuple[SavePlan, dict[int, Any]]:
+        """Phases 1-3: every tensor hashed (:attr:`digests`) and stored unless the store has it.
+
+        Returns the plan and the ledger marks to keep once a version holding these is committed.
+        """
         plan, marks = self.plan()
         lengths = plan.lengths
         with (
@@ -107,19 +129,7 @@ class SaveRun:
         if self.settings.cache is not None:
             for index, (live, snapshot_taken) in self._teach.items():
                 self.settings.cache.put(live, self.digests[index], snapshot_taken)
-        info = self.commit(plan)
-        self.settings.ledger.keep(marks, frozenset(plan.sizes))
-        return SaveResult(
-            run_id=self.run_id,
-            version=info.version,
-            bytes_total=info.bytes_total,
-            bytes_new=plan.bytes_sent(),
-            bytes_stored=self.stored_bytes,
-            tensors_total=len(self.records),
-            tensors_new=len(plan.sent),
-            shards=self.shards,
-            seconds=time.perf_counter() - self.started,
-        )
+        return plan, marks
 
     # -- phases ------------------------------------------------------------------------
 
@@ -200,6 +210,7 @@ class SaveRun:
         meanwhile), the commit changes nothing: send what is missing now, and commit once more.
         """
         transport = self.settings.transport
+        assert self.body is not None, "a save built without its manifest does not commit"
         body = with_digests(self.body, self.digests)
         try:
             return transport.commit(self.run_id, body, tags=self.tags)
@@ -242,13 +253,14 @@ def manifest_body(
             "state": flat.state,
             "step": step,
             "metrics": dict(metrics or {}),
-            "library": {
-                "ckptstore": __version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            },
+            "library": library_versions(),
         }
     )
+
+
+def library_versions() -> dict[str, str]:
+    """The versions a manifest records of the libraries that wrote it."""
+    return {"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def with_digests(body: ManifestBody, digests: list[str]) -> ManifestBody:
