@@ -69,6 +69,21 @@ def open_transport(
     return open_store(local_settings(home), require_current_schema=True, create=create)
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters in an initialized process group (FSDP2 and
+    other DTensor parallelism), checked without importing torch.distributed's checkpointing
+    when no process group is up."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from client.distributed.training import is_sharded
+
+    return is_sharded(model)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
 class Client:
     """A connection to one checkpoint store.
 
@@ -218,6 +233,19 @@ class Client:
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
+        if _sharded(model):  # FSDP2 / DTensor: every rank saves its shards (client.distributed)
+            if not blocking:
+                raise InvalidInputError(
+                    "blocking=False is not supported for a sharded model; use "
+                    "torch.distributed.checkpoint.async_save with client.distributed.StoreWriter"
+                )
+            from client.distributed import training
+
+            if (keep_last, keep_best, metric, mode) != (None, None, None, None) and _rank() == 0:
+                self._use_retention(run_id, keep_last, keep_best, metric, mode)
+            return training.save_sharded(
+                self, run_id, model, optim, scheduler=scheduler, extra=extra, step=step, metrics=metrics, tags=tags
+            )
         flat = flatten(model, optim, scheduler, extra)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
@@ -379,6 +407,13 @@ class Client:
             raise InvalidInputError("loading optimizer state needs the model too: state is keyed by parameter name")
         if dtype is not None and not dtype.is_floating_point:
             raise InvalidInputError(f"dtype must be a floating dtype, not {dtype}")
+        if model is not None and _sharded(model):  # every rank loads its shards (client.distributed)
+            from client.distributed import training
+
+            training.check_load_arguments(device, dtype, model)
+            return training.load_sharded(
+                self, validate_run_id(run_id), version, model, optim, scheduler=scheduler, strict=strict
+            )
         target = torch.device(device) if device is not None else None
         manifest = self.transport.manifest(validate_run_id(run_id), version)
         with byte_bar(sum(e.nbytes for e in manifest.tensors), "load") as bar:

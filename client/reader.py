@@ -46,9 +46,7 @@ class PieceSpec:
 class _Job:
     """One stored tensor on its way: the keys it serves, where it is, its destination, its hash."""
 
-    def __init__(
-        self, keys: list[str], spec: PieceSpec, location: TensorLocation, tensor: torch.Tensor | None
-    ) -> None:
+    def __init__(self, keys: list[str], spec: PieceSpec, location: TensorLocation, tensor: torch.Tensor | None) -> None:
         self.keys = keys
         self.spec = spec
         self.location = location

@@ -191,9 +191,7 @@ class SaveRun:
             uploader.add(self.digests[index], self.records[index].key, self.tensors[index], plan.lengths[index])
         on_skipped(sending.skipped_bytes)
 
-    def keep_unhashed_digests(
-        self, plan: SavePlan, digests: dict[int, str], taken: dict[int, Taken | None]
-    ) -> None:
+    def keep_unhashed_digests(self, plan: SavePlan, digests: dict[int, str], taken: dict[int, Taken | None]) -> None:
         """Record the digests the store found for the tensors it took unhashed."""
         cache = self.settings.cache
         for index, digest in digests.items():
@@ -216,9 +214,7 @@ class SaveRun:
             return transport.commit(self.run_id, body, tags=self.tags)
         except MissingTensorsError:
             again = set(transport.missing(list(plan.sizes)))
-            with ShardUploader(
-                transport, self.settings.shard_bytes, None, self.settings.uploads_in_flight
-            ) as uploader:
+            with ShardUploader(transport, self.settings.shard_bytes, None, self.settings.uploads_in_flight) as uploader:
                 queued: set[str] = set()
                 for index, digest in enumerate(self.digests):
                     if digest in again and digest not in queued:

@@ -135,4 +135,3 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.dtype in _NUMPY_NATIVE:
         return tensor.numpy().data.cast("B")
     return tensor.as_strided((count,), (1,)).view(torch.uint8).numpy().data.cast("B")
-

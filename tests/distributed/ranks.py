@@ -1,0 +1,64 @@
+"""Running a function on N real processes joined by a gloo process group (CPU).
+
+Each rank is a fresh interpreter (``spawn``), joined through a ``file://`` rendezvous in a
+temporary folder; its return value, or its traceback, comes back through a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+#: How long a test waits for its ranks; a rank stuck past it fails the test.
+RANK_TIMEOUT = 240
+
+
+def run_ranks(world: int, scratch: Path, target: Callable[..., Any], *args: Any) -> list[Any]:
+    """``target(rank, world, *args)`` on ``world`` processes; returns their results by rank."""
+    context = mp.get_context("spawn")
+    results: Any = context.Queue()
+    rendezvous = scratch / f"rendezvous-{uuid.uuid4().hex}"
+    processes = [
+        context.Process(target=_rank_main, args=(rank, world, str(rendezvous), results, target, args))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        answers = dict(results.get(timeout=RANK_TIMEOUT) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    failures = [answer[1] for answer in answers.values() if answer[0] == "error"]
+    assert not failures, "a rank failed:\n" + "\n".join(failures)
+    return [answers[rank][1] for rank in range(world)]
+
+
+def _rank_main(
+    rank: int, world: int, rendezvous: str, results: Any, target: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
+        answer: tuple[str, Any] = ("ok", target(rank, world, *args))
+    except BaseException:
+        answer = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results.put((rank, answer))
