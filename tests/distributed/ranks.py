@@ -40,7 +40,48 @@ def run_ranks(world: int, scratch: Path, target: Callable[..., Any], *args: Any)
                 process.kill()
     failures = [answer[1] for answer in answers.values() if answer[0] == "error"]
     assert not failures, "a rank failed:\n" + "\n".join(failures)
-    return [answers[rank][1] for rank in range(world)]
+    return [_unpacked(answers[rank][1]) for rank in range(world)]
+
+
+class _PackedTensor:
+    """A tensor as bytes: torch's queue would share its memory, which dies with the rank."""
+
+    def __init__(self, tensor: Any) -> None:
+        from client.tensors import byte_view, host_contiguous
+
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        self.shape = list(tensor.shape)
+        self.data = bytes(byte_view(host_contiguous(tensor, "result")))
+
+    def unpacked(self) -> Any:
+        import torch
+
+        tensor = torch.empty(self.shape, dtype=getattr(torch, self.dtype))
+        if self.data:
+            tensor.view(-1).view(torch.uint8)[:] = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+        return tensor
+
+
+def _packed(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return _PackedTensor(value)
+    if isinstance(value, dict):
+        return {k: _packed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_packed(v) for v in value]
+    return value
+
+
+def _unpacked(value: Any) -> Any:
+    if isinstance(value, _PackedTensor):
+        return value.unpacked()
+    if isinstance(value, dict):
+        return {k: _unpacked(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpacked(v) for v in value]
+    return value
 
 
 def _rank_main(
@@ -55,7 +96,7 @@ def _rank_main(
         dist.init_process_group(
             "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
         )
-        answer: tuple[str, Any] = ("ok", target(rank, world, *args))
+        answer: tuple[str, Any] = ("ok", _packed(target(rank, world, *args)))
     except BaseException:
         answer = ("error", f"rank {rank}:\n{traceback.format_exc()}")
     finally:
