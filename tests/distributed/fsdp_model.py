@@ -26,6 +26,13 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.hidden(torch.relu(self.embed(x))))) * self.scale
 
 
+def open_client(store: str) -> Any:
+    """A client on a server (``store`` is its URL) or on the embedded store in folder ``store``."""
+    import client
+
+    return client.Client(store) if store.startswith("http") else client.Client(home=store)
+
+
 def sharded(world: int, *, frozen_base: bool = False) -> tuple[Net, torch.optim.Optimizer]:
     """The model sharded over ``world`` ranks with a bf16 compute policy, and its AdamW."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -10,6 +10,7 @@ import os
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,25 +23,57 @@ RANK_TIMEOUT = 240
 
 def run_ranks(world: int, scratch: Path, target: Callable[..., Any], *args: Any) -> list[Any]:
     """``target(rank, world, *args)`` on ``world`` processes; returns their results by rank."""
+    started = start_ranks(world, scratch, target, *args)
+    try:
+        answers = dict(started.results.get(timeout=RANK_TIMEOUT) for _ in range(world))
+    finally:
+        started.join()
+    failures = [answer[1] for answer in answers.values() if answer[0] == "error"]
+    assert not failures, "a rank failed:\n" + "\n".join(failures)
+    return [_unpacked(answers[rank][1]) for rank in range(world)]
+
+
+@dataclass
+class StartedRanks:
+    """Ranks running: their processes, the queue their answers come by, and a queue of events
+    the ranks may send the test (passed to ``target`` after ``args``)."""
+
+    processes: list[Any]
+    results: Any
+    events: Any
+
+    def result(self, rank: int) -> Any:
+        """The answer of ``rank`` (other ranks' answers arriving first are dropped)."""
+        while True:
+            answered, (status, value) = self.results.get(timeout=RANK_TIMEOUT)
+            if answered == rank:
+                assert status == "ok", value
+                return _unpacked(value)
+
+    def join(self) -> None:
+        """Wait for every process to end; kill any still running after 30 s."""
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def start_ranks(
+    world: int, scratch: Path, target: Callable[..., Any], *args: Any, extra_queue: bool = False
+) -> StartedRanks:
+    """Start ``target(rank, world, *args)`` (plus the events queue with ``extra_queue``) on ``world`` processes."""
     context = mp.get_context("spawn")
-    results: Any = context.Queue()
+    results, events = context.Queue(), context.Queue()
     rendezvous = scratch / f"rendezvous-{uuid.uuid4().hex}"
+    arguments = (*args, events) if extra_queue else args
     processes = [
-        context.Process(target=_rank_main, args=(rank, world, str(rendezvous), results, target, args))
+        context.Process(target=_rank_main, args=(rank, world, str(rendezvous), results, target, arguments))
         for rank in range(world)
     ]
     for process in processes:
         process.start()
-    try:
-        answers = dict(results.get(timeout=RANK_TIMEOUT) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    failures = [answer[1] for answer in answers.values() if answer[0] == "error"]
-    assert not failures, "a rank failed:\n" + "\n".join(failures)
-    return [_unpacked(answers[rank][1]) for rank in range(world)]
+    return StartedRanks(processes, results, events)
 
 
 class _PackedTensor:

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import client
-from tests.distributed.fsdp_model import Net, full_state, placements, sharded, train
+from tests.distributed.fsdp_model import Net, full_state, open_client, placements, sharded, train
 from tests.distributed.ranks import run_ranks
 
 STEPS = 3
 
 
 def _train_save_continue(rank: int, world: int, home: str) -> dict[str, Any]:
-    store = client.Client(home=home)
+    store = open_client(home)
     net, optim = sharded(world)
     train(net, optim, rank, range(STEPS))
     result = store.save("fsdp", net, optim, step=STEPS, metrics={"loss": 1.0})
@@ -27,7 +27,7 @@ def _train_save_continue(rank: int, world: int, home: str) -> dict[str, Any]:
 
 
 def _resume(rank: int, world: int, home: str) -> dict[str, Any]:
-    store = client.Client(home=home)
+    store = open_client(home)
     net, optim = sharded(world)
     loaded = store.load("fsdp", model=net, optim=optim)
     where = placements(optim)
@@ -36,7 +36,7 @@ def _resume(rank: int, world: int, home: str) -> dict[str, Any]:
 
 
 def _load_then_save(rank: int, world: int, home: str, run_id: str, save_as: str | None) -> dict[str, torch.Tensor]:
-    store = client.Client(home=home)
+    store = open_client(home)
     net, optim = sharded(world)
     store.load(run_id, model=net, optim=optim)
     loaded = full_state(net, optim)
@@ -151,7 +151,7 @@ def test_sharded_version_placed_on_meta(trained: tuple[Path, list[dict[str, Any]
 
 
 def _adapter_versions(rank: int, world: int, home: str) -> list[dict[str, int]]:
-    store = client.Client(home=home)
+    store = open_client(home)
     net, optim = sharded(world, frozen_base=True)
     results = []
     for step in range(2):
