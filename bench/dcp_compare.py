@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,19 +95,20 @@ def rank_main(rank: int, rendezvous: str, root: str, size_bytes: int, rounds: in
     for number in range(rounds):
         state = sharded_state(mesh, size_bytes, None)
         folder = base / f"dcp-{number}"
-        times["DCP FileSystemWriter"].append(
-            timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(folder)))
-        )
-        times["ckptstore StoreWriter"].append(
-            timed(lambda: dcp.save(state, storage_writer=StoreWriter("bench", client=store)))
-        )
-        for name, reader, files in (
-            ("DCP FileSystemReader", lambda: dcp.FileSystemReader(folder), folder),
-            ("ckptstore StoreReader", lambda: StoreReader("bench", client=store), base / "store"),
-        ):
+        writers = {
+            "DCP FileSystemWriter": dcp.FileSystemWriter(folder),
+            "ckptstore StoreWriter": StoreWriter("bench", client=store),
+        }
+        for name, writer in writers.items():
+            times[name].append(timed(partial(dcp.save, state, storage_writer=writer)))
+        readers = {
+            "DCP FileSystemReader": (dcp.FileSystemReader(folder), folder),
+            "ckptstore StoreReader": (StoreReader("bench", client=store), base / "store"),
+        }
+        for name, (reader, files) in readers.items():
             if rank == 0:
                 drop_cached(files)
-            times[name].append(timed(lambda reader=reader: dcp.load(target, storage_reader=reader())))
+            times[name].append(timed(partial(dcp.load, target, storage_reader=reader)))
             for key, tensor in state["model"].items():
                 assert torch.equal(target["model"][key].to_local(), tensor.to_local()), (name, key)
     results.put((rank, times))
@@ -136,7 +138,7 @@ def main() -> int:
             process.join()
     gib = args.size_mib / 1024
     print(f"{WORLD} ranks, {gib:.2f} GiB fp32 state sharded by rows, {args.rounds} rounds (median)")
-    print(f"| what | seconds | GiB/s | ckptstore vs DCP speed |\n|---|---:|---:|---:|")
+    print("| what | seconds | GiB/s | ckptstore vs DCP speed |\n|---|---:|---:|---:|")
     failed = []
     for phase, ours, theirs in (
         ("save", "ckptstore StoreWriter", "DCP FileSystemWriter"),
