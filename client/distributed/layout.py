@@ -28,8 +28,9 @@ from typing import Any
 
 from client import keys
 from client.jsonstate import MARKERS
-from service.errors import StateEncodingError
+from service.errors import InvalidNameError, StateEncodingError
 from service.format.manifest import TENSOR_REF, Manifest, StateSection
+from service.format.names import validate_run_id
 
 SECTIONS = ("model", "optim", "scheduler", "extra")
 TREE_SECTIONS: tuple[StateSection, ...] = ("optim", "scheduler", "extra")
@@ -37,6 +38,15 @@ TREE_SECTIONS: tuple[StateSection, ...] = ("optim", "scheduler", "extra")
 DCP_SECTION: StateSection = "dcp"
 
 ObjPath = tuple[str | int, ...]
+
+
+def names_a_run(checkpoint_id: object) -> bool:
+    """Whether a DCP ``checkpoint_id`` is a valid run id (what the storage takes it as)."""
+    try:
+        validate_run_id(str(checkpoint_id))
+    except InvalidNameError:
+        return False
+    return True
 
 
 def fqn(path: ObjPath) -> str:

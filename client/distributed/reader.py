@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from client import jsonstate
-from client.distributed.layout import ObjPath, fqn, stored_items
+from client.distributed.layout import ObjPath, fqn, names_a_run, stored_items
 from client.reader import PieceSpec, TensorReader
 from client.tensors import NAME_TO_TORCH, is_plain_dense
 from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
@@ -179,11 +179,7 @@ class StoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` can name a run."""
-        try:
-            validate_run_id(str(checkpoint_id))
-        except Exception:
-            return False
-        return True
+        return names_a_run(checkpoint_id)
 
     def _decode(self, name: str) -> Any:
         def no_tensor(key: str) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from client import jsonstate
-from client.distributed.layout import ObjPath, StateTrees, fqn, stored_path, tensor_key
+from client.distributed.layout import ObjPath, StateTrees, fqn, names_a_run, stored_path, tensor_key
 from client.hashing import SaveLedger
 from client.placement import group_places_step_on_device
 from client.results import SaveResult
@@ -233,11 +233,7 @@ class StoreWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` can name a run."""
-        try:
-            validate_run_id(str(checkpoint_id))
-        except Exception:
-            return False
-        return True
+        return names_a_run(checkpoint_id)
 
     # -- helpers ------------------------------------------------------------------------
 
