@@ -69,6 +69,21 @@ def open_transport(
     return open_store(local_settings(home), require_current_schema=True, create=create)
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters in an initialized process group (FSDP2 and
+    other DTensor parallelism), checked without importing torch.distributed's checkpointing
+    when no process group is up."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from client.distributed.training import is_sharded
+
+    return is_sharded(model)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
 class Client:
     """A connection to one checkpoint store.
 
@@ -218,6 +233,19 @@ class Client:
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
+        if _sharded(model):  # FSDP2 / DTensor: every rank saves its shards (client.distributed)
+            if not blocking:
+                raise InvalidInputError(
+                    "blocking=False is not supported for a sharded model; use "
+                    "torch.distributed.checkpoint.async_save with client.distributed.StoreWriter"
+                )
+            from client.distributed import training
+
+            if (keep_last, keep_best, metric, mode) != (None, None, None, None) and _rank() == 0:
+                self._use_retention(run_id, keep_last, keep_best, metric, mode)
+            return training.save_sharded(
+                self, run_id, model, optim, scheduler=scheduler, extra=extra, step=step, metrics=metrics, tags=tags
+            )
         flat = flatten(model, optim, scheduler, extra)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
@@ -284,9 +312,8 @@ class Client:
         snapshot: Snapshot | None = None,
     ) -> SaveRun:
         """A save of ``flat``, or of a background ``snapshot`` of it, with its manifest checked."""
-        settings = SaveSettings(self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, self.ledger)
         return SaveRun(
-            settings,
+            self.save_settings(self.ledger),
             run_id,
             flat,
             step=step,
@@ -341,6 +368,17 @@ class Client:
             self._pending, handle.observed = None, True
             raise error
 
+    def save_settings(self, ledger: SaveLedger) -> SaveSettings:
+        """What a save through this client writes to and with: transport, shard size, uploads
+        in flight, the digest cache, and ``ledger`` (the client's own, or a fresh one for
+        saves whose commit another process makes)."""
+        return SaveSettings(self.transport, self.shard_bytes, self._widths()[1], self.digest_cache, ledger)
+
+    @property
+    def read_threads(self) -> int:
+        """Reads a load runs at once through this client's transport."""
+        return self._widths()[0]
+
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers,
         a local disk gains nothing from more than one reader."""
@@ -381,6 +419,13 @@ class Client:
             raise InvalidInputError("loading optimizer state needs the model too: state is keyed by parameter name")
         if dtype is not None and not dtype.is_floating_point:
             raise InvalidInputError(f"dtype must be a floating dtype, not {dtype}")
+        if model is not None and _sharded(model):  # every rank loads its shards (client.distributed)
+            from client.distributed import training
+
+            training.check_load_arguments(device, dtype, model)
+            return training.load_sharded(
+                self, validate_run_id(run_id), version, model, optim, scheduler=scheduler, strict=strict
+            )
         target = torch.device(device) if device is not None else None
         manifest = self.transport.manifest(validate_run_id(run_id), version)
         with byte_bar(sum(e.nbytes for e in manifest.tensors), "load") as bar:

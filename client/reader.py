@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import closing
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +21,7 @@ from client.tensors import NAME_TO_TORCH, byte_view
 from client.transport import Transport
 from service.errors import IntegrityError, InvalidInputError
 from service.format.digest import TensorHasher
-from service.format.manifest import Manifest, TensorEntry
+from service.format.manifest import DTypeName, Manifest, TensorEntry
 from service.records import TensorLocation
 
 #: Largest single read. Over HTTP every request costs a round trip and restarts the
@@ -33,24 +34,31 @@ UNIT_BYTES = 64 << 20
 READ_AHEAD = 2
 
 
+@dataclass(frozen=True)
+class PieceSpec:
+    """What one stored piece holds: a whole tensor (its entry's dtype and shape) or one chunk of it."""
+
+    dtype: DTypeName
+    shape: list[int]
+    digest: str
+
+
 class _Job:
     """One stored tensor on its way: the keys it serves, where it is, its destination, its hash."""
 
-    def __init__(
-        self, keys: list[str], entry: TensorEntry, location: TensorLocation, tensor: torch.Tensor | None
-    ) -> None:
+    def __init__(self, keys: list[str], spec: PieceSpec, location: TensorLocation, tensor: torch.Tensor | None) -> None:
         self.keys = keys
-        self.entry = entry
+        self.spec = spec
         self.location = location
         self.tensor = tensor
-        self.hasher = TensorHasher(entry.dtype, entry.shape)
+        self.hasher = TensorHasher(spec.dtype, spec.shape)
         self._bytes: memoryview | None = None
 
     def bytes(self) -> memoryview:
         """The destination's raw bytes, allocating it (uninitialised) on first use."""
         if self._bytes is None:
             if self.tensor is None:
-                self.tensor = torch.empty(self.entry.shape, dtype=NAME_TO_TORCH[self.entry.dtype])
+                self.tensor = torch.empty(self.spec.shape, dtype=NAME_TO_TORCH[self.spec.dtype])
             self._bytes = byte_view(self.tensor.detach())
         return self._bytes
 
@@ -71,12 +79,17 @@ class TensorReader:
         *,
         on_bytes: Callable[[int], object] | None = None,
         read_threads: int = 1,
+        digests: Iterable[str] | None = None,
     ) -> None:
+        """``digests``: locate only these (the pieces a caller will read); default every one."""
         self.transport = transport
         self.read_threads = read_threads
         self.manifest = manifest
         self.entries = {entry.key: entry for entry in manifest.tensors}
-        stored = [d for entry in manifest.tensors for d in _stored_digests(entry)]
+        if digests is None:
+            stored = [d for entry in manifest.tensors for d in _stored_digests(entry)]
+        else:
+            stored = sorted(set(digests))
         self.locations: dict[str, TensorLocation] = transport.locate(stored) if stored else {}
         self.bytes_read = 0
         self._on_bytes = on_bytes
@@ -110,9 +123,33 @@ class TensorReader:
                 yield key, _deliver(self.read(key), into.get(key))
             else:
                 groups.setdefault(entry.digest, []).append(key)
-        yield from self._stream(self._jobs(groups, into), into)
+        specs = {key: PieceSpec(self.entries[key].dtype, self.entries[key].shape, "") for key in _keys_of(groups)}
+        yield from self._stream(self._jobs(groups, into, specs), into)
 
-    def _jobs(self, groups: dict[str, list[str]], into: dict[str, torch.Tensor]) -> list[_Job]:
+    def read_pieces(
+        self, pieces: Mapping[str, PieceSpec], *, into: Mapping[str, torch.Tensor] | None = None
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Yield ``(label, tensor)`` for stored pieces (whole tensors or chunks) named by a label
+        of the caller's choosing, in storage order, each verified before it is yielded.
+
+        Works as :meth:`read_many` does (``into`` by label; equal digests read once, copied),
+        for pieces the caller picked itself, such as the chunks one rank of a sharded load needs.
+        Every piece's digest must have been located (the ``digests`` given to the reader).
+        """
+        into = dict(into or {})
+        for label, destination in into.items():
+            _check_piece_destination(label, pieces[label], destination)
+        groups: dict[str, list[str]] = {}
+        for label, spec in pieces.items():
+            if 0 in spec.shape:
+                yield label, _deliver(torch.empty(spec.shape, dtype=NAME_TO_TORCH[spec.dtype]), into.get(label))
+            else:
+                groups.setdefault(spec.digest, []).append(label)
+        yield from self._stream(self._jobs(groups, into, dict(pieces)), into)
+
+    def _jobs(
+        self, groups: dict[str, list[str]], into: dict[str, torch.Tensor], specs: dict[str, PieceSpec]
+    ) -> list[_Job]:
         """One job per digest, in storage order, each read straight into a destination if it may.
 
         A destination is read into only if no earlier job uses its memory and no other
@@ -130,7 +167,7 @@ class TensorReader:
             if owner is not None:
                 keys = [owner, *(k for k in keys if k != owner)]
             destination = into[owner] if owner is not None else None
-            jobs.append(_Job(keys, self.entries[keys[0]], self.locations[digest], destination))
+            jobs.append(_Job(keys, specs[keys[0]], self.locations[digest], destination))
         return jobs
 
     def _stream(
@@ -235,14 +272,23 @@ def _partly_overlapping(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
 
 
 def _check_destination(entry: TensorEntry, tensor: torch.Tensor) -> None:
-    want = NAME_TO_TORCH[entry.dtype]
-    if tensor.device.type != "cpu" or tensor.dtype != want or list(tensor.shape) != list(entry.shape):
+    _check_piece_destination(entry.key, PieceSpec(entry.dtype, entry.shape, ""), tensor)
+
+
+def _check_piece_destination(label: str, spec: PieceSpec, tensor: torch.Tensor) -> None:
+    want = NAME_TO_TORCH[spec.dtype]
+    if tensor.device.type != "cpu" or tensor.dtype != want or list(tensor.shape) != list(spec.shape):
         raise InvalidInputError(
-            f"{entry.key}: cannot read into a {tensor.dtype} tensor of shape {list(tensor.shape)} on "
-            f"{tensor.device}; it needs a CPU tensor of {want} and shape {list(entry.shape)}"
+            f"{label}: cannot read into a {tensor.dtype} tensor of shape {list(tensor.shape)} on "
+            f"{tensor.device}; it needs a CPU tensor of {want} and shape {list(spec.shape)}"
         )
     if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-        raise InvalidInputError(f"{entry.key}: cannot read into a tensor that is not contiguous")
+        raise InvalidInputError(f"{label}: cannot read into a tensor that is not contiguous")
+
+
+def _keys_of(groups: dict[str, list[str]]) -> list[str]:
+    """Every key of a digest -> keys grouping."""
+    return [key for keys in groups.values() for key in keys]
 
 
 def _deliver(source: torch.Tensor, destination: torch.Tensor | None, *, copy: bool = False) -> torch.Tensor:

@@ -83,9 +83,12 @@ class SaveRun:
         tags: Sequence[str],
         started: float,
         snapshot: Snapshot | None = None,
+        check_manifest: bool = True,
     ) -> None:
         """Save ``flat``'s tensors as they are now, or as a background save's ``snapshot`` of
-        them holds them (then the cache is not asked here: the snapshot did)."""
+        them holds them (then the cache is not asked here: the snapshot did). Without
+        ``check_manifest`` no manifest is built: the caller only :meth:`store` s the tensors (one
+        rank of a sharded save) and commits elsewhere."""
         self.settings = settings
         self.snapshot = snapshot
         self.run_id = run_id
@@ -99,12 +102,34 @@ class SaveRun:
         self.cacheable: list[bool] = []
         self.known: list[str | None] = []
         devices = snapshot.device_types if snapshot is not None else None
-        self.body = manifest_body(flat, self.tensors, self.digests, step, metrics, devices)
+        self.body = (
+            manifest_body(flat, self.tensors, self.digests, step, metrics, devices) if check_manifest else None
+        )
         self.stored_bytes = 0
         self.shards = 0
 
     def run(self) -> SaveResult:
         """Plan, write the changed tensors, hash-ask-send the rest, commit; returns the result."""
+        plan, marks = self.store()
+        info = self.commit(plan)
+        self.settings.ledger.keep(marks, frozenset(plan.sizes))
+        return SaveResult(
+            run_id=self.run_id,
+            version=info.version,
+            bytes_total=info.bytes_total,
+            bytes_new=plan.bytes_sent(),
+            bytes_stored=self.stored_bytes,
+            tensors_total=len(self.records),
+            tensors_new=len(plan.sent),
+            shards=self.shards,
+            seconds=time.perf_counter() - self.started,
+        )
+
+    def store(self) -> tuple[SavePlan, dict[int, Any]]:
+        """Phases 1-3: every tensor hashed (:attr:`digests`) and stored unless the store has it.
+
+        Returns the plan and the ledger marks to keep once a version holding these is committed.
+        """
         plan, marks = self.plan()
         lengths = plan.lengths
         with (
@@ -122,19 +147,7 @@ class SaveRun:
         if self.settings.cache is not None and self.snapshot is not None:
             for index, (live, snapshot_taken) in self.snapshot.teach.items():
                 self.settings.cache.put(live, self.digests[index], snapshot_taken)
-        info = self.commit(plan)
-        self.settings.ledger.keep(marks, frozenset(plan.sizes))
-        return SaveResult(
-            run_id=self.run_id,
-            version=info.version,
-            bytes_total=info.bytes_total,
-            bytes_new=plan.bytes_sent(),
-            bytes_stored=self.stored_bytes,
-            tensors_total=len(self.records),
-            tensors_new=len(plan.sent),
-            shards=self.shards,
-            seconds=time.perf_counter() - self.started,
-        )
+        return plan, marks
 
     # -- phases ------------------------------------------------------------------------
 
@@ -213,6 +226,7 @@ class SaveRun:
         meanwhile), the commit changes nothing: send what is missing now, and commit once more.
         """
         transport = self.settings.transport
+        assert self.body is not None, "a save built without its manifest does not commit"
         body = with_digests(self.body, self.digests)
         try:
             return transport.commit(self.run_id, body, tags=self.tags)
@@ -265,11 +279,7 @@ def manifest_body(
             "state": flat.state,
             "step": step,
             "metrics": dict(metrics or {}),
-            "library": {
-                "ckptstore": __version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            },
+            "library": library_versions(),
         }
     )
 
@@ -278,6 +288,11 @@ def check_step_and_metrics(step: int | None, metrics: dict[str, float] | None) -
     """Refuse a bad ``step`` or ``metrics`` as :func:`manifest_body` would, without the tensors
     (InvalidManifestError naming the problem): what a background save checks before it returns."""
     validate_body({"tensors": [], "step": step, "metrics": dict(metrics or {})})
+
+
+def library_versions() -> dict[str, str]:
+    """The versions a manifest records of the libraries that wrote it."""
+    return {"ckptstore": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def with_digests(body: ManifestBody, digests: list[str]) -> ManifestBody:

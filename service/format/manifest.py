@@ -40,7 +40,7 @@ DTypeName = Literal[
     "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F16", "BF16", "F32", "F64", "C64",
 ]  # fmt: skip
 Placement = Literal["param", "host", "target"]
-StateSection = Literal["optim", "scheduler", "extra"]
+StateSection = Literal["optim", "scheduler", "extra", "dcp"]
 ShortText = Annotated[str, StringConstraints(max_length=200)]
 
 

@@ -1,0 +1,16 @@
+"""Multi-rank checkpoints: ckptstore as the storage of ``torch.distributed.checkpoint``.
+
+- :class:`StoreWriter` / :class:`StoreReader`: a ``StorageWriter`` / ``StorageReader`` pair,
+  so ``dcp.save(sd, storage_writer=StoreWriter("run"))`` and ``dcp.load(sd,
+  storage_reader=StoreReader("run"))`` (and ``dcp.async_save``) store into a run.
+- ``client.save`` / ``client.load`` of an FSDP2 or DTensor model go through them
+  (:mod:`client.distributed.training`).
+
+Importing this package imports ``torch.distributed.checkpoint``; ``client`` itself does so
+only when a sharded model is saved or loaded.
+"""
+
+from client.distributed.reader import StoreReader
+from client.distributed.writer import StoreWriter
+
+__all__ = ["StoreReader", "StoreWriter"]
