@@ -44,3 +44,14 @@ def test_lightning_example(tmp_path: Path) -> None:
         assert "last" in tags and len(versions) == 3  # the top 2 and last
         assert max(v.step or 0 for v in versions) == 20  # 5 epochs of 4 steps: the resume went on
     assert not [p for p in tmp_path.rglob("*.ckpt")]
+
+
+@pytest.mark.slow
+def test_hugging_face_trainer_example(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    with run_example("Hugging Face Trainer", tmp_path) as store:
+        versions = store.versions("gpt2-tiny")
+        # Steps 4 and 8 of the first run, then the resumed run's step 8: the limit keeps the last 2.
+        assert [v.step for v in versions] == [8, 8] and [v.version for v in versions] == [2, 3]
+        assert store.retention("gpt2-tiny").keep_last == 2
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
