@@ -55,3 +55,13 @@ def test_hugging_face_trainer_example(tmp_path: Path) -> None:
         assert [v.step for v in versions] == [8, 8] and [v.version for v in versions] == [2, 3]
         assert store.retention("gpt2-tiny").keep_last == 2
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_accelerate_example(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    with run_example("Accelerate", tmp_path) as store:
+        (version,) = store.versions("acc-demo")
+        assert version.metrics == {"loss": 0.25}
+        keys = {e.key for e in store.transport.manifest("acc-demo").tensors}
+        assert "optim/state/0.weight/exp_avg" in keys and "extra/rng/torch" in keys
