@@ -28,25 +28,6 @@ def tiny_gpt2(seed: int) -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(config)
 
 
-def tiny_lora_llama(seed: int) -> Any:
-    """A small Llama wrapped with a peft LoRA adapter on its attention projections."""
-    import peft
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=16,
-    )
-    base = transformers.LlamaForCausalLM(config)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
-    return peft.get_peft_model(base, lora)
-
-
 class Tokens(torch.utils.data.Dataset):
     """Deterministic random token sequences, labels equal to inputs."""
 

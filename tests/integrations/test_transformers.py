@@ -14,14 +14,21 @@ transformers = pytest.importorskip("transformers")  # the .[transformers] extra;
 import client  # noqa: E402
 from client.integrations.transformers import CkptstoreCallback, resume  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
-from tests.integrations.hf_kit import Tokens, arguments, tiny_gpt2, tiny_lora_llama  # noqa: E402
+from tests.integrations.hf_kit import Tokens, arguments, tiny_gpt2  # noqa: E402
 
 META = torch.device("meta")
 
 
-def train(model: Any, args: Any, store: client.Client, run: str) -> tuple[Any, CkptstoreCallback]:
+def train(model: Any, args: Any, store: client.Client, run: str, evaluate: bool = False) -> tuple[Any, Any]:
+    """A Trainer on the token data (and 4 evaluation sequences with ``evaluate``) saving to ``run``."""
     callback = CkptstoreCallback(run, client=store)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(count=4) if evaluate else None,
+        callbacks=[callback],
+    )
     return trainer, callback
 
 
@@ -74,13 +81,7 @@ def test_save_total_limit_keeps_the_last_versions_and_the_best(store: client.Cli
         save_total_limit=2,
         metric_for_best_model="loss",
     )
-    trainer = transformers.Trainer(
-        model=tiny_gpt2(0),
-        args=args,
-        train_dataset=Tokens(),
-        eval_dataset=Tokens(count=4),
-        callbacks=[CkptstoreCallback("limited", client=store)],
-    )
+    trainer, _ = train(tiny_gpt2(0), args, store, "limited", evaluate=True)
     trainer.train()
     evaluated = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
     assert sorted(evaluated) == [2, 4, 6, 8]
@@ -95,13 +96,7 @@ def test_save_total_limit_keeps_the_last_versions_and_the_best(store: client.Cli
 
 def test_best_strategy_is_refused_before_training(store: client.Client, tmp_path: Path) -> None:
     args = arguments(tmp_path / "out", save_strategy="best", eval_strategy="steps", metric_for_best_model="loss")
-    trainer = transformers.Trainer(
-        model=tiny_gpt2(0),
-        args=args,
-        train_dataset=Tokens(),
-        eval_dataset=Tokens(count=4),
-        callbacks=[CkptstoreCallback("best", client=store)],
-    )
+    trainer, _ = train(tiny_gpt2(0), args, store, "best", evaluate=True)
     with pytest.raises(client.InvalidInputError, match="save_strategy='best'"):
         trainer.train()
 
@@ -124,10 +119,11 @@ def test_stored_optimizer_state_loads_onto_the_accelerator_by_the_rules(store: c
 
 
 peft = pytest.importorskip("peft")
+from tests.client.test_lora import lora_llama  # noqa: E402  (a small Llama with a LoRA adapter)
 
 
 def test_peft_versions_store_the_adapters_new_bytes_and_resume_bitwise(store: client.Client, tmp_path: Path) -> None:
-    full, _ = train(tiny_lora_llama(0), arguments(tmp_path / "a"), store, "lora")
+    full, _ = train(lora_llama(0), arguments(tmp_path / "a"), store, "lora")
     full.train()
     first, second = store.versions("lora")
     params = list(full.model.named_parameters())
@@ -138,7 +134,7 @@ def test_peft_versions_store_the_adapters_new_bytes_and_resume_bitwise(store: cl
     assert adapter <= second.bytes_new <= 3 * adapter + 64 * 1024
     assert second.bytes_total > frozen + adapter
 
-    fresh = tiny_lora_llama(99)
+    fresh = lora_llama(99)
     resumed, _ = train(fresh, arguments(tmp_path / "b"), store, "lora-resumed")
     resume(resumed, "lora", 1, client=store)
     assert_same_weights(full.model, resumed.model)
