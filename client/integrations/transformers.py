@@ -120,9 +120,11 @@ class CkptstoreCallback(TrainerCallback):
         if not control.should_save:
             return
         control.should_save = False
+        # The Trainer logs a step once: at an epoch's end its last step is often logged already.
+        logged = any(entry.get("step") == state.global_step for entry in state.log_history)
         if control.should_evaluate:
             self._due = "evaluate"
-        elif control.should_log:
+        elif control.should_log and not logged:
             self._due = "log"
         else:
             self._save(args, state, kw)

@@ -71,6 +71,15 @@ def test_resume_from_the_store_is_bitwise_identical(ckpt: client.Client, tmp_pat
     assert ckpt.versions("resumed")[0].metrics["loss"] == ckpt.versions("full")[1].metrics["loss"]
 
 
+def test_epoch_saves_are_taken_at_each_epochs_end(store: client.Client, tmp_path: Path) -> None:
+    args = arguments(tmp_path / "out", max_steps=-1, num_train_epochs=2, save_strategy="epoch")
+    trainer, _ = train(tiny_gpt2(0), args, store, "epochs")
+    trainer.train()
+    versions = store.versions("epochs")
+    assert [v.step for v in versions] == [12, 24]  # 24 sequences in batches of 2
+    assert [v.metrics["epoch"] for v in versions] == [1.0, 2.0]
+
+
 def test_save_total_limit_keeps_the_last_versions_and_the_best(store: client.Client, tmp_path: Path) -> None:
     args = arguments(
         tmp_path / "out",
