@@ -19,7 +19,7 @@ from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
 from client.saving import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
-from client.state import FlatState, TensorRecord, flatten
+from client.state import FlatState, TensorRecord, flatten, flatten_extra
 from client.transport import Transport
 from service.errors import (
     InvalidInputError,
@@ -259,17 +259,19 @@ class Client:
         tensors: Mapping[str, torch.Tensor],
         *,
         trainable: bool = False,
+        extra: dict[str, Any] | None = None,
         step: int | None = None,
         metrics: dict[str, float] | None = None,
         tags: list[str] | tuple[str, ...] = (),
     ) -> SaveResult:
-        """Store a plain ``{name: tensor}`` dict as the next version of ``run_id``, model tensors only.
+        """Store a plain ``{name: tensor}`` dict as the next version of ``run_id``.
 
         Each tensor becomes ``model/<name>`` with placement ``target`` and the given
         ``trainable`` flag, so a base model imported this way (``ckptstore import``) is stored
         once and every later :meth:`save` of a model holding the same weights dedups against it.
         Tensors may be memory-mapped: they are hashed and written shard by shard, never copied
-        all at once.
+        all at once. ``extra`` is stored as in :meth:`save` (JSON with its tensors by key;
+        what is neither is refused naming its path) and comes back as ``LoadResult.extra``.
         """
         self._wait_for_background(report=True)
         started = time.perf_counter()
@@ -285,6 +287,8 @@ class Client:
             if not isinstance(tensor, torch.Tensor):
                 raise StateEncodingError(f"{key}: a {type(tensor).__name__}, not a tensor")
             flat.add(TensorRecord(key, tensor, "target", trainable=trainable))
+        if extra is not None:
+            flatten_extra(flat, extra)
         return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
 
     def _save_flat(

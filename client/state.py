@@ -130,6 +130,13 @@ def flatten_other(flat: FlatState, section: str, value: Any) -> None:
     flat.state[section] = jsonstate.encode(value, section, store)
 
 
+def flatten_extra(flat: FlatState, extra: Any) -> None:
+    """Add user extras (a dict of JSON values and tensors) under ``extra``."""
+    if not isinstance(extra, dict):
+        raise StateEncodingError(f"extra must be a dict, not {type(extra).__name__}")
+    flatten_other(flat, "extra", extra)
+
+
 def flatten(
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None = None,
@@ -144,7 +151,5 @@ def flatten(
     if scheduler is not None:
         flatten_other(flat, "scheduler", scheduler.state_dict())
     if extra is not None:
-        if not isinstance(extra, dict):
-            raise StateEncodingError(f"extra must be a dict, not {type(extra).__name__}")
-        flatten_other(flat, "extra", extra)
+        flatten_extra(flat, extra)
     return flat

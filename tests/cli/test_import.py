@@ -6,9 +6,11 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import client
 from tests.cli.conftest import Cli
 from tests.cli.test_export import assert_same_tensors, load_folder
 from tests.client.models import TinyNet
@@ -89,6 +91,17 @@ def test_save_state_dict_takes_the_save_path(cli: Cli) -> None:
     assert_same_tensors(loaded.state_dict, tensors)
     again = cli.client.save_state_dict("plain", tensors, trainable=True)
     assert again.bytes_new == 0 and again.bytes_stored == 0
+
+
+def test_save_state_dict_stores_extras_as_json_with_their_tensors(cli: Cli) -> None:
+    extra = {"loops": {"epoch": 3, "betas": (0.9, 0.99)}, "ema": torch.arange(4, dtype=torch.bfloat16)}
+    cli.client.save_state_dict("with-extra", {"w": torch.ones(3)}, extra=extra)
+    loaded = cli.client.load("with-extra")
+    assert loaded.extra["loops"] == {"epoch": 3, "betas": (0.9, 0.99)}
+    assert loaded.extra["ema"].dtype == torch.bfloat16 and torch.equal(loaded.extra["ema"], extra["ema"])
+    with pytest.raises(client.StateEncodingError, match="extra/loops/callback"):
+        cli.client.save_state_dict("with-extra", {"w": torch.ones(3)}, extra={"loops": {"callback": print}})
+    assert len(cli.client.versions("with-extra")) == 1
 
 
 def header_file(path: Path, header: dict[str, object], data: bytes) -> Path:

@@ -1,0 +1,178 @@
+"""Lightning's checkpoints as ckptstore versions: ``Trainer(plugins=[CkptstoreCheckpointIO("my-run")])``.
+
+Every checkpoint Lightning writes (``ModelCheckpoint``'s top-k and ``last``, ``trainer.save_checkpoint``)
+becomes a version of the run, tagged with the checkpoint's file name (see
+:func:`client.integrations.paths.tag_for_path`); no file is written. Saving to a name again
+moves its tag to the new version and deletes the version the name held before, unless another
+tag keeps it, as overwriting a file would; ``ModelCheckpoint`` dropping a checkpoint from its
+top k deletes the version the same way. Resume with ``trainer.fit(model, ckpt_path="ckptstore://my-run@last")``
+(any ``RUN@REF``: a number, ``latest`` or a tag), or with a path ``ModelCheckpoint`` reported
+(``best_model_path``, ``ckpt_path="best"``).
+
+The model's weights are stored as model tensors (deduplicated across versions); optimizer
+states, schedulers, loops, callback state and hyperparameters as JSON, their tensors by key with
+their dtype and device class. A value that is neither is refused, naming its key; nothing is
+pickled.
+
+``CkptstoreCheckpointIO`` subclasses the ``lightning`` package's ``CheckpointIO`` (or, without
+it, ``pytorch_lightning``'s); ``PLCkptstoreCheckpointIO`` is always ``pytorch_lightning``'s.
+:class:`RngStateCallback` adds the random number generators' state to every checkpoint, so a
+resumed run is bit-exact even with dropout and shuffled data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Any
+
+import torch
+
+from client.api import Client
+from client.integrations.paths import StoreRef, parse_store_path, tag_for_path
+from client.integrations.rng import capture_rng, restore_rng
+from client.integrations.trees import load_tree, save_tree
+from service.errors import InvalidInputError, NotFoundError
+from service.format.names import LATEST, METRIC_PATTERN, validate_run_id
+from service.records import VersionInfo
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch import Callback
+except ImportError:  # only the pytorch_lightning distribution is installed
+    from lightning_fabric.plugins import CheckpointIO  # type: ignore[assignment]
+    from pytorch_lightning import Callback  # type: ignore[assignment]
+
+WEIGHTS_KEY = "state_dict"
+_METRIC_RE = re.compile(METRIC_PATTERN)
+
+
+class _StoreCheckpointIO:
+    """What both packages' plug-ins do; the concrete classes add Lightning's base class."""
+
+    def __init__(self, run_id: str, *, client: Client | None = None) -> None:
+        """Store checkpoints as versions of ``run_id`` through ``client`` (default: :func:`client.default_client`)."""
+        super().__init__()
+        self.run_id = validate_run_id(run_id)
+        self._client = client
+
+    @property
+    def client(self) -> Client:
+        """The client versions go through."""
+        if self._client is None:
+            from client import default_client
+
+            self._client = default_client()
+        return self._client
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Store ``checkpoint`` as the next version, tagged with ``path``'s file name (or the tag a
+        ``ckptstore://RUN@TAG`` path names); the version the tag held before goes unless another tag keeps it."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        run_id, tag = self._tagged_target(path)
+        previous = self._holder(run_id, tag)
+        save_tree(
+            self.client,
+            run_id,
+            checkpoint,
+            weights_key=WEIGHTS_KEY,
+            step=checkpoint.get("global_step"),
+            metrics=monitored_metrics(checkpoint),
+            tags=[tag],
+        )
+        if previous is not None and set(previous.tags) == {tag}:
+            self.client.delete(run_id, previous.version)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict stored at ``path``: ``ckptstore://RUN@REF`` or a path this plug-in saved to.
+
+        With ``map_location`` None every tensor returns to the device class it was saved from;
+        given a device (or its name), every tensor goes there. ``weights_only`` changes
+        nothing: nothing stored is ever unpickled.
+        """
+        ref = parse_store_path(path) or StoreRef(self.run_id, tag_for_path(path))
+        return load_tree(self.client, ref, weights_key=WEIGHTS_KEY, map_location=map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Drop ``path``'s tag, and its version unless another tag keeps it (nothing if no version holds it)."""
+        run_id, tag = self._tagged_target(path)
+        holder = self._holder(run_id, tag)
+        if holder is None:
+            return
+        if set(holder.tags) == {tag}:
+            self.client.delete(run_id, holder.version)
+        else:
+            self.client.untag(run_id, tag)
+
+    def _tagged_target(self, path: Any) -> tuple[str, str]:
+        """(run, tag) a save or removal at ``path`` works on."""
+        ref = parse_store_path(path)
+        if ref is None:
+            return self.run_id, tag_for_path(path)
+        if not isinstance(ref.ref, str) or ref.ref == LATEST:
+            raise InvalidInputError(f"{path}: a checkpoint is saved under a tag (ckptstore://RUN@TAG), not {ref.ref!r}")
+        return ref.run_id, ref.ref
+
+    def _holder(self, run_id: str, tag: str) -> VersionInfo | None:
+        """The version ``tag`` points at, if any."""
+        try:
+            versions = self.client.versions(run_id)
+        except NotFoundError:
+            return None
+        return next((v for v in versions if tag in v.tags), None)
+
+
+def monitored_metrics(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """The scores ``ModelCheckpoint`` callbacks hold (``{monitor: current_score}``), as version metrics."""
+    metrics: dict[str, float] = {}
+    callbacks = checkpoint.get("callbacks")
+    for state in callbacks.values() if isinstance(callbacks, dict) else ():
+        if not isinstance(state, dict):
+            continue
+        monitor, score = state.get("monitor"), state.get("current_score")
+        if isinstance(score, torch.Tensor) and score.numel() == 1:
+            score = score.item()
+        if isinstance(monitor, str) and _METRIC_RE.fullmatch(monitor) and isinstance(score, (int, float)):
+            if math.isfinite(score):
+                metrics[monitor] = float(score)
+    return metrics
+
+
+class CkptstoreCheckpointIO(_StoreCheckpointIO, CheckpointIO):
+    """A Lightning ``CheckpointIO`` that stores checkpoints as versions of one run.
+
+    Args:
+        run_id: the run every checkpoint becomes a version of.
+        client: the store (default: :func:`client.default_client`, from ``CKPTSTORE_URL`` /
+            ``CKPTSTORE_HOME``).
+    """
+
+
+class RngStateCallback(Callback):
+    """Keeps Python's, NumPy's and torch's random number generator state in every checkpoint and
+    puts it back on resume, which Lightning does not do: with dropout or a shuffled sampler, a
+    resumed run then draws exactly what the uninterrupted one did.
+
+    The state is stored as tensors (torch's byte state, NumPy's keys) and JSON, under the
+    callback's key in ``callbacks``.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generators' state now (Lightning calls this as it builds a checkpoint)."""
+        return capture_rng()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put the generators back as they were when the checkpoint was built."""
+        restore_rng(state_dict)
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use: pytorch_lightning is a separate distribution with its own base class.
+    if name == "PLCkptstoreCheckpointIO":
+        base = importlib.import_module("lightning_fabric.plugins").CheckpointIO
+        cls = type(name, (_StoreCheckpointIO, base), {"__doc__": CkptstoreCheckpointIO.__doc__, "__module__": __name__})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
