@@ -16,8 +16,9 @@ pickled.
 
 ``CkptstoreCheckpointIO`` subclasses the ``lightning`` package's ``CheckpointIO`` (or, without
 it, ``pytorch_lightning``'s); ``PLCkptstoreCheckpointIO`` is always ``pytorch_lightning``'s.
-:class:`RngStateCallback` adds the random number generators' state to every checkpoint, so a
-resumed run is bit-exact even with dropout and shuffled data.
+:class:`ResumeStateCallback` adds the random number generators' state to every checkpoint, so a
+resumed run is bit-exact even with dropout and shuffled data, and gives optimizer state back the
+dtypes and devices Lightning's own loading takes from it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from client.api import Client
+from client.integrations.optimizer_repair import repair_loaded_optimizer
 from client.integrations.paths import StoreRef, parse_store_path, tag_for_path
 from client.integrations.rng import capture_rng, restore_rng
 from client.integrations.trees import load_tree, save_tree
@@ -150,14 +152,23 @@ class CkptstoreCheckpointIO(_StoreCheckpointIO, CheckpointIO):
     """
 
 
-class RngStateCallback(Callback):
-    """Keeps Python's, NumPy's and torch's random number generator state in every checkpoint and
-    puts it back on resume, which Lightning does not do: with dropout or a shuffled sampler, a
-    resumed run then draws exactly what the uninterrupted one did.
+class ResumeStateCallback(Callback):
+    """Keeps what Lightning's own resume loses, and puts it back.
 
-    The state is stored as tensors (torch's byte state, NumPy's keys) and JSON, under the
-    callback's key in ``callbacks``.
+    - The random number generators (Python's, NumPy's, torch's): their state goes into every
+      checkpoint (as tensors and JSON, under this callback's key in ``callbacks``) and comes
+      back on resume, so with dropout or a shuffled sampler a resumed run draws exactly what the
+      uninterrupted one did.
+    - Optimizer state as saved: Lightning loads it with ``optimizer.load_state_dict``, which
+      casts floating state to the parameter's dtype (an optimizer's bf16 state comes back fp32)
+      and leaves tensors in ``param_groups`` (Prodigy's ``running_d_*``) where they were loaded.
+      When training starts, each state tensor gets its saved dtype back and each group tensor
+      moves to its parameters' device (:mod:`client.integrations.optimizer_repair`).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._optimizer_states: list[Any] = []
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' state now (Lightning calls this as it builds a checkpoint)."""
@@ -166,6 +177,18 @@ class RngStateCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Put the generators back as they were when the checkpoint was built."""
         restore_rng(state_dict)
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Keep the optimizer states as the checkpoint holds them, for :meth:`on_train_start`."""
+        states = checkpoint.get("optimizer_states")
+        self._optimizer_states = list(states) if isinstance(states, list) else []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Once Lightning has loaded the optimizers: saved dtypes back, group tensors placed."""
+        states, self._optimizer_states = self._optimizer_states, []
+        for optimizer, saved in zip(trainer.optimizers, states, strict=False):
+            if isinstance(saved, dict):
+                repair_loaded_optimizer(optimizer, saved)
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ pl = pytest.importorskip("lightning.pytorch")  # the .[lightning] extra; install
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import client  # noqa: E402
-from client.integrations.lightning import CkptstoreCheckpointIO, RngStateCallback  # noqa: E402
+from client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
 from client.integrations.paths import tag_for_path  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
 from tests.integrations.lightning_kit import VAL_SCORES, TinyModule, loaders, trainer  # noqa: E402
@@ -68,14 +68,14 @@ def fit_and_weights(
     callback = ModelCheckpoint(save_top_k=-1, every_n_epochs=1)
     torch.manual_seed(seed)
     module = TinyModule()
-    fit = trainer(root, epochs=4, plugins=[io], callbacks=[callback, RngStateCallback()])
+    fit = trainer(root, epochs=4, plugins=[io], callbacks=[callback, ResumeStateCallback()])
     fit.fit(module, *loaders(), ckpt_path=ckpt_path)
     return module, fit, callback
 
 
 def test_resume_from_the_store_is_bitwise_identical(ckpt: client.Client, tmp_path: Path) -> None:
     # Dropout and a shuffled sampler draw from the RNG after the resume point, so this holds
-    # only because RngStateCallback put the generators back.
+    # only because ResumeStateCallback put the generators back.
     full, full_trainer, callback = fit_and_weights(CkptstoreCheckpointIO("full", client=ckpt), tmp_path / "a", seed=0)
     assert callback.dirpath is not None
     epoch_1 = str(Path(callback.dirpath) / "epoch=1-step=8.ckpt")  # the path ModelCheckpoint saved to
