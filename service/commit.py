@@ -56,7 +56,7 @@ def _lock_run(session: Session, run_id: str) -> int:
     return cast(int, session.connection().execute(_LOCK_RUN, {"run_id": run_id}).scalar_one())
 
 
-# The shape as the database holds it: see _Shapes. EXISTS stops at a digest's first reference,
+# The shape as the database holds it: see ShapeCache. EXISTS stops at a digest's first reference,
 # where reading the references themselves would take every version's, and a run's commits
 # would slow down as versions sharing its weights add up.
 _STORED = select(
@@ -85,7 +85,7 @@ def _stored_tensors(session: Session, digests: list[str]) -> dict[str, tuple[str
     return found
 
 
-class _Shapes:
+class ShapeCache:
     """Stored shapes read as lists, each distinct JSON text parsed once.
 
     A model's tensors share a few shapes, so parsing every row's text anew was a good part of
@@ -158,7 +158,7 @@ def check_references(session: Session, body: ManifestBody) -> tuple[dict[str, in
         )
     empty = [d for d, n in sizes.items() if n == 0]
     seen = _empty_referenced(session, empty) if empty else set()
-    shapes = _Shapes()
+    shapes = ShapeCache()
     for digest, claims in expected.items():
         row_dtype, row_text, nbytes, referenced = stored[digest]
         row_shape = shapes(row_text)
