@@ -33,6 +33,7 @@ from service.format.sharding import SHARD_METADATA
 from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
 from service.listings import latest_versions, one_version, run_versions
+from service.manifest_parts import manifest_text, release_versions
 from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_policy, describe_policy, lock_run, read_policy, write_policy
@@ -377,9 +378,7 @@ class Store:
         """The manifest of the version ``ref`` names."""
         with self.db.transaction() as session:
             version = _resolve(session, validate_run_id(run_id), ref)
-            row = session.get(Version, (run_id, version))
-            assert row is not None
-            return manifest_from_json(row.manifest)
+            return manifest_from_json(manifest_text(session, run_id, version))
 
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live; NotFoundError names any the store lacks."""
@@ -518,6 +517,7 @@ class Store:
             lock_run(session, validate_run_id(run_id))  # a commit's retention may be removing it too
             version = _resolve(session, run_id, ref)
             session.query(Tag).filter_by(run_id=run_id, version=version).delete()
+            release_versions(session, run_id, [version])
             row = session.get(Version, (run_id, version))
             session.delete(row)
             return version
