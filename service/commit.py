@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from sqlalchemy import Text, bindparam, insert, select, type_coerce, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.expression import ColumnElement, Exists
 
 from service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_new
@@ -61,7 +62,7 @@ def _lock_run(session: Session, run_id: str) -> int:
 
 
 
-def _listed_reference(digest: object) -> object:
+def _listed_reference(digest: ColumnElement[str]) -> Exists:
     """Whether a part some committed version lists references ``digest`` (an EXISTS)."""
     return (
         select(_REFS.c.digest)
