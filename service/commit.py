@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 from sqlalchemy import Text, bindparam, insert, select, type_coerce, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.expression import ColumnElement, Exists
 
-from service.db.models import Run, Tag, Tensor, Version, VersionRef, table, utcnow
+from service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_new
 from service.errors import ConflictError, InvalidManifestError, MissingTensorsError, format_list
 from service.format.bounds import INT64_MAX, MAX_VERSION
 from service.format.digest import tensor_digest
-from service.format.manifest import ManifestBody, TensorEntry, manifest_to_json, stamp
+from service.format.manifest import ManifestBody, TensorEntry, stamp
+from service.format.parts import head_json, split
 from service.gc import hold_shared
+from service.manifest_parts import count_versions, known_parts, store_parts
 from service.records import VersionInfo
 from service.retention import apply_policy
 
@@ -25,7 +29,8 @@ BATCH = 500
 _RUNS = table(Run)
 _VERSIONS = table(Version)
 _TENSORS = table(Tensor)
-_REFS = table(VersionRef)
+_REFS = table(PartRef)
+_PARTS = table(ManifestPart)
 
 # Core statements on the session's connection, built once: the ORM's statements, objects and
 # flushes took ~3 ms of a commit that adds one run update and one version row.
@@ -42,7 +47,6 @@ _NUMBER_RUN = (
     .values(version_counter=bindparam("number"), updated_at=bindparam("now"))
 )
 _ADD_VERSION = insert(_VERSIONS)
-_ADD_REFERENCE = insert(_REFS)
 
 
 def _lock_run(session: Session, run_id: str) -> int:
@@ -56,16 +60,33 @@ def _lock_run(session: Session, run_id: str) -> int:
     return cast(int, session.connection().execute(_LOCK_RUN, {"run_id": run_id}).scalar_one())
 
 
-# The shape as the database holds it: see _Shapes. EXISTS stops at a digest's first reference,
-# where reading the references themselves would take every version's, and a run's commits
-# would slow down as versions sharing its weights add up.
+
+
+def _listed_reference(digest: ColumnElement[str]) -> Exists:
+    """Whether a part some committed version lists references ``digest`` (an EXISTS)."""
+    return (
+        select(_REFS.c.digest)
+        .join(_PARTS, _PARTS.c.id == _REFS.c.part_id)
+        .where(_REFS.c.digest == digest, _PARTS.c.versions > 0)
+        .exists()
+    )
+
+
+# The shape as the database holds it: see ShapeCache. EXISTS stops at a digest's first listed
+# reference, where reading the references themselves would take every part's.
 _STORED = select(
     _TENSORS.c.digest,
     _TENSORS.c.dtype,
     type_coerce(_TENSORS.c.shape, Text),
     _TENSORS.c.nbytes,
-    select(_REFS.c.digest).where(_REFS.c.digest == _TENSORS.c.digest).exists(),
+    _listed_reference(_TENSORS.c.digest),
 ).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
+_EMPTY_LISTED = (
+    select(_REFS.c.digest)
+    .join(_PARTS, _PARTS.c.id == _REFS.c.part_id)
+    .where(_REFS.c.digest.in_(bindparam("digests", expanding=True)), _PARTS.c.versions > 0)
+    .distinct()
+)
 
 
 def _stored_tensors(session: Session, digests: list[str]) -> dict[str, tuple[str, Any, int, bool]]:
@@ -85,7 +106,7 @@ def _stored_tensors(session: Session, digests: list[str]) -> dict[str, tuple[str
     return found
 
 
-class _Shapes:
+class ShapeCache:
     """Stored shapes read as lists, each distinct JSON text parsed once.
 
     A model's tensors share a few shapes, so parsing every row's text anew was a good part of
@@ -109,19 +130,8 @@ def _empty_referenced(session: Session, empty: list[str]) -> set[str]:
     seen: set[str] = set()
     connection = session.connection()
     for start in range(0, len(empty), BATCH):
-        batch = empty[start : start + BATCH]
-        seen.update(connection.scalars(select(_REFS.c.digest).where(_REFS.c.digest.in_(batch)).distinct()))
+        seen.update(connection.execute(_EMPTY_LISTED, {"digests": empty[start : start + BATCH]}).scalars())
     return seen
-
-
-def _add_references(session: Session, run_id: str, version: int, digests: list[str]) -> None:
-    # Core executemany on the connection, not ORM objects: a version of 100,000 tensors adds as
-    # many rows, and building, tracking and flushing an object per row was most of a small
-    # commit's time.
-    connection = session.connection()
-    for start in range(0, len(digests), BATCH):
-        rows = [{"run_id": run_id, "version": version, "digest": d} for d in digests[start : start + BATCH]]
-        connection.execute(_ADD_REFERENCE, rows)
 
 
 def _pieces(entry: TensorEntry) -> list[tuple[str, list[int]]]:
@@ -130,8 +140,8 @@ def _pieces(entry: TensorEntry) -> list[tuple[str, list[int]]]:
     return [(c.digest, c.shape) for c in entry.chunks or ()]
 
 
-def check_references(session: Session, body: ManifestBody) -> tuple[dict[str, int], set[str]]:
-    """Check every digest is stored with the dtype and shape the manifest claims.
+def check_references(session: Session, entries: Iterable[TensorEntry]) -> tuple[dict[str, int], set[str]]:
+    """Check every digest of ``entries`` is stored with the dtype and shape the manifest claims.
 
     Returns the byte size of every distinct stored digest, and those of them some committed
     version references already. Empty pieces need no storage; their digest must be the
@@ -140,7 +150,7 @@ def check_references(session: Session, body: ManifestBody) -> tuple[dict[str, in
     # Every claim is kept, not only the first: two keys may share a digest and each must agree.
     expected: dict[str, list[tuple[str, list[int], str]]] = {}
     sizes: dict[str, int] = {}
-    for entry in body.tensors:
+    for entry in entries:
         for digest, shape in _pieces(entry):
             if 0 in shape:
                 if digest != tensor_digest(entry.dtype, shape, b""):
@@ -158,7 +168,7 @@ def check_references(session: Session, body: ManifestBody) -> tuple[dict[str, in
         )
     empty = [d for d, n in sizes.items() if n == 0]
     seen = _empty_referenced(session, empty) if empty else set()
-    shapes = _Shapes()
+    shapes = ShapeCache()
     for digest, claims in expected.items():
         row_dtype, row_text, nbytes, referenced = stored[digest]
         row_shape = shapes(row_text)
@@ -189,7 +199,12 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
         raise ConflictError(
             f"run {run_id!r} has used every version number up to {MAX_VERSION}; save to a new run"
         )
-    sizes, seen_before = check_references(session, body)
+    # Parts some version lists were checked when first committed, and their tensors stay while
+    # any version lists them (the collection lock is held): only the other parts are checked.
+    parts = split(body.tensors)
+    known = known_parts(session, [part.digest for part in parts])
+    unchecked = [entry for part in parts if known.get(part.digest, (0, 0))[1] <= 0 for entry in part.entries]
+    sizes, seen_before = check_references(session, unchecked)
     connection = session.connection()
     parent = connection.execute(_LATEST, {"run_id": run_id}).scalar()
     number = counter + 1
@@ -218,8 +233,9 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
         "bytes_new": sum(sizes[d] for d in new_digests),
         "bytes_trainable": bytes_trainable,
     }
-    connection.execute(_ADD_VERSION, {**row, "manifest": manifest_to_json(manifest)})
-    _add_references(session, run_id, number, list(sizes))
+    part_ids = store_parts(session, parts, known)
+    count_versions(session, Counter(part_ids))
+    connection.execute(_ADD_VERSION, {**row, "manifest": head_json(manifest), "parts": part_ids})
     for name in dict.fromkeys(tags):
         existing = session.get(Tag, (run_id, name))
         if existing is None:

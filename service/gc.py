@@ -2,9 +2,11 @@
 
 Deleting a version never deletes bytes; :func:`collect` does, later:
 
-- **Mark.** A tensor is *referenced* when any committed version lists its digest
-  (``version_refs``; deleting a version drops its references by cascade). A shard is *live*
-  while any of its tensor rows is referenced.
+- **Mark.** A tensor is *referenced* when a manifest part that some committed version lists
+  names its digest (``part_refs`` of a ``manifest_parts`` row whose version count is above 0;
+  see :mod:`service.manifest_parts`). A shard is *live* while any of its tensor rows is
+  referenced. Parts no version lists any more are deleted first, batch by batch under the
+  exclusive lock, with their bodies and references.
 - **Grace.** A shard with no referenced tensor is still kept while it is recent (recorded less
   than ``grace_seconds`` ago: an upload whose commit has not come yet) or while any of its
   tensors was reported present by :meth:`Store.missing` within the grace period (a save that
@@ -56,9 +58,10 @@ from sqlalchemy.orm import Session, aliased
 
 from service.blobs import BlobStore
 from service.db import Database
-from service.db.models import Shard, StoreLock, Tensor, VersionRef, utcnow
+from service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, utcnow
 from service.db.session import insert_new
 from service.errors import InvalidInputError
+from service.manifest_parts import delete_parts, unlisted_parts
 from service.records import GcReport
 
 GC_LOCK = "gc"
@@ -108,8 +111,9 @@ def _unreferenced_shards(session: Session, cutoff: datetime, among: Sequence[str
     inner = aliased(Tensor)
     referenced = (
         select(inner.digest)
-        .join(VersionRef, VersionRef.digest == inner.digest)
-        .where(inner.shard_id == Shard.id)
+        .join(PartRef, PartRef.digest == inner.digest)
+        .join(ManifestPart, ManifestPart.id == PartRef.part_id)
+        .where(inner.shard_id == Shard.id, ManifestPart.versions > 0)
         .correlate(Shard)
     )
     statement = (
@@ -155,6 +159,19 @@ def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tup
             session.execute(delete(Tensor).where(Tensor.shard_id.in_(ids)))
             session.execute(delete(Shard).where(Shard.id.in_(ids)))
         return still, len(marked) - len(still)
+
+
+def _sweep_parts(db: Database) -> int:
+    """Delete every manifest part no version lists, a batch per hold of the exclusive lock; how many."""
+    swept = 0
+    while True:
+        with db.transaction() as session:
+            hold_exclusive(session)
+            ids = unlisted_parts(session, SWEEP_BATCH)
+            delete_parts(session, ids)
+        swept += len(ids)
+        if len(ids) < SWEEP_BATCH:
+            return swept
 
 
 def _delete_unrecorded_blobs(db: Database, blobs: BlobStore, shard_ids: Sequence[str]) -> int:
@@ -222,6 +239,8 @@ def collect(
         raise InvalidInputError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS}, not {grace_seconds!r}")
     started = time.perf_counter()
     cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
+    if not dry_run:
+        _sweep_parts(db)  # the mark below ignores them anyway; this reclaims their rows
     # A first look without the lock; each batch is marked again under it before anything goes, so
     # saves wait for one batch at a time, never for the whole collection.
     with db.transaction() as session:

@@ -16,6 +16,7 @@ from service.db.models import RetentionPolicy as PolicyRow
 from service.db.models import Run, Tag, Version
 from service.db.session import insert_new
 from service.errors import NotFoundError
+from service.manifest_parts import release_versions
 from service.records import RetentionPolicy
 from service.retention_rules import Mode, Policy, versions_to_remove
 
@@ -83,12 +84,14 @@ def describe_policy(session: Session, run_id: str, policy: Policy) -> RetentionP
 def apply_policy(session: Session, run_id: str) -> list[int]:
     """Remove the versions the run's policy does not keep; returns their numbers.
 
-    The caller holds the run's row lock. Removed versions' references go with them (the
-    foreign keys cascade); their bytes stay stored until garbage collection.
+    The caller holds the run's row lock. Removed versions are taken off their manifest parts'
+    counts; the parts no version lists any more, and their bytes, stay stored until garbage
+    collection.
     """
     doomed = plan_removal(session, run_id, read_policy(session, run_id))
     for start in range(0, len(doomed), DELETE_BATCH):
         batch = doomed[start : start + DELETE_BATCH]
+        release_versions(session, run_id, batch)
         statement = delete(Version).where(Version.run_id == run_id, Version.version.in_(batch))
         # Bulk delete: callers hold no ORM object of an older version (a commit holds only its new one).
         session.execute(statement.execution_options(synchronize_session=False))

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import Text, bindparam, func, select, type_coerce, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore, LocalBlobStore
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
-from service.commit import commit_version
+from service.commit import ShapeCache, commit_version
 from service.db import Database
 from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
@@ -32,6 +32,8 @@ from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, lay
 from service.format.sharding import SHARD_METADATA
 from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
 from service.ingest import verify_shard_file
+from service.listings import latest_versions, one_version, run_versions
+from service.manifest_parts import manifest_text, release_versions
 from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_policy, describe_policy, lock_run, read_policy, write_policy
@@ -73,6 +75,14 @@ _STAMP_SEEN = (
     .values(last_seen_at=bindparam("now"))
 )
 _SHARD_KNOWN = select(Shard.id).where(Shard.id == bindparam("shard_id"))
+_LOCATE = select(
+    _TENSORS.c.digest,
+    _TENSORS.c.shard_id,
+    _TENSORS.c.offset,
+    _TENSORS.c.nbytes,
+    _TENSORS.c.dtype,
+    type_coerce(_TENSORS.c.shape, Text),
+).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
 
 
 class Store:
@@ -368,24 +378,21 @@ class Store:
         """The manifest of the version ``ref`` names."""
         with self.db.transaction() as session:
             version = _resolve(session, validate_run_id(run_id), ref)
-            row = session.get(Version, (run_id, version))
-            assert row is not None
-            return manifest_from_json(row.manifest)
+            return manifest_from_json(manifest_text(session, run_id, version))
 
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live; NotFoundError names any the store lacks."""
         wanted = _check_digests(digests)
         found: dict[str, TensorLocation] = {}
+        shapes = ShapeCache()
         with self.db.transaction() as session:
+            connection = session.connection()
             for batch in _batches(wanted):
-                for row in session.scalars(select(Tensor).where(Tensor.digest.in_(batch))):
-                    found[row.digest] = TensorLocation(
-                        digest=row.digest,
-                        shard_id=row.shard_id,
-                        offset=row.offset,
-                        nbytes=row.nbytes,
-                        dtype=row.dtype,
-                        shape=list(row.shape),
+                # Plain tuples through a statement built once: an ORM object per tensor was a
+                # third of loading a model of many small tensors.
+                for digest, shard_id, offset, nbytes, dtype, shape in connection.execute(_LOCATE, {"digests": batch}):
+                    found[digest] = TensorLocation.model_construct(
+                        digest=digest, shard_id=shard_id, offset=offset, nbytes=nbytes, dtype=dtype, shape=shapes(shape)
                     )
         absent = [d for d in wanted if d not in found]
         if absent:
@@ -456,14 +463,28 @@ class Store:
             return result
 
     def versions(self, run_id: str) -> list[VersionInfo]:
-        """Every version of ``run_id``, oldest first."""
+        """Every version of ``run_id``, oldest first (summary columns only, no manifest is read)."""
         with self.db.transaction() as session:
             _require_run(session, validate_run_id(run_id))
-            tags: dict[int, list[str]] = {}
-            for tag in session.scalars(select(Tag).where(Tag.run_id == run_id).order_by(Tag.name)):
-                tags.setdefault(tag.version, []).append(tag.name)
-            rows = session.scalars(select(Version).where(Version.run_id == run_id).order_by(Version.version))
-            return [version_info(row, tags.get(row.version, [])) for row in rows]
+            return run_versions(session, run_id)
+
+    def version(self, run_id: str, ref: int | str = LATEST) -> VersionInfo:
+        """The summary of the one version ``ref`` names."""
+        with self.db.transaction() as session:
+            number = _resolve(session, validate_run_id(run_id), ref)
+            info = one_version(session, run_id, number)
+            assert info is not None  # resolved in this transaction
+            return info
+
+    def runs_overview(self) -> list[tuple[RunInfo, VersionInfo | None, list[tuple[str, int]]]]:
+        """Every run (as :meth:`runs`) with its newest version and its tags as ``(name, version)`` pairs.
+
+        Three statements whatever the number of runs, and no manifest read.
+        """
+        runs = self.runs()
+        with self.db.transaction() as session:
+            latest, tags = latest_versions(session)
+        return [(run, latest.get(run.run_id), tags.get(run.run_id, [])) for run in runs]
 
     # -- tags and deletion ---------------------------------------------------------------
 
@@ -496,6 +517,7 @@ class Store:
             lock_run(session, validate_run_id(run_id))  # a commit's retention may be removing it too
             version = _resolve(session, run_id, ref)
             session.query(Tag).filter_by(run_id=run_id, version=version).delete()
+            release_versions(session, run_id, [version])
             row = session.get(Version, (run_id, version))
             session.delete(row)
             return version
@@ -551,24 +573,6 @@ def _stamp_seen(session: Session, digests: Sequence[str], now: datetime) -> None
     session.connection().execute(_STAMP_SEEN, {"digests": digests, "now": now})
 
 
-def version_info(row: Version, tags: list[str]) -> VersionInfo:
-    """Build the public record of a version row."""
-    return VersionInfo(
-        run_id=row.run_id,
-        version=row.version,
-        parent=row.parent,
-        created_at=row.created_at,
-        tags=tags,
-        step=row.step,
-        metrics=row.metrics or {},
-        tensors_total=row.tensors_total,
-        tensors_new=row.tensors_new,
-        bytes_total=row.bytes_total,
-        bytes_new=row.bytes_new,
-        bytes_trainable=row.bytes_trainable,
-    )
-
-
 def _require_run(session: Session, run_id: str) -> Run:
     run = session.get(Run, run_id)
     if run is None:
@@ -594,4 +598,4 @@ def _resolve(session: Session, run_id: str, ref: int | str) -> int:
     return tag.version
 
 
-__all__ = ["Store", "version_info"]
+__all__ = ["Store"]

@@ -84,14 +84,11 @@ class RunRow:
 
 
 def runs_index(store: Store) -> list[RunRow]:
-    """Every run, most recently updated first."""
-    rows = []
-    for run in store.runs():
-        versions = store.versions(run.run_id)
-        tags = sorted((tag, v.version) for v in versions for tag in v.tags)
-        latest = versions[-1] if versions else None
-        rows.append(RunRow(run.run_id, run.versions, latest, run.bytes_total, run.bytes_new, tags))
-    return rows
+    """Every run, most recently updated first (a fixed number of statements, whatever the runs)."""
+    return [
+        RunRow(run.run_id, run.versions, latest, run.bytes_total, run.bytes_new, tags)
+        for run, latest, tags in store.runs_overview()
+    ]
 
 
 # -- one run's versions -------------------------------------------------------------------------
@@ -264,10 +261,7 @@ def section_of(key: str) -> tuple[str, str]:
 
 def find_version(store: Store, run_id: str, version: int) -> VersionInfo:
     """The record of one version (tags and sizes); NotFoundError if it went away meanwhile."""
-    for info in store.versions(run_id):
-        if info.version == version:
-            return info
-    raise NotFoundError(f"run {run_id!r} has no version {version}")
+    return store.version(run_id, version)
 
 
 def _parent_digests(store: Store, manifest: Manifest) -> set[str] | None:

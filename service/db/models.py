@@ -88,7 +88,11 @@ class Run(Base):
 
 
 class Version(Base):
-    """A committed, immutable checkpoint version and its summary figures."""
+    """A committed, immutable checkpoint version and its summary figures.
+
+    ``manifest`` holds the manifest's head (every field but the tensor entries) and ``parts``
+    the ids of the :class:`ManifestPart` rows holding its entries, in order.
+    """
 
     __tablename__ = "versions"
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
@@ -103,19 +107,47 @@ class Version(Base):
     bytes_new: Mapped[int] = mapped_column(BigInteger)
     bytes_trainable: Mapped[int] = mapped_column(BigInteger)
     manifest: Mapped[str] = mapped_column(Text)
+    parts: Mapped[list[int]] = mapped_column(JSON)
 
 
-class VersionRef(Base):
-    """One tensor digest a version references (for dedup figures and garbage collection)."""
+#: A part's id: SQLite hands out ids only to an INTEGER PRIMARY KEY (its rowid).
+_PART_ID = BigInteger().with_variant(Integer, "sqlite")
 
-    __tablename__ = "version_refs"
-    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+def _part_key() -> ForeignKey:
+    return ForeignKey("manifest_parts.id", ondelete="CASCADE")
+
+
+class ManifestPart(Base):
+    """A content-addressed group of manifest entries (see :mod:`service.format.parts`).
+
+    ``versions`` counts the committed versions listing it: commits add to it and deletions
+    take from it in their transactions, and garbage collection removes parts it counts none
+    for. The body lives in :class:`PartBody`, so updating the count rewrites a short row.
+    """
+
+    __tablename__ = "manifest_parts"
+    id: Mapped[int] = mapped_column(_PART_ID, primary_key=True, autoincrement=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    versions: Mapped[int] = mapped_column(BigInteger)
+
+
+class PartBody(Base):
+    """The JSON text of a manifest part's entries."""
+
+    __tablename__ = "part_bodies"
+    part_id: Mapped[int] = mapped_column(_PART_ID, _part_key(), primary_key=True)
+    entries: Mapped[int] = mapped_column(Integer)
+    body: Mapped[str] = mapped_column(Text)
+
+
+class PartRef(Base):
+    """One tensor digest a manifest part references (for dedup figures and garbage collection)."""
+
+    __tablename__ = "part_refs"
+    part_id: Mapped[int] = mapped_column(_PART_ID, _part_key(), primary_key=True)
     digest: Mapped[str] = mapped_column(String(64), primary_key=True)
-    __table_args__ = (
-        ForeignKeyConstraint(["run_id", "version"], ["versions.run_id", "versions.version"], ondelete="CASCADE"),
-        Index("ix_version_refs_digest", "digest"),
-    )
+    __table_args__ = (Index("ix_part_refs_digest", "digest"),)
 
 
 class Tag(Base):

@@ -34,7 +34,11 @@ COLUMN_BOUNDS = {
     "runs.version_counter": MAX_VERSION,
     "versions.version": MAX_VERSION,
     "versions.parent": MAX_VERSION,
-    "version_refs.version": MAX_VERSION,
+    "manifest_parts.id": INT64_MAX,  # handed out by the database
+    "manifest_parts.versions": INT64_MAX,  # versions listing a part, at most every version of every run
+    "part_bodies.part_id": INT64_MAX,
+    "part_bodies.entries": MAX_TENSORS,  # entries of one part, at most a manifest's
+    "part_refs.part_id": INT64_MAX,
     "tags.version": MAX_VERSION,
     "versions.tensors_total": MAX_TENSORS,  # one per manifest entry
     "versions.tensors_new": MAX_TENSORS,

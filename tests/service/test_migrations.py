@@ -82,9 +82,9 @@ def test_models_and_migrations_agree(empty_database: Database) -> None:
 def test_the_comparison_notices_a_schema_that_drifted(empty_database: Database) -> None:
     # Guards the test above: a comparison that saw nothing would pass it vacuously.
     upgrade(empty_database)
-    expected = {("add_index", "ix_version_refs_digest"), ("remove_column", "stray")}
+    expected = {("add_index", "ix_part_refs_digest"), ("remove_column", "stray")}
     with empty_database.engine.begin() as connection:
-        connection.exec_driver_sql("DROP INDEX ix_version_refs_digest")
+        connection.exec_driver_sql("DROP INDEX ix_part_refs_digest")
         connection.exec_driver_sql("ALTER TABLE runs ADD COLUMN stray INTEGER")
         if empty_database.dialect == "postgresql":  # SQLite cannot change a column's type in place
             connection.exec_driver_sql("ALTER TABLE shards ALTER COLUMN size TYPE INTEGER")

@@ -4,6 +4,7 @@ then many writers committing at once under a policy."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,8 +18,8 @@ from sqlalchemy import func, select
 
 from service.blobs import LocalBlobStore
 from service.db import Database, schema
+from service.db.models import ManifestPart, Run, Version
 from service.db.models import RetentionPolicy as PolicyRow
-from service.db.models import Run, VersionRef
 from service.errors import InvalidInputError, NotFoundError
 from service.records import VersionInfo
 from service.retention_rules import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
@@ -187,7 +188,14 @@ def numbers(store: Store, run_id: str = RUN) -> list[int]:
 
 def referenced_versions(store: Store, run_id: str = RUN) -> list[int]:
     with store.db.transaction() as session:
-        found = session.scalars(select(VersionRef.version).where(VersionRef.run_id == run_id).distinct())
+        # Each manifest part counts exactly the versions listing it: a removed version was
+        # taken off its parts' counts (or garbage collection would keep its tensors forever).
+        listing: Counter[int] = Counter()
+        for (parts,) in session.execute(select(Version.parts)):
+            listing.update(parts)
+        counted = {pid: n for pid, n in session.execute(select(ManifestPart.id, ManifestPart.versions))}
+        assert {pid: n for pid, n in counted.items() if n} == dict(listing)
+        found = session.scalars(select(Version.version).where(Version.run_id == run_id))
         return sorted(found)
 
 

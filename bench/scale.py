@@ -1,0 +1,227 @@
+"""How ckptstore's costs grow with history and tensor count, against its floors.
+
+Prints, on an embedded store (SQLite and a folder):
+
+1. **History.** A run of models of 1,024 and 16,384 small tensors, one tensor changed per
+   version: the commit time and the metadata added per version (growth of the SQLite file,
+   averaged over the versions before each mark) at versions 2, 100 and 1000.
+2. **Listings.** ``Store.versions`` of those runs at their last version, the run page of the
+   16,384-tensor run, and the runs index ``/`` over 1,000 runs (through the real app).
+3. **Many tensors.** Saving and loading into a model 32,768 tensors through the client against
+   ``safetensors`` ``save_file`` (+fsync) and ``load_file`` + ``load_state_dict``, same run.
+4. **CLI.** The wall time of ``ckptstore ls`` as a subprocess.
+
+Each line shows its floor and whether it holds. ``--quick`` stops the history at version 100.
+
+    .venv/bin/python bench/scale.py --quick
+    .venv/bin/python bench/scale.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from client import Client
+from service.api import pages_data
+from service.api.app import create_app
+from service.format.manifest import ManifestBody, TensorEntry
+from service.settings import Settings
+from service.shard_writer import UnhashedTensor
+from service.store import Store
+
+KIB = 1024
+
+
+def median_time(action: Callable[[], Any], repeats: int = 5) -> float:
+    """The median wall time of ``action`` over ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def db_bytes(store: Store) -> int:
+    """The SQLite database's size as its connections see it (WAL content included)."""
+    with store.db.engine.connect() as connection:
+        pages = connection.execute(text("PRAGMA page_count")).scalar_one()
+        size = connection.execute(text("PRAGMA page_size")).scalar_one()
+    return int(pages) * int(size)
+
+
+def stored_entries(store: Store, count: int, seed: int) -> list[TensorEntry]:
+    """``count`` four-byte tensors stored in one shard, as manifest entries keyed like a model's."""
+    data = [memoryview((seed * 10_000_000 + i).to_bytes(4, "little")) for i in range(count)]
+    _receipt, digests = store.put_tensors([UnhashedTensor("F32", (1,), d) for d in data])
+    return [
+        TensorEntry.model_construct(
+            key=f"model/layers.{i // 8}.block.{i % 8}.weight",
+            dtype="F32",
+            shape=[1],
+            dtype_class="floating",
+            digest=digest,
+            placement="param",
+            param=f"layers.{i // 8}.block.{i % 8}.weight",
+            device_type="cpu",
+            trainable=True,
+        )
+        for i, digest in enumerate(digests)
+    ]
+
+
+def history(home: Path, tensors: int, marks: list[int]) -> tuple[dict[int, tuple[float, float]], Store]:
+    """Commit ``max(marks)`` versions changing one tensor each; ``{mark: (commit s, bytes/version)}``."""
+    store = Store.open_home(home)
+    entries = stored_entries(store, tensors, 0)
+    changes = stored_entries(store, max(marks) + 1, 1)
+    found: dict[int, tuple[float, float]] = {}
+    window = 5
+    sizes: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for version in range(1, max(marks) + 1):
+        slot = version % tensors
+        entries[slot] = entries[slot].model_copy(update={"digest": changes[version].digest})
+        body = ManifestBody.model_construct(
+            tensors=list(entries), state={}, step=version, metrics={"loss": 1.0 / version}, library={}
+        )
+        if any(0 <= mark - version <= window for mark in marks):
+            sizes[version - 1] = db_bytes(store)
+        started = time.perf_counter()
+        store.commit("run", body)
+        times[version] = time.perf_counter() - started
+        if version in marks:
+            start = max(2, version - window)  # version 1 writes the whole model: left out
+            per_version = (db_bytes(store) - sizes[start - 1]) / (version - start + 1)
+            recent = [times[v] for v in range(start, version + 1)]
+            found[version] = (statistics.median(recent), per_version)
+    return found, store
+
+
+def runs_index_time(home: Path, runs: int) -> tuple[float, float]:
+    """(seconds for ``/``, seconds for ``/v1/runs``) with ``runs`` runs of two versions each."""
+    store = Store.open_home(home)
+    entries = stored_entries(store, 4, 2)
+    body = ManifestBody.model_construct(tensors=entries, state={}, step=1, metrics={}, library={})
+    for index in range(runs):
+        store.commit(f"run-{index:04d}", body, tags=["best"])
+        store.commit(f"run-{index:04d}", body)
+    with TestClient(create_app(store, Settings(host="127.0.0.1"))) as http:
+        assert http.get("/").status_code == 200
+        page = median_time(lambda: http.get("/").raise_for_status(), 3)
+        api = median_time(lambda: http.get("/v1/runs").raise_for_status(), 3)
+    store.close()
+    return page, api
+
+
+class Wide(torch.nn.Module):
+    """A model of many small parameters."""
+
+    def __init__(self, count: int, width: int) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(width)) for _ in range(count))
+
+
+def many_tensors(home: Path, count: int, width: int) -> dict[str, float]:
+    """Client save and load of ``count`` tensors against safetensors, in seconds."""
+    model = Wide(count, width)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    client = Client(home=home / "store")
+    target = home / "model.safetensors"
+
+    def st_save() -> None:
+        safetensors.torch.save_file(state, str(target))
+        with open(target, "rb") as handle:
+            os.fsync(handle.fileno())
+
+    def st_load() -> None:
+        model.load_state_dict(safetensors.torch.load_file(str(target)))
+
+    runs = iter(range(100))
+    found = {
+        "safetensors save": median_time(st_save, 3),
+        "ckptstore save": median_time(lambda: client.save(f"wide-{next(runs)}", model), 3),
+        "safetensors load": median_time(st_load, 3),
+        "ckptstore load": median_time(lambda: client.load("wide-0", model=model), 3),
+    }
+    client.close()
+    return found
+
+
+def cli_time(home: Path) -> float:
+    """Wall time of ``ckptstore ls`` in a fresh process."""
+    command = [str(Path(sys.executable).with_name("ckptstore")), "ls"]
+    env = {**os.environ, "CKPTSTORE_HOME": str(home)}
+    env.pop("CKPTSTORE_URL", None)
+
+    def run() -> None:
+        subprocess.run(command, env=env, check=True, capture_output=True)
+
+    return median_time(run, 3)
+
+
+def verdict(value: float, floor: float) -> str:
+    return "ok" if value <= floor else "MISSED"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="stop the history at version 100")
+    args = parser.parse_args()
+    marks = [2, 100] if args.quick else [2, 100, 1000]
+    with tempfile.TemporaryDirectory(prefix="ckptstore-scale-") as scratch:
+        root = Path(scratch)
+        print(f"## History: one tensor changed per version (marks {marks})")
+        print(f"{'tensors':>8} {'version':>8} {'commit ms':>10} {'metadata/version':>17} {'floor':>22}")
+        listing: dict[int, float] = {}
+        run_page = 0.0
+        for tensors in (1024, 16384):
+            found, store = history(root / f"h{tensors}", tensors, marks)
+            first = found[2][0]
+            for mark, (seconds, per_version) in found.items():
+                floor = ""
+                if tensors == 16384 and mark > 2:
+                    ok = per_version <= 256 * KIB and seconds <= 1.3 * first
+                    floor = f"256 KiB, 1.3x v2: {'ok' if ok else 'MISSED'}"
+                shown = f"{per_version / KIB:.1f} KiB"
+                print(f"{tensors:>8} {mark:>8} {seconds * 1000:>10.1f} {shown:>17} {floor:>22}")
+            listing[tensors] = median_time(lambda s=store: s.versions("run"))
+            if tensors == 16384:
+                run_page = median_time(lambda s=store: pages_data.run_page(s, "run"), 3)
+            store.close()
+        print(f"\n## Listings at version {marks[-1]}")
+        for tensors, seconds in listing.items():
+            shown = f"{seconds * 1000:.1f} ms (floor 50 ms: {verdict(seconds, 0.05)})"
+            print(f"versions() of the {tensors}-tensor run: {shown}")
+        print(f"run page of the 16384-tensor run: {run_page * 1000:.1f} ms")
+        page, api = runs_index_time(root / "runs", 1000)
+        print(f"/ with 1000 runs: {page:.3f} s (floor 0.2 s: {verdict(page, 0.2)}); /v1/runs: {api:.3f} s")
+        print("\n## 32,768 tensors of 1024 floats (128 MiB), client against safetensors")
+        times = many_tensors(root / "wide", 32768, 1024)
+        for what in ("save", "load"):
+            ours, theirs = times[f"ckptstore {what}"], times[f"safetensors {what}"]
+            ratio = ours / theirs
+            print(
+                f"{what}: ckptstore {ours:.2f} s, safetensors {theirs:.2f} s,"
+                f" {ratio:.2f}x (floor 1.5x: {verdict(ratio, 1.5)}, goal 1.1x)"
+            )
+        seconds = cli_time(root / "runs")
+        print(f"\n## CLI\nckptstore ls: {seconds:.2f} s wall (floor 0.5 s: {verdict(seconds, 0.5)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Summaries of versions and runs, read from the summary columns only.
+
+A listing never reads a manifest: the ``versions`` table's summary columns hold every figure a
+list shows, so listing a thousand versions of a model with tens of thousands of tensors reads
+a thousand short rows. Statements are Core selects built once and read as plain tuples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import bindparam, func, select
+from sqlalchemy.orm import Session
+
+from service.db.models import Tag, Version, table
+from service.records import VersionInfo
+
+_VERSIONS = table(Version)
+_TAGS = table(Tag)
+#: The columns a :class:`VersionInfo` is built from, in its field order (tags apart).
+SUMMARY_COLUMNS = (
+    _VERSIONS.c.run_id,
+    _VERSIONS.c.version,
+    _VERSIONS.c.parent,
+    _VERSIONS.c.created_at,
+    _VERSIONS.c.step,
+    _VERSIONS.c.metrics,
+    _VERSIONS.c.tensors_total,
+    _VERSIONS.c.tensors_new,
+    _VERSIONS.c.bytes_total,
+    _VERSIONS.c.bytes_new,
+    _VERSIONS.c.bytes_trainable,
+)
+_OF_RUN = select(*SUMMARY_COLUMNS).where(_VERSIONS.c.run_id == bindparam("run_id")).order_by(_VERSIONS.c.version)
+_ONE = select(*SUMMARY_COLUMNS).where(
+    _VERSIONS.c.run_id == bindparam("run_id"), _VERSIONS.c.version == bindparam("version")
+)
+_TAGS_OF_RUN = select(_TAGS.c.version, _TAGS.c.name).where(_TAGS.c.run_id == bindparam("run_id"))
+_NEWEST = (
+    select(_VERSIONS.c.run_id, func.max(_VERSIONS.c.version).label("version")).group_by(_VERSIONS.c.run_id).subquery()
+)
+# Every run's newest version in one statement (the index page showed them with a query per run).
+_LATEST_OF_EVERY_RUN = select(*SUMMARY_COLUMNS).join(
+    _NEWEST, (_NEWEST.c.run_id == _VERSIONS.c.run_id) & (_NEWEST.c.version == _VERSIONS.c.version)
+)
+_EVERY_TAG = select(_TAGS.c.run_id, _TAGS.c.version, _TAGS.c.name)
+
+
+def _info(row: Any, tags: list[str]) -> VersionInfo:
+    run_id, version, parent, created_at, step, metrics, total, new, nbytes, bytes_new, trainable = row
+    return VersionInfo(
+        run_id=run_id,
+        version=version,
+        parent=parent,
+        created_at=created_at,
+        tags=tags,
+        step=step,
+        metrics=metrics or {},
+        tensors_total=total,
+        tensors_new=new,
+        bytes_total=nbytes,
+        bytes_new=bytes_new,
+        bytes_trainable=trainable,
+    )
+
+
+def _tags_by_version(rows: Iterable[Any]) -> dict[int, list[str]]:
+    tags: dict[int, list[str]] = {}
+    for version, name in rows:
+        tags.setdefault(version, []).append(name)
+    for names in tags.values():
+        names.sort()
+    return tags
+
+
+def run_versions(session: Session, run_id: str) -> list[VersionInfo]:
+    """Every version of ``run_id`` (which the caller checked exists), oldest first."""
+    connection = session.connection()
+    tags = _tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id}))
+    rows = connection.execute(_OF_RUN, {"run_id": run_id})
+    return [_info(row, tags.get(row[1], [])) for row in rows]
+
+
+def one_version(session: Session, run_id: str, version: int) -> VersionInfo | None:
+    """The summary of one version, or None if there is no such version."""
+    connection = session.connection()
+    row = connection.execute(_ONE, {"run_id": run_id, "version": version}).first()
+    if row is None:
+        return None
+    tags = _tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id}))
+    return _info(row, tags.get(version, []))
+
+
+def latest_versions(session: Session) -> tuple[dict[str, VersionInfo], dict[str, list[tuple[str, int]]]]:
+    """Every run's newest version, and every run's tags as sorted ``(name, version)`` pairs."""
+    connection = session.connection()
+    tags: dict[str, list[tuple[str, int]]] = {}
+    for run_id, version, name in connection.execute(_EVERY_TAG):
+        tags.setdefault(run_id, []).append((name, version))
+    for pairs in tags.values():
+        pairs.sort()
+    latest = {}
+    for row in connection.execute(_LATEST_OF_EVERY_RUN):
+        names = sorted(name for name, version in tags.get(row[0], []) if version == row[1])
+        latest[row[0]] = _info(row, names)
+    return latest, tags
+
+
+__all__ = ["SUMMARY_COLUMNS", "latest_versions", "one_version", "run_versions"]
