@@ -213,9 +213,10 @@ def _prefer_ours(holder: dict[Any, Any], ours: dict[Any, Any], everything: bool)
 
 def _saved_optimizer(
     reader: TensorReader, canonical: set[str], patterns: Sequence[str] | None
-) -> tuple[dict[str, Any], list[dict[str, Any]], set[str]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]], set[str], dict[str, str]]:
     """The version's optimizer ``state`` and ``param_groups`` under the target's canonical names,
-    restricted to the parameters ``patterns`` select, and the stored names kept."""
+    restricted to the parameters ``patterns`` select; the stored names kept; and every stored
+    name that differs from its canonical one (a version saved before names were canonical)."""
     saved: Any = reader.manifest.state.get("optim")
     if not isinstance(saved, dict):
         raise StateMismatchError(f"version {reader.manifest.version} holds no optimizer state")
@@ -227,7 +228,7 @@ def _saved_optimizer(
         {**group, "params": [renamed.get(n, n) for n in group["params"] if n in kept]}
         for group in saved["param_groups"]
     ]
-    return state, groups, kept
+    return state, groups, kept, renamed
 
 
 def restore_optimizer(
@@ -243,7 +244,7 @@ def restore_optimizer(
     and ``optim`` must optimize exactly those parameters, grouped as in the checkpoint.
     """
     params = names.parameters(model)
-    saved_state, saved_groups, kept = _saved_optimizer(reader, set(params), patterns)
+    saved_state, saved_groups, kept, renamed = _saved_optimizer(reader, set(params), patterns)
     current = _current_groups(optim, {id(p): name for name, p in params.items()})
     _check_groups(saved_groups, current)
 
@@ -251,7 +252,10 @@ def restore_optimizer(
         parts = key.split("/")
         return parts[1] != "state" or keys.unescape(parts[2]) in kept
 
-    tensor_for = _placed_reader(reader, "optim/", {n: p.device for n, p in params.items()}, target, wanted)
+    # Placement names each tensor's parameter as stored.
+    devices = {n: p.device for n, p in params.items()}
+    devices.update((stored, devices[name]) for stored, name in renamed.items())
+    tensor_for = _placed_reader(reader, "optim/", devices, target, wanted)
     order = {name: index for index, name in enumerate(n for group in current for n in group)}
     state: dict[int, Any] = {}
     for name, encoded in saved_state.items():
