@@ -53,6 +53,10 @@ def export(
     optimizer: Annotated[
         bool, typer.Option("--optimizer", help="Also write optimizer.safetensors and optimizer.json.")
     ] = False,
+    keys: Annotated[
+        list[str] | None,
+        typer.Option("--keys", help="Only tensors whose state_dict names match this glob, e.g. '*lora_*' (repeatable)."),
+    ] = None,
 ) -> None:
     """Write a version's model as Hugging Face safetensors files under their state_dict names.
 
@@ -77,6 +81,7 @@ def export(
                     optimizer=optimizer,
                     on_bytes=bar.update,
                     on_total=bar.total,
+                    keys=keys,
                 )
         finally:
             bar.close()
