@@ -55,7 +55,7 @@ def export(
     ] = False,
     keys: Annotated[
         list[str] | None,
-        typer.Option("--keys", help="Only tensors whose state_dict names match this glob, e.g. '*lora_*' (repeatable)."),
+        typer.Option("--keys", help="Only tensors whose state_dict names match this glob, e.g. '*lora_*'; repeatable."),
     ] = None,
 ) -> None:
     """Write a version's model as Hugging Face safetensors files under their state_dict names.
