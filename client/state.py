@@ -91,13 +91,23 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
     group_names = _optimizer_param_names(optim, parameter_names(model))
     saved = optim.state_dict()
     index_names = [name for group_params in group_names for name in group_params]
-    group_of = [g for g, group_params in enumerate(group_names) for _ in group_params]
-    step_on_host = [not group_places_step_on_device(group) for group in saved["param_groups"]]
+    state = {index_names[index]: param_state for index, param_state in saved["state"].items()}
+    groups = [{**group, "params": names} for group, names in zip(saved["param_groups"], group_names, strict=True)]
+    flatten_named_optimizer(flat, state, groups)
+
+
+def flatten_named_optimizer(flat: FlatState, state: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Add an optimizer state_dict keyed by parameter name (``state`` by name, each group's
+    ``params`` a list of names: the layout ``get_state_dict`` gives), placing Adam's ``step``
+    on the host unless its group is fused or capturable."""
+    group_of = {name: g for g, group in enumerate(param_groups) for name in group["params"]}
+    step_on_host = [not group_places_step_on_device(group) for group in param_groups]
     state_json: dict[str, Any] = {}
-    for index, param_state in saved["state"].items():
-        name = index_names[index]
+    for name, param_state in state.items():
+        if name not in group_of:
+            raise StateEncodingError(f"optimizer state for {name!r}, which no param group lists")
         prefix = keys.join("optim", "state", name)
-        host_step = f"{prefix}/step" if step_on_host[group_of[index]] else None
+        host_step = f"{prefix}/step" if step_on_host[group_of[name]] else None
 
         def store(tensor: torch.Tensor, path: str, name: str = name, host_step: str | None = host_step) -> str:
             if path == host_step:
@@ -106,7 +116,8 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
 
         state_json[name] = jsonstate.encode(param_state, prefix, store)
     groups_json = []
-    for group_index, (group, group_params) in enumerate(zip(saved["param_groups"], group_names, strict=True)):
+    for group_index, group in enumerate(param_groups):
+        group_params = list(group["params"])
         owner = group_params[0] if group_params else None
 
         def store_group(tensor: torch.Tensor, path: str, owner: str | None = owner) -> str:
