@@ -19,7 +19,7 @@ from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
 from client.saving import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
-from client.state import FlatState, TensorRecord, flatten, flatten_extra
+from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
 from client.transport import Transport
 from service.errors import (
     InvalidInputError,
@@ -263,6 +263,8 @@ class Client:
         step: int | None = None,
         metrics: dict[str, float] | None = None,
         tags: list[str] | tuple[str, ...] = (),
+        optim_state: dict[str, Any] | None = None,
+        scheduler_state: Any = None,
     ) -> SaveResult:
         """Store a plain ``{name: tensor}`` dict as the next version of ``run_id``.
 
@@ -272,12 +274,18 @@ class Client:
         Tensors may be memory-mapped: they are hashed and written shard by shard, never copied
         all at once. ``extra`` is stored as in :meth:`save` (JSON with its tensors by key;
         what is neither is refused naming its path) and comes back as ``LoadResult.extra``.
+
+        ``optim_state`` is an optimizer state_dict keyed by parameter name (the layout
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives: ``state`` by name, each
+        group's ``params`` a list of names); its parameters are stored as trainable, and
+        :meth:`load` with ``optim=`` restores it. ``scheduler_state`` is a scheduler's state_dict.
         """
         self._wait_for_background(report=True)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
         flat = FlatState()
+        optimized = {n for g in optim_state["param_groups"] for n in g["params"]} if optim_state is not None else set()
         for name, tensor in tensors.items():
             key = keys.model_key(name) if isinstance(name, str) else ""
             if not key or not name or not name.isprintable() or len(key) > len("model/") + 1000:
@@ -286,7 +294,11 @@ class Client:
                 )
             if not isinstance(tensor, torch.Tensor):
                 raise StateEncodingError(f"{key}: a {type(tensor).__name__}, not a tensor")
-            flat.add(TensorRecord(key, tensor, "target", trainable=trainable))
+            flat.add(TensorRecord(key, tensor, "target", trainable=trainable or name in optimized))
+        if optim_state is not None:
+            flatten_named_optimizer(flat, optim_state["state"], optim_state["param_groups"])
+        if scheduler_state is not None:
+            flatten_other(flat, "scheduler", scheduler_state)
         if extra is not None:
             flatten_extra(flat, extra)
         return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)

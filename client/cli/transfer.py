@@ -104,15 +104,19 @@ def import_(
         typer.Argument(
             metavar="DIR_OR_FILE",
             exists=True,
-            help="A .safetensors file, or a folder with model.safetensors[.index.json].",
+            help="A .safetensors, .pt, .pth, .bin or Lightning .ckpt file; a folder with model.safetensors"
+            "[.index.json] or pytorch_model.bin; a Trainer checkpoint folder; a DCP checkpoint folder.",
         ),
     ],
     run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run to add the version to (created if new).")],
     tag: Annotated[list[str] | None, typer.Option("--tag", help="Tag the new version (repeatable).")] = None,
 ) -> None:
-    """Store safetensors weights as a new model-only version (frozen, placed on the load device).
+    """Store a checkpoint from disk as a new version: weights (frozen unless the source has
+    optimizer state for them), and optimizer, scheduler and trainer state where the source has them.
 
-    Seed a base model once; every fine-tune saved later stores only what differs from it.
+    Pickled files are read with torch.load(weights_only=True) on this machine only; a file that
+    needs full unpickling is refused. Seed a base model once; every fine-tune saved later stores
+    only what differs from it.
     """
     from client.importing import import_weights
 
