@@ -37,21 +37,28 @@ def _offending_global(exc: Exception) -> str:
     return found.group(1) if found else str(exc).splitlines()[0][:200]
 
 
-def load_weights_only(path: Path) -> Any:
+def _numpy_arrays() -> list[Any]:
+    """The globals a numpy array of RNG state is rebuilt from (as Trainer and Accelerate allow them)."""
+    import numpy
+
+    core = getattr(numpy, "_core", None) or numpy.core
+    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+
+
+def load_weights_only(path: Path, *, numpy_arrays: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, memory-mapped where the format allows.
+
+    ``numpy_arrays`` also lets numpy arrays through (an ``rng_state.pth`` holds numpy's RNG
+    state), the same allowance transformers' Trainer makes to read that file back.
 
     Raises:
         InvalidInputError: the file needs full unpickling (naming the global it asks for), or
             is not a file torch.load reads.
     """
+    allowed = _numpy_arrays() if numpy_arrays else []
     try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # noqa: TID251 - weights_only
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            # The legacy (pre-zip) format cannot be memory-mapped: read it whole.
-            return torch.load(path, map_location="cpu", weights_only=True)  # noqa: TID251 - weights_only
+        with torch.serialization.safe_globals(allowed):
+            return _load(path)
     except pickle.UnpicklingError as exc:
         raise InvalidInputError(
             f"{path} needs full unpickling to load: it holds a {_offending_global(exc)}. ckptstore imports only what "
@@ -60,6 +67,16 @@ def load_weights_only(path: Path) -> Any:
         ) from exc
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise InvalidInputError(f"{path} is not a file torch.load reads: {str(exc).splitlines()[0][:200]}") from exc
+
+
+def _load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # noqa: TID251 - weights_only
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        # The legacy (pre-zip) format cannot be memory-mapped: read it whole.
+        return torch.load(path, map_location="cpu", weights_only=True)  # noqa: TID251 - weights_only
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"

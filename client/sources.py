@@ -112,10 +112,9 @@ def _named_optimizer(state: Any, names: list[list[str]], where: str) -> dict[str
     return {"state": {by_index[i]: s for i, s in state["state"].items()}, "param_groups": named_groups}
 
 
-def trainer_param_names(directory: Path) -> tuple[list[list[str]], dict[str, torch.Size]]:
-    """The parameter names of each param group ``transformers.Trainer`` builds for the model
-    whose ``config.json`` is in ``directory`` (weight-decay group, then the rest), and every
-    parameter's shape. The model is built on the meta device: no memory, no download."""
+def meta_model(directory: Path) -> torch.nn.Module:
+    """The transformers model ``config.json`` in ``directory`` describes, on the meta device
+    (no memory, no download)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(directory)
@@ -124,12 +123,33 @@ def trainer_param_names(directory: Path) -> tuple[list[list[str]], dict[str, tor
     if model_class is None:
         raise InvalidInputError(f"{directory}/config.json names no transformers architecture ({architectures})")
     with torch.device("meta"):
-        model = model_class(config)
+        return model_class(config)  # type: ignore[no-any-return]
+
+
+def trainer_param_names(model: torch.nn.Module) -> list[list[str]]:
+    """The parameter names of each param group ``transformers.Trainer`` builds for ``model``:
+    the weight-decay group, then the rest."""
+    import transformers
+
     # The Trainer's own rule (an instance method that reads nothing from the instance).
     decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
-    return groups, {n: p.shape for n, p in named}
+    named = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n in named if n in decay], [n for n in named if n not in decay]]
+
+
+def add_tied(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``tensors`` plus every tied name ``model`` has (``lm_head.weight`` for ``embed_tokens.weight``)
+    that the saved weights leave out, as transformers' save_pretrained does."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    completed = dict(tensors)
+    for names in groups.values():
+        present = [n for n in names if n in tensors]
+        for name in names:
+            if present and name not in completed:
+                completed[name] = tensors[present[0]]
+    return completed
 
 
 def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor]) -> Imported:
@@ -141,11 +161,13 @@ def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor])
         trainer_state = json.loads(state_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidInputError(f"{state_path} is not JSON: {exc}") from exc
-    imported = Imported(model_tensors, extra={"trainer_state": trainer_state})
+    model = meta_model(directory)
+    imported = Imported(add_tied(model_tensors, model), extra={"trainer_state": trainer_state})
     step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
     imported.step = step if isinstance(step, int) else None
     if (directory / "optimizer.pt").is_file():
-        names, shapes = trainer_param_names(directory)
+        names = trainer_param_names(model)
+        shapes = {n: p.shape for n, p in model.named_parameters()}
         optim = _named_optimizer(load_weights_only(directory / "optimizer.pt"), names, str(directory / "optimizer.pt"))
         for name, param_state in optim["state"].items():
             for key, value in param_state.items():
@@ -157,7 +179,9 @@ def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor])
         imported.optim = optim
     if (directory / "scheduler.pt").is_file():
         imported.scheduler = plain_values(load_weights_only(directory / "scheduler.pt"))
-    rng = {p.stem: plain_values(load_weights_only(p)) for p in sorted(directory.glob("rng_state*.pth"))}
+    rng = {
+        p.stem: plain_values(load_weights_only(p, numpy_arrays=True)) for p in sorted(directory.glob("rng_state*.pth"))
+    }
     if rng:
         imported.extra["rng_state"] = rng
     return imported

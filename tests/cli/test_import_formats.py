@@ -87,3 +87,36 @@ def test_a_lightning_ckpt_imports_its_weights(cli: Cli, tmp_path: Path) -> None:
     cli.client.load("run", model=fresh)
     assert all(tensors_equal(fresh.state_dict()[k], v) for k, v in module.state_dict().items())
     assert cli.client.versions("run")[0].step == fit.global_step > 0
+
+
+def test_a_trainer_checkpoint_folder_resumes_bitwise(cli: Cli, tmp_path: Path) -> None:
+    """A folder written by transformers.Trainer: weights, optimizer.pt named by the Trainer's own
+    grouping, scheduler.pt, trainer_state.json and rng_state.pth all come back."""
+    import transformers
+
+    from tests.integrations.hf_kit import Tokens, arguments, tiny_gpt2
+
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(seed=0), args=arguments(tmp_path / "out", max_steps=2, save_steps=2), train_dataset=Tokens()
+    )
+    trainer.train()
+    folder = tmp_path / "out" / "checkpoint-2"
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"} <= {p.name for p in folder.iterdir()}
+    cli.ok("import", folder, "gpt2")
+
+    resumed = transformers.Trainer(model=tiny_gpt2(seed=1), args=arguments(tmp_path / "again"), train_dataset=Tokens())
+    resumed.create_optimizer_and_scheduler(num_training_steps=6)
+    loaded = cli.client.load("gpt2", model=resumed.model, optim=resumed.optimizer, scheduler=resumed.lr_scheduler)
+    assert loaded.step == 2
+    assert_bitwise(state_by_name(resumed.model, resumed.optimizer), state_by_name(trainer.model, trainer.optimizer))
+    assert resumed.lr_scheduler.state_dict()["last_epoch"] == trainer.lr_scheduler.state_dict()["last_epoch"] == 2
+    assert loaded.extra["trainer_state"]["global_step"] == 2
+    assert tensors_equal(loaded.extra["rng_state"]["rng_state"]["cpu"], trainer_rng(folder)["cpu"])
+
+
+def trainer_rng(folder: Path) -> dict[str, torch.Tensor]:
+    """The RNG state as transformers reads it back."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    with safe_globals():
+        return torch.load(folder / "rng_state.pth", weights_only=True)  # noqa: TID251 - the file under test
