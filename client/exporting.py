@@ -116,7 +116,8 @@ def write_safetensors(
     return total
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place."""
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
     try:
         temporary.write_text(text, encoding="utf-8")
@@ -200,13 +201,13 @@ def export_version(
             weight_map.update((tensor_name, name) for tensor_name, _ in items)
             result.files.append(name)
         index = {"metadata": {"total_size": sum(e.nbytes for _, e in model)}, "weight_map": weight_map}
-        _write_text(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_text_atomically(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
         result.files.append(INDEX_FILE)
     _remove_stale(directory, set(result.files))
     if optimizer:
         write_safetensors(directory / OPTIMIZER_FILE, optim, reader, FILE_METADATA)
         state = _strip_refs(manifest.state["optim"], "optim/")
-        _write_text(directory / OPTIMIZER_STATE_FILE, json.dumps(state, indent=2) + "\n")
+        write_text_atomically(directory / OPTIMIZER_STATE_FILE, json.dumps(state, indent=2) + "\n")
         result.files += [OPTIMIZER_FILE, OPTIMIZER_STATE_FILE]
     result.tensors = len(written)
     result.bytes = sum(entry.nbytes for _, entry in written)

@@ -282,11 +282,14 @@ def restore_optimizer(
         _prefer_ours(group, {k: v for k, v in ours.items() if k != "params"}, stock)
 
 
-def restore_section(reader: TensorReader, section: str, target: torch.device) -> Any:
-    """Decode a scheduler or extra section, placing its tensors."""
+def restore_section(
+    reader: TensorReader, section: str, target: torch.device, param_devices: dict[str, torch.device] | None = None
+) -> Any:
+    """Decode a section (scheduler, extra; optimizer state with ``param_devices``), placing its tensors."""
     if section not in reader.manifest.state:
         return None
-    return jsonstate.decode(reader.manifest.state[section], _placed_reader(reader, f"{section}/", {}, target))
+    tensor_for = _placed_reader(reader, f"{section}/", param_devices or {}, target)
+    return jsonstate.decode(reader.manifest.state[section], tensor_for)
 
 
 def live_tensors(model: torch.nn.Module | None, optim: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -57,6 +57,13 @@ def export(
         list[str] | None,
         typer.Option("--keys", help="Only tensors whose state_dict names match this glob, e.g. '*lora_*'; repeatable."),
     ] = None,
+    as_format: Annotated[
+        str, typer.Option("--format", help="hf (safetensors files), peft (an adapter folder) or dcp (a DCP folder).")
+    ] = "hf",
+    peft_config: Annotated[
+        Path | None,
+        typer.Option(help="adapter_config.json for --format peft (default: the version's extra['peft_config'])."),
+    ] = None,
 ) -> None:
     """Write a version's model as Hugging Face safetensors files under their state_dict names.
 
@@ -66,6 +73,9 @@ def export(
     """
     from client.exporting import export_version
 
+    if as_format != "hf":
+        _export_other(target, directory, as_format, peft_config, keys)
+        return
     with reported():
         parsed = parse_target(target)
         limit = parse_size(max_shard_size)
@@ -96,6 +106,28 @@ def export(
             f"note: {directory} has no config.json; transformers' from_pretrained needs the model's own config there",
             err=True,
         )
+
+
+def _export_other(target: str, directory: Path, as_format: str, config: Path | None, keys: list[str] | None) -> None:
+    """``export --format peft|dcp`` (:mod:`client.exporting_formats`)."""
+    import json
+
+    from client.exporting_formats import export_dcp, export_peft
+
+    with reported():
+        parsed = parse_target(target)
+        with open_client() as ckpt:
+            if as_format == "peft":
+                settings = json.loads(config.read_text(encoding="utf-8")) if config is not None else None
+                result = export_peft(ckpt.transport, parsed.run_id, parsed.ref, directory, config=settings, keys=keys)
+            elif as_format == "dcp" and keys is None:
+                result = export_dcp(ckpt.transport, parsed.run_id, parsed.ref, directory)
+            else:
+                raise UsageProblem(f"--format {as_format!r}: use hf, peft or dcp (dcp takes no --keys)")
+    typer.echo(
+        f"exported {result.run_id}@{result.version} to {directory} as {as_format}: {result.tensors} tensors, "
+        f"{size(result.bytes)} in {result.seconds:.2f} s"
+    )
 
 
 def import_(
