@@ -63,7 +63,7 @@ def load_weights_only(path: Path, *, numpy_arrays: bool = False) -> Any:
         raise InvalidInputError(
             f"{path} needs full unpickling to load: it holds a {_offending_global(exc)}. ckptstore imports only what "
             "torch.load(weights_only=True) reads (tensors, dicts, lists, numbers, strings); save the state_dict "
-            "alone (torch.save(model.state_dict(), path)) and import that"
+            "alone (torch.save of model.state_dict()) and import that"
         ) from exc
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise InvalidInputError(f"{path} is not a file torch.load reads: {str(exc).splitlines()[0][:200]}") from exc

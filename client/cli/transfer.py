@@ -146,7 +146,7 @@ def import_(
     """Store a checkpoint from disk as a new version: weights (frozen unless the source has
     optimizer state for them), and optimizer, scheduler and trainer state where the source has them.
 
-    Pickled files are read with torch.load(weights_only=True) on this machine only; a file that
+    Pickled files are read with torch's weights_only loader on this machine only; a file that
     needs full unpickling is refused. Seed a base model once; every fine-tune saved later stores
     only what differs from it.
     """
