@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from service.errors import (
@@ -211,6 +212,7 @@ def load(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     strict: bool = True,
+    keys: Sequence[str] | None = None,
 ) -> LoadResult:
     """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict), with
     the default client (:func:`default_client`).
@@ -227,6 +229,7 @@ def load(
         device=device,
         dtype=dtype,
         strict=strict,
+        keys=keys,
     )
 
 

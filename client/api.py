@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
 
-from client import keys, restore
+from client import keys, restore, selection
 from client.background import SaveHandle, Staging
 from client.hashing import DigestCache, SaveLedger
 from client.http_transport import HttpTransport
@@ -19,7 +19,7 @@ from client.progress import byte_bar
 from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
 from client.saving import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
-from client.state import FlatState, TensorRecord, flatten, flatten_extra
+from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
 from client.transport import Transport
 from service.errors import (
     InvalidInputError,
@@ -263,6 +263,8 @@ class Client:
         step: int | None = None,
         metrics: dict[str, float] | None = None,
         tags: list[str] | tuple[str, ...] = (),
+        optim_state: dict[str, Any] | None = None,
+        scheduler_state: Any = None,
     ) -> SaveResult:
         """Store a plain ``{name: tensor}`` dict as the next version of ``run_id``.
 
@@ -272,12 +274,18 @@ class Client:
         Tensors may be memory-mapped: they are hashed and written shard by shard, never copied
         all at once. ``extra`` is stored as in :meth:`save` (JSON with its tensors by key;
         what is neither is refused naming its path) and comes back as ``LoadResult.extra``.
+
+        ``optim_state`` is an optimizer state_dict keyed by parameter name (the layout
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives: ``state`` by name, each
+        group's ``params`` a list of names); its parameters are stored as trainable, and
+        :meth:`load` with ``optim=`` restores it. ``scheduler_state`` is a scheduler's state_dict.
         """
         self._wait_for_background(report=True)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
         flat = FlatState()
+        optimized = {n for g in optim_state["param_groups"] for n in g["params"]} if optim_state is not None else set()
         for name, tensor in tensors.items():
             key = keys.model_key(name) if isinstance(name, str) else ""
             if not key or not name or not name.isprintable() or len(key) > len("model/") + 1000:
@@ -286,7 +294,11 @@ class Client:
                 )
             if not isinstance(tensor, torch.Tensor):
                 raise StateEncodingError(f"{key}: a {type(tensor).__name__}, not a tensor")
-            flat.add(TensorRecord(key, tensor, "target", trainable=trainable))
+            flat.add(TensorRecord(key, tensor, "target", trainable=trainable or name in optimized))
+        if optim_state is not None:
+            flatten_named_optimizer(flat, optim_state["state"], optim_state["param_groups"])
+        if scheduler_state is not None:
+            flatten_other(flat, "scheduler", scheduler_state)
         if extra is not None:
             flatten_extra(flat, extra)
         return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
@@ -403,6 +415,7 @@ class Client:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         strict: bool = True,
+        keys: Sequence[str] | None = None,
     ) -> LoadResult:
         """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict).
 
@@ -411,6 +424,15 @@ class Client:
         extra copy. Optimizer state lands on each parameter's device with its saved dtype;
         ``dtype`` casts floating model tensors only. Strict by default: missing or
         unexpected model keys raise StateMismatchError before anything is written.
+
+        Names are canonical (:mod:`client.names`): a version saved from a model wrapped by
+        torch.compile, DDP, FSDP or activation checkpointing loads into the plain model and
+        into any other wrapping of it, optimizer state included.
+
+        ``keys`` (glob patterns over state_dict names, e.g. ``["*lora_*"]``) loads only the
+        model tensors they select, reading only their bytes: strict within that subset, the
+        model's other tensors untouched. With ``optim``, only the state of the selected
+        parameters is read, and ``optim`` must optimize exactly those (grouped as when saved).
 
         Every byte is verified. Keys and shapes are all checked before anything is written,
         but the bytes are checked as they arrive: after an IntegrityError the model may hold
@@ -423,9 +445,12 @@ class Client:
             raise InvalidInputError("loading optimizer state needs the model too: state is keyed by parameter name")
         if dtype is not None and not dtype.is_floating_point:
             raise InvalidInputError(f"dtype must be a floating dtype, not {dtype}")
+        patterns = selection.check_patterns(keys)
         if model is not None and _sharded(model):  # every rank loads its shards (client.distributed)
             from client.distributed import training
 
+            if patterns is not None:
+                raise InvalidInputError("keys= is not supported for a sharded model; load every tensor")
             training.check_load_arguments(device, dtype, model)
             return training.load_sharded(
                 self, validate_run_id(run_id), version, model, optim, scheduler=scheduler, strict=strict
@@ -436,27 +461,24 @@ class Client:
             reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self._widths()[0])
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
             if model is None:
+                selected = selection.selected_model_keys(manifest, patterns)
                 result.state_dict, result.casts = restore.materialize_model(
-                    reader, target or torch.device("cpu"), dtype
+                    reader, selected, target or torch.device("cpu"), dtype
                 )
             else:
-                stored = restore.model_keys(reader)
-                expected = set(model.state_dict().keys())
-                result.missing_keys, result.unexpected_keys = restore.compare_keys(set(stored), expected)
-                if strict and (result.missing_keys or result.unexpected_keys):
-                    raise restore.mismatch_error(manifest.version, result.missing_keys, result.unexpected_keys)
-                common = sorted(set(stored) & expected)
+                plan = selection.plan_model_load(manifest, model, patterns)
+                result.missing_keys, result.unexpected_keys = plan.missing, plan.unexpected
+                if strict and (plan.missing or plan.unexpected):
+                    raise restore.mismatch_error(manifest.version, plan.missing, plan.unexpected)
                 cache = self.digest_cache
                 if cache is None:
-                    result.casts = restore.load_into_model(reader, model, common, target, dtype)
+                    result.casts = restore.load_into_model(reader, plan, target, dtype)
                 else:  # the next save hashes only what changed since this load
-                    result.casts = restore.load_into_model(
-                        reader, model, common, target, dtype, cache.forget, cache.know
-                    )
+                    result.casts = restore.load_into_model(reader, plan, target, dtype, cache.forget, cache.know)
             host_or_target = target or torch.device("cpu")
             if optim is not None:
                 assert model is not None
-                restore.restore_optimizer(reader, optim, model, host_or_target)
+                restore.restore_optimizer(reader, optim, model, host_or_target, patterns)
             if scheduler is not None:
                 if "scheduler" not in manifest.state:
                     raise StateMismatchError(f"version {manifest.version} holds no scheduler state")

@@ -18,13 +18,13 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client import keys
+from client import selection
 from client.reader import TensorReader
 from client.tensors import byte_view, host_contiguous
 from client.transport import Transport
@@ -116,7 +116,8 @@ def write_safetensors(
     return total
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place."""
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
     try:
         temporary.write_text(text, encoding="utf-8")
@@ -126,9 +127,12 @@ def _write_text(path: Path, text: str) -> None:
         raise
 
 
-def model_entries(manifest: Manifest) -> list[tuple[str, TensorEntry]]:
-    """``(state_dict name, entry)`` of every model tensor of a version, in manifest order."""
-    return [(keys.model_name(e.key), e) for e in manifest.tensors if e.key.startswith("model/")]
+def model_entries(manifest: Manifest, patterns: Sequence[str] | None = None) -> list[tuple[str, TensorEntry]]:
+    """``(state_dict name, entry)`` of the model tensors of a version ``patterns`` select (default
+    every one), in manifest order."""
+    entries = {e.key: e for e in manifest.tensors}
+    selected = selection.selected_model_keys(manifest, selection.check_patterns(patterns))
+    return [(name, entries[key]) for name, key in selected.items()]
 
 
 def _strip_refs(value: Any, prefix: str) -> Any:
@@ -161,11 +165,18 @@ def export_version(
     optimizer: bool = False,
     on_bytes: Callable[[int], object] | None = None,
     on_total: Callable[[int], object] | None = None,
+    keys: Sequence[str] | None = None,
 ) -> ExportResult:
-    """Write version ``ref`` of ``run_id`` to ``directory`` in the Hugging Face layout."""
+    """Write version ``ref`` of ``run_id`` to ``directory`` in the Hugging Face layout.
+
+    ``keys`` (glob patterns over state_dict names, as :meth:`Client.load` takes them) writes
+    only the model tensors they select, e.g. ``["*lora_*"]``.
+    """
     started = time.perf_counter()
     manifest = transport.manifest(run_id, ref)
-    model = model_entries(manifest)
+    model = model_entries(manifest, keys)
+    if keys is not None and optimizer:
+        raise InvalidInputError("--keys selects model tensors; export the optimizer without --keys")
     optim = [(e.key.removeprefix("optim/"), e) for e in manifest.tensors if e.key.startswith("optim/")]
     if optimizer and "optim" not in manifest.state:
         raise StateMismatchError(
@@ -190,13 +201,13 @@ def export_version(
             weight_map.update((tensor_name, name) for tensor_name, _ in items)
             result.files.append(name)
         index = {"metadata": {"total_size": sum(e.nbytes for _, e in model)}, "weight_map": weight_map}
-        _write_text(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_text_atomically(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
         result.files.append(INDEX_FILE)
     _remove_stale(directory, set(result.files))
     if optimizer:
         write_safetensors(directory / OPTIMIZER_FILE, optim, reader, FILE_METADATA)
         state = _strip_refs(manifest.state["optim"], "optim/")
-        _write_text(directory / OPTIMIZER_STATE_FILE, json.dumps(state, indent=2) + "\n")
+        write_text_atomically(directory / OPTIMIZER_STATE_FILE, json.dumps(state, indent=2) + "\n")
         result.files += [OPTIMIZER_FILE, OPTIMIZER_STATE_FILE]
     result.tensors = len(written)
     result.bytes = sum(entry.nbytes for _, entry in written)

@@ -1,4 +1,4 @@
-"""Import safetensors weights (one file or a Hugging Face folder) as a model-only version.
+"""Import weights (safetensors, a Hugging Face folder) and other checkpoints (:mod:`client.sources`) as a version.
 
 The files are memory-mapped, not read into memory: each tensor is a view of the mapped file
 until the normal save path hashes it and, if the store lacks it, writes it into a shard. So a
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from client import sources
 from client.api import Client
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
@@ -26,6 +27,7 @@ from service.format.jsondoc import strict_decoder
 from service.format.safetensors_header import entry_fields
 
 SINGLE_FILE = "model.safetensors"
+BIN_FILE = "pytorch_model.bin"
 INDEX_FILE = "model.safetensors.index.json"
 #: The reference library's own cap on a header.
 MAX_HEADER_BYTES = 100 << 20
@@ -127,7 +129,9 @@ def read_source(source: Path) -> dict[str, torch.Tensor]:
     if not (source / INDEX_FILE).is_file():
         if (source / SINGLE_FILE).is_file():
             return open_safetensors(source / SINGLE_FILE)
-        raise InvalidInputError(f"{source} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        if (source / BIN_FILE).is_file():
+            return sources.read_pickled_file(source / BIN_FILE).model
+        raise InvalidInputError(f"{source} holds neither {INDEX_FILE}, {SINGLE_FILE} nor {BIN_FILE}")
     tensors: dict[str, torch.Tensor] = {}
     for file, names in sorted(_index_files(source).items()):  # model-00001-… first
         found = open_safetensors(source / file)
@@ -141,9 +145,33 @@ def read_source(source: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_checkpoint(source: Path) -> sources.Imported:
+    """Everything an import stores from ``source``, whatever its format (:mod:`client.sources`)."""
+    if source.is_file():
+        if source.suffix in sources.PICKLED_SUFFIXES:
+            return sources.read_pickled_file(source)
+        return sources.Imported(open_safetensors(source))
+    if (source / sources.DCP_METADATA).is_file():
+        return sources.read_dcp(source)
+    if (source / sources.TRAINER_STATE).is_file():
+        return sources.read_trainer_folder(source, read_source(source))
+    return sources.Imported(read_source(source))
+
+
 def import_weights(client: Client, source: Path, run_id: str, *, tags: list[str] | tuple[str, ...] = ()) -> SaveResult:
-    """Store the weights at ``source`` as the next version of ``run_id`` (model tensors, not trainable)."""
-    tensors = read_source(source)
-    if not tensors:
+    """Store the checkpoint at ``source`` as the next version of ``run_id``: model tensors (not
+    trainable unless the source has optimizer state for them), optimizer and scheduler state,
+    extras, and the step where the source records one."""
+    imported = read_checkpoint(source)
+    if not imported.model:
         raise InvalidInputError(f"{source} holds no tensors")
-    return client.save_state_dict(run_id, tensors, trainable=False, tags=tags)
+    return client.save_state_dict(
+        run_id,
+        imported.model,
+        trainable=False,
+        tags=tags,
+        step=imported.step,
+        extra=imported.extra or None,
+        optim_state=imported.optim,
+        scheduler_state=imported.scheduler,
+    )

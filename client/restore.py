@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from typing import Any
 
 import torch
 
-from client import jsonstate, keys
+from client import jsonstate, keys, names, selection
 from client.placement import device_for
 from client.reader import TensorReader
-from client.state import parameter_names
+from client.selection import ModelPlan
 from client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
 from service.errors import StateMismatchError, format_list
-
-
-def model_keys(reader: TensorReader) -> dict[str, str]:
-    """``state_dict name -> manifest key`` for every model tensor of the version."""
-    return {keys.model_name(k): k for k in reader.entries if k.startswith("model/")}
 
 
 def compare_keys(stored: set[str], expected: set[str]) -> tuple[list[str], list[str]]:
@@ -79,14 +74,13 @@ def _readable_in_place(target: torch.Tensor, stored: torch.dtype) -> bool:
 
 def load_into_model(
     reader: TensorReader,
-    model: torch.nn.Module,
-    names: list[str],
+    plan: ModelPlan,
     device: torch.device | None,
     dtype: torch.dtype | None,
     before_write: Callable[[torch.Tensor], object] = lambda tensor: None,
     loaded: Callable[[torch.Tensor, str], object] = lambda tensor, digest: None,
 ) -> list[str]:
-    """Read the named tensors into ``model``'s own parameters and buffers; returns casts made.
+    """Read ``plan.sources`` into the model's own parameters and buffers; returns casts made.
 
     Shapes are all checked before anything is written. A tensor is re-allocated only when
     ``device`` or ``dtype`` asks for a change, and keeps its identity, so an optimizer that
@@ -95,16 +89,15 @@ def load_into_model(
     tensor before it changes (the digest cache forgets it); ``loaded`` sees every tensor that
     now holds exactly the verified bytes of a stored digest (no cast), with that digest.
     """
-    targets = model.state_dict(keep_vars=True)
-    by_key = model_keys(reader)
+    targets, sources = plan.targets, plan.sources
     wrong = [
-        f"{name}: checkpoint {list(reader.entries[by_key[name]].shape)}, model {list(targets[name].shape)}"
-        for name in names
-        if list(reader.entries[by_key[name]].shape) != list(targets[name].shape)
+        f"{name}: checkpoint {list(reader.entries[key].shape)}, model {list(targets[name].shape)}"
+        for name, key in sources.items()
+        if list(reader.entries[key].shape) != list(targets[name].shape)
     ]
     if wrong:
         raise StateMismatchError(f"shape mismatch for {len(wrong)} tensors: {format_list(wrong, 5)}")
-    for name in names:
+    for name in sources:
         target = targets[name]
         before_write(target)
         want_dtype = _wanted_dtype(target.dtype, dtype)
@@ -112,14 +105,15 @@ def load_into_model(
         if target.dtype != want_dtype or target.device != want_device:
             _reallocate(target, want_dtype, want_device)
     direct = {
-        by_key[name]: targets[name]
-        for name in names
-        if _readable_in_place(targets[name], NAME_TO_TORCH[reader.entries[by_key[name]].dtype])
+        key: targets[name]
+        for name, key in sources.items()
+        if _readable_in_place(targets[name], NAME_TO_TORCH[reader.entries[key].dtype])
     }
+    name_of = {key: name for name, key in sources.items()}
     casts = []
-    with closing(reader.read_many((by_key[name] for name in names), into=direct)) as stream:
+    with closing(reader.read_many(sources.values(), into=direct)) as stream:
         for key, source in stream:
-            target = targets[keys.model_name(key)]
+            target = targets[name_of[key]]
             if source is not target:
                 _copy_into(target, source)
             if source.dtype != target.dtype:
@@ -130,29 +124,34 @@ def load_into_model(
 
 
 def materialize_model(
-    reader: TensorReader, device: torch.device, dtype: torch.dtype | None
+    reader: TensorReader, selected: dict[str, str], device: torch.device, dtype: torch.dtype | None
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """A new state_dict of every model tensor on ``device``; returns it and the casts made."""
+    """A new state_dict of the ``selected`` (name -> key) model tensors on ``device``; returns it and the casts made."""
+    name_of = {key: name for name, key in selected.items()}
     result: dict[str, torch.Tensor] = {}
     casts = []
-    for key, tensor in reader.read_many(model_keys(reader).values()):
+    for key, tensor in reader.read_many(selected.values()):
         want = _wanted_dtype(tensor.dtype, dtype)
         if want != tensor.dtype:
             casts.append(f"{key}: {tensor.dtype} -> {want}".replace("torch.", ""))
-        result[keys.model_name(key)] = tensor.to(device=device, dtype=want)
+        result[name_of[key]] = tensor.to(device=device, dtype=want)
     # Storage order served the reads; callers expect the model's own order.
-    return {name: result[name] for name in model_keys(reader)}, casts
+    return {name: result[name] for name in selected}, casts
 
 
 def _placed_reader(
-    reader: TensorReader, prefix: str, param_devices: dict[str, torch.device], target: torch.device
+    reader: TensorReader,
+    prefix: str,
+    param_devices: dict[str, torch.device],
+    target: torch.device,
+    wanted: Callable[[str], bool] = lambda key: True,
 ) -> Callable[[str], torch.Tensor]:
-    """A key -> placed tensor function for one state section, fetching its tensors in bulk.
+    """A key -> placed tensor function for one state section, fetching its ``wanted`` tensors in bulk.
 
     The whole section is needed at once anyway (an optimizer loads its full state_dict), so
     reading it in storage order first costs no extra memory and saves round trips.
     """
-    fetched = dict(reader.read_many(k for k in reader.entries if k.startswith(prefix)))
+    fetched = dict(reader.read_many(k for k in reader.entries if k.startswith(prefix) and wanted(k)))
 
     def tensor_for(key: str) -> torch.Tensor:
         if key not in fetched:
@@ -163,11 +162,11 @@ def _placed_reader(
     return tensor_for
 
 
-def _current_groups(optim: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
+def _current_groups(optim: torch.optim.Optimizer, param_names: dict[int, str]) -> list[list[str]]:
     groups = []
     for index, group in enumerate(optim.param_groups):
         try:
-            groups.append([names[id(p)] for p in group["params"]])
+            groups.append([param_names[id(p)] for p in group["params"]])
         except KeyError:
             raise StateMismatchError(
                 f"optimizer param group {index} holds a parameter that is not in the model passed to load()"
@@ -180,8 +179,8 @@ def _check_groups(saved_groups: list[dict[str, Any]], current: list[list[str]]) 
         raise StateMismatchError(
             f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one has {len(current)}"
         )
-    for index, (saved, names) in enumerate(zip(saved_groups, current, strict=True)):
-        missing, unexpected = compare_keys(set(saved["params"]), set(names))
+    for index, (saved, group_names) in enumerate(zip(saved_groups, current, strict=True)):
+        missing, unexpected = compare_keys(set(saved["params"]), set(group_names))
         if missing or unexpected:
             raise StateMismatchError(
                 f"optimizer param group {index} differs from the checkpoint's: "
@@ -212,26 +211,59 @@ def _prefer_ours(holder: dict[Any, Any], ours: dict[Any, Any], everything: bool)
             holder[name] = value
 
 
-def restore_optimizer(
-    reader: TensorReader, optim: torch.optim.Optimizer, model: torch.nn.Module, target: torch.device
-) -> None:
-    """Load the version's optimizer state into ``optim``, placing every tensor by the rules."""
+def _saved_optimizer(
+    reader: TensorReader, canonical: set[str], patterns: Sequence[str] | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], set[str], dict[str, str]]:
+    """The version's optimizer ``state`` and ``param_groups`` under the target's canonical names,
+    restricted to the parameters ``patterns`` select; the stored names kept; and every stored
+    name that differs from its canonical one (a version saved before names were canonical)."""
     saved: Any = reader.manifest.state.get("optim")
     if not isinstance(saved, dict):
         raise StateMismatchError(f"version {reader.manifest.version} holds no optimizer state")
-    names = parameter_names(model)
-    params = {name: p for name, p in model.named_parameters()}
-    current = _current_groups(optim, names)
-    _check_groups(saved["param_groups"], current)
-    tensor_for = _placed_reader(reader, "optim/", {n: p.device for n, p in params.items()}, target)
+    stored = [n for group in saved["param_groups"] for n in group["params"]]
+    renamed = names.match_names(stored, canonical)
+    kept = {n for n in stored if selection.matches(renamed.get(n, n), patterns)}
+    state = {renamed.get(n, n): v for n, v in saved["state"].items() if n in kept}
+    groups = [
+        {**group, "params": [renamed.get(n, n) for n in group["params"] if n in kept]}
+        for group in saved["param_groups"]
+    ]
+    return state, groups, kept, renamed
+
+
+def restore_optimizer(
+    reader: TensorReader,
+    optim: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    target: torch.device,
+    patterns: Sequence[str] | None = None,
+) -> None:
+    """Load the version's optimizer state into ``optim``, placing every tensor by the rules.
+
+    With ``patterns`` (a partial load), only the state of the parameters they select is read,
+    and ``optim`` must optimize exactly those parameters, grouped as in the checkpoint.
+    """
+    params = names.parameters(model)
+    saved_state, saved_groups, kept, renamed = _saved_optimizer(reader, set(params), patterns)
+    current = _current_groups(optim, {id(p): name for name, p in params.items()})
+    _check_groups(saved_groups, current)
+
+    def wanted(key: str) -> bool:
+        parts = key.split("/")
+        return parts[1] != "state" or keys.unescape(parts[2]) in kept
+
+    # Placement names each tensor's parameter as stored.
+    devices = {n: p.device for n, p in params.items()}
+    devices.update((stored, devices[name]) for stored, name in renamed.items())
+    tensor_for = _placed_reader(reader, "optim/", devices, target, wanted)
     order = {name: index for index, name in enumerate(n for group in current for n in group)}
     state: dict[int, Any] = {}
-    for name, encoded in saved["state"].items():
+    for name, encoded in saved_state.items():
         if name not in order:
             raise StateMismatchError(f"the checkpoint has optimizer state for {name!r}, which this optimizer lacks")
         state[order[name]] = jsonstate.decode(encoded, tensor_for)
     groups = []
-    for saved_group, group_names in zip(saved["param_groups"], current, strict=True):
+    for saved_group, group_names in zip(saved_groups, current, strict=True):
         hyper = jsonstate.decode({k: v for k, v in saved_group.items() if k != "params"}, tensor_for)
         hyper["params"] = [order[n] for n in group_names]
         groups.append(hyper)
@@ -250,11 +282,14 @@ def restore_optimizer(
         _prefer_ours(group, {k: v for k, v in ours.items() if k != "params"}, stock)
 
 
-def restore_section(reader: TensorReader, section: str, target: torch.device) -> Any:
-    """Decode a scheduler or extra section, placing its tensors."""
+def restore_section(
+    reader: TensorReader, section: str, target: torch.device, param_devices: dict[str, torch.device] | None = None
+) -> Any:
+    """Decode a section (scheduler, extra; optimizer state with ``param_devices``), placing its tensors."""
     if section not in reader.manifest.state:
         return None
-    return jsonstate.decode(reader.manifest.state[section], _placed_reader(reader, f"{section}/", {}, target))
+    tensor_for = _placed_reader(reader, f"{section}/", param_devices or {}, target)
+    return jsonstate.decode(reader.manifest.state[section], tensor_for)
 
 
 def live_tensors(model: torch.nn.Module | None, optim: torch.optim.Optimizer | None) -> list[torch.Tensor]:

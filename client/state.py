@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from client import jsonstate, keys
+from client import jsonstate, keys, names
 from client.placement import group_places_step_on_device
 from client.tensors import check_storable
 from service.errors import StateEncodingError, StateMismatchError
@@ -50,8 +50,8 @@ class FlatState:
 
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name`` for every parameter of ``model`` (first name for tied ones)."""
-    return {id(p): name for name, p in model.named_parameters()}
+    """``id(parameter) -> canonical name`` for every parameter of ``model`` (first name for tied ones)."""
+    return {id(p): name for name, p in names.parameters(model).items()}
 
 
 def _host_or_target(tensor: torch.Tensor) -> Placement:
@@ -59,8 +59,8 @@ def _host_or_target(tensor: torch.Tensor) -> Placement:
 
 
 def flatten_model(flat: FlatState, model: torch.nn.Module) -> None:
-    """Add every tensor of ``model.state_dict()`` under ``model/<name>``."""
-    for name, value in model.state_dict(keep_vars=True).items():
+    """Add every tensor of ``model.state_dict()`` under ``model/<canonical name>`` (:mod:`client.names`)."""
+    for name, value in names.state_dict(model).items():
         if not isinstance(value, torch.Tensor):
             raise StateEncodingError(
                 f"model/{name}: the model's state_dict holds a {type(value).__name__}, not a tensor "
@@ -69,12 +69,12 @@ def flatten_model(flat: FlatState, model: torch.nn.Module) -> None:
         flat.add(TensorRecord(keys.model_key(name), value, "target", trainable=bool(value.requires_grad)))
 
 
-def _optimizer_param_names(optim: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
+def _optimizer_param_names(optim: torch.optim.Optimizer, param_names: dict[int, str]) -> list[list[str]]:
     groups: list[list[str]] = []
     for group_index, group in enumerate(optim.param_groups):
         group_names = []
         for param in group["params"]:
-            name = names.get(id(param))
+            name = param_names.get(id(param))
             if name is None:
                 raise StateMismatchError(
                     f"optimizer param group {group_index} holds a parameter of shape {tuple(param.shape)} "
@@ -90,14 +90,24 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
     """Add optimizer state keyed by parameter name, plus any tensors inside param_groups."""
     group_names = _optimizer_param_names(optim, parameter_names(model))
     saved = optim.state_dict()
-    index_names = [name for names in group_names for name in names]
-    group_of = [g for g, names in enumerate(group_names) for _ in names]
-    step_on_host = [not group_places_step_on_device(group) for group in saved["param_groups"]]
+    index_names = [name for group_params in group_names for name in group_params]
+    state = {index_names[index]: param_state for index, param_state in saved["state"].items()}
+    groups = [{**group, "params": names} for group, names in zip(saved["param_groups"], group_names, strict=True)]
+    flatten_named_optimizer(flat, state, groups)
+
+
+def flatten_named_optimizer(flat: FlatState, state: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Add an optimizer state_dict keyed by parameter name (``state`` by name, each group's
+    ``params`` a list of names: the layout ``get_state_dict`` gives), placing Adam's ``step``
+    on the host unless its group is fused or capturable."""
+    group_of = {name: g for g, group in enumerate(param_groups) for name in group["params"]}
+    step_on_host = [not group_places_step_on_device(group) for group in param_groups]
     state_json: dict[str, Any] = {}
-    for index, param_state in saved["state"].items():
-        name = index_names[index]
+    for name, param_state in state.items():
+        if name not in group_of:
+            raise StateEncodingError(f"optimizer state for {name!r}, which no param group lists")
         prefix = keys.join("optim", "state", name)
-        host_step = f"{prefix}/step" if step_on_host[group_of[index]] else None
+        host_step = f"{prefix}/step" if step_on_host[group_of[name]] else None
 
         def store(tensor: torch.Tensor, path: str, name: str = name, host_step: str | None = host_step) -> str:
             if path == host_step:
@@ -106,8 +116,9 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
 
         state_json[name] = jsonstate.encode(param_state, prefix, store)
     groups_json = []
-    for group_index, (group, names) in enumerate(zip(saved["param_groups"], group_names, strict=True)):
-        owner = names[0] if names else None
+    for group_index, group in enumerate(param_groups):
+        group_params = list(group["params"])
+        owner = group_params[0] if group_params else None
 
         def store_group(tensor: torch.Tensor, path: str, owner: str | None = owner) -> str:
             if owner is None:
@@ -116,7 +127,7 @@ def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torc
 
         hyper = {k: v for k, v in group.items() if k != "params"}
         encoded = jsonstate.encode(hyper, keys.join("optim", "param_groups", group_index), store_group)
-        encoded["params"] = names
+        encoded["params"] = group_params
         groups_json.append(encoded)
     flat.state["optim"] = {"state": state_json, "param_groups": groups_json}
 

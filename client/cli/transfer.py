@@ -53,6 +53,17 @@ def export(
     optimizer: Annotated[
         bool, typer.Option("--optimizer", help="Also write optimizer.safetensors and optimizer.json.")
     ] = False,
+    keys: Annotated[
+        list[str] | None,
+        typer.Option("--keys", help="Only tensors whose state_dict names match this glob, e.g. '*lora_*'; repeatable."),
+    ] = None,
+    as_format: Annotated[
+        str, typer.Option("--format", help="hf (safetensors files), peft (an adapter folder) or dcp (a DCP folder).")
+    ] = "hf",
+    peft_config: Annotated[
+        Path | None,
+        typer.Option(help="adapter_config.json for --format peft (default: the version's extra['peft_config'])."),
+    ] = None,
 ) -> None:
     """Write a version's model as Hugging Face safetensors files under their state_dict names.
 
@@ -62,6 +73,9 @@ def export(
     """
     from client.exporting import export_version
 
+    if as_format != "hf":
+        _export_other(target, directory, as_format, peft_config, keys)
+        return
     with reported():
         parsed = parse_target(target)
         limit = parse_size(max_shard_size)
@@ -77,6 +91,7 @@ def export(
                     optimizer=optimizer,
                     on_bytes=bar.update,
                     on_total=bar.total,
+                    keys=keys,
                 )
         finally:
             bar.close()
@@ -93,21 +108,47 @@ def export(
         )
 
 
+def _export_other(target: str, directory: Path, as_format: str, config: Path | None, keys: list[str] | None) -> None:
+    """``export --format peft|dcp`` (:mod:`client.exporting_formats`)."""
+    import json
+
+    from client.exporting_formats import export_dcp, export_peft
+
+    with reported():
+        parsed = parse_target(target)
+        with open_client() as ckpt:
+            if as_format == "peft":
+                settings = json.loads(config.read_text(encoding="utf-8")) if config is not None else None
+                result = export_peft(ckpt.transport, parsed.run_id, parsed.ref, directory, config=settings, keys=keys)
+            elif as_format == "dcp" and keys is None:
+                result = export_dcp(ckpt.transport, parsed.run_id, parsed.ref, directory)
+            else:
+                raise UsageProblem(f"--format {as_format!r}: use hf, peft or dcp (dcp takes no --keys)")
+    typer.echo(
+        f"exported {result.run_id}@{result.version} to {directory} as {as_format}: {result.tensors} tensors, "
+        f"{size(result.bytes)} in {result.seconds:.2f} s"
+    )
+
+
 def import_(
     source: Annotated[
         Path,
         typer.Argument(
             metavar="DIR_OR_FILE",
             exists=True,
-            help="A .safetensors file, or a folder with model.safetensors[.index.json].",
+            help="A .safetensors, .pt, .pth, .bin or Lightning .ckpt file; a folder with model.safetensors"
+            "[.index.json] or pytorch_model.bin; a Trainer checkpoint folder; a DCP checkpoint folder.",
         ),
     ],
     run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run to add the version to (created if new).")],
     tag: Annotated[list[str] | None, typer.Option("--tag", help="Tag the new version (repeatable).")] = None,
 ) -> None:
-    """Store safetensors weights as a new model-only version (frozen, placed on the load device).
+    """Store a checkpoint from disk as a new version: weights (frozen unless the source has
+    optimizer state for them), and optimizer, scheduler and trainer state where the source has them.
 
-    Seed a base model once; every fine-tune saved later stores only what differs from it.
+    Pickled files are read with torch's weights_only loader on this machine only; a file that
+    needs full unpickling is refused. Seed a base model once; every fine-tune saved later stores
+    only what differs from it.
     """
     from client.importing import import_weights
 

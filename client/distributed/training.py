@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from client import keys, restore
+from client import keys, names, restore
 from client.distributed.reader import StoreReader
 from client.distributed.writer import StoreWriter
 from client.results import LoadResult, SaveResult
@@ -30,9 +30,6 @@ from service.errors import CheckpointError, InvalidInputError
 
 if TYPE_CHECKING:
     from client.api import Client
-
-#: Wrappers whose names ``get_state_dict`` leaves out of parameter names.
-_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -62,7 +59,8 @@ def save_sharded(
     if extra is not None:
         state["extra"] = extra
     writer = StoreWriter(run_id, client=client, step=step, metrics=metrics, tags=tags)
-    writer.trainable = frozenset(f"model.{_plain(name)}" for name, p in model.named_parameters() if p.requires_grad)
+    # Canonical names (client.names) are the FQNs get_state_dict reports.
+    writer.trainable = frozenset(f"model.{name}" for name, p in names.parameters(model).items() if p.requires_grad)
     metadata = _unwrapped(lambda: dcp.save(state, storage_writer=writer))
     result = metadata.storage_data
     assert isinstance(result, SaveResult)
@@ -133,12 +131,6 @@ def check_load_arguments(device: str | torch.device | None, dtype: torch.dtype |
                 f"device={device!s} differs from the sharded model's {sorted(devices)}; "
                 "a sharded model loads on the devices its mesh placed it on"
             )
-
-
-def _plain(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def _unwrapped(call: Any) -> Any:

@@ -153,3 +153,14 @@ def test_plan_files_keeps_order_empty_tensors_and_oversized_ones() -> None:
     assert plan_files([20, 1, 0, 1], 8) == [[0], [1, 2, 3]]
     assert plan_files([0, 0], 8) == [[0, 1]]
     assert plan_files([], 8) == [[]]
+
+
+def test_export_keys_writes_only_the_selected_tensors(cli: Cli, tmp_path: Path) -> None:
+    model = TinyNet()
+    cli.client.save("run", model)
+    out = tmp_path / "subset"
+    cli.ok("export", "run", out, "--keys", "body.*", "--keys", "norm.weight")
+    expected = {k: v for k, v in model.state_dict().items() if k.startswith("body.") or k == "norm.weight"}
+    assert_same_tensors(load_file(out / "model.safetensors"), expected)
+    failed = cli("export", "run", tmp_path / "none", "--keys", "nothing.*")
+    assert failed.exit_code != 0 and "match no tensor" in failed.stderr

@@ -1,0 +1,106 @@
+"""Export a version as a PEFT adapter folder or as a DCP checkpoint folder.
+
+- **PEFT adapter** (``adapter_model.safetensors`` + ``adapter_config.json``), loadable by
+  ``peft.PeftModel.from_pretrained(base, folder)``: the version's adapter tensors (names with
+  ``lora_``, or those the caller's ``keys`` select) under PEFT's file names, which leave out the
+  adapter's name (``…q_proj.lora_A.default.weight`` is written as ``…q_proj.lora_A.weight``).
+  The config is the one given, or the JSON the version holds as ``extra["peft_config"]`` (save
+  it with ``extra={"peft_config": model.peft_config["default"].to_dict()}``, sets as lists);
+  export never invents one.
+- **DCP folder**, readable by ``torch.distributed.checkpoint.load``: ``{"model": state_dict,
+  "optim": optimizer state by parameter name}``, the layout ``get_state_dict`` gives and
+  ``set_state_dict`` takes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client import restore, selection
+from client.exporting import FILE_METADATA, ExportResult, write_safetensors, write_text_atomically
+from client.reader import TensorReader
+from client.transport import Transport
+from service.errors import InvalidInputError, StateMismatchError
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_KEYS = ("*lora_*",)
+
+
+def peft_file_name(name: str, adapter: str) -> str:
+    """The name PEFT writes for a state_dict name: without the ``.<adapter>`` part."""
+    return ".".join(part for part in name.split(".") if part != adapter)
+
+
+def export_peft(
+    transport: Transport,
+    run_id: str,
+    ref: int | str,
+    directory: Path,
+    *,
+    config: dict[str, Any] | None = None,
+    adapter: str = "default",
+    keys: Sequence[str] | None = None,
+) -> ExportResult:
+    """Write version ``ref``'s adapter to ``directory`` as a PEFT adapter folder."""
+    started = time.perf_counter()
+    manifest = transport.manifest(run_id, ref)
+    if config is None:
+        extra = manifest.state.get("extra")
+        found = extra.get("peft_config") if isinstance(extra, dict) else None
+        if not isinstance(found, dict):
+            raise InvalidInputError(
+                f"version {manifest.version} of {run_id!r} holds no extra['peft_config']; pass the adapter's "
+                "adapter_config.json (--peft-config)"
+            )
+        config = found
+    selected = selection.selected_model_keys(manifest, selection.check_patterns(list(keys or ADAPTER_KEYS)))
+    entries = {e.key: e for e in manifest.tensors}
+    items = [(peft_file_name(name, adapter), entries[key]) for name, key in selected.items()]
+    if len({name for name, _ in items}) != len(items):
+        raise StateMismatchError(f"the adapter's tensors do not have distinct names once {adapter!r} is dropped")
+    directory.mkdir(parents=True, exist_ok=True)
+    write_safetensors(directory / ADAPTER_FILE, items, TensorReader(transport, manifest), FILE_METADATA)
+    write_text_atomically(directory / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return ExportResult(
+        run_id=manifest.run_id,
+        version=manifest.version,
+        directory=directory,
+        files=[ADAPTER_FILE, ADAPTER_CONFIG],
+        tensors=len(items),
+        bytes=sum(e.nbytes for _, e in items),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Path) -> ExportResult:
+    """Write version ``ref`` to ``directory`` as a DCP checkpoint (``model`` and, if stored, ``optim``)."""
+    import torch.distributed.checkpoint as dcp
+
+    started = time.perf_counter()
+    manifest = transport.manifest(run_id, ref)
+    reader = TensorReader(transport, manifest)
+    cpu = torch.device("cpu")
+    model, _ = restore.materialize_model(reader, selection.selected_model_keys(manifest, None), cpu, None)
+    state: dict[str, Any] = {"model": model}
+    on_cpu = {e.param: cpu for e in manifest.tensors if e.param is not None}
+    optim = restore.restore_section(reader, "optim", cpu, on_cpu)
+    if optim is not None:
+        state["optim"] = optim
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    tensors = [e for e in manifest.tensors if e.key.startswith(("model/", "optim/"))]
+    return ExportResult(
+        run_id=manifest.run_id,
+        version=manifest.version,
+        directory=directory,
+        files=sorted(p.name for p in directory.iterdir()),
+        tensors=len(tensors),
+        bytes=sum(e.nbytes for e in tensors),
+        seconds=time.perf_counter() - started,
+    )
