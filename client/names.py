@@ -37,23 +37,29 @@ _WRAPPERS = (
 WRAPPER_PARTS = frozenset(attribute for _, _, attribute in _WRAPPERS)
 
 
-def _wrapped_attribute(module: torch.nn.Module) -> str | None:
-    """The attribute under which ``module`` holds the model it wraps, if it is a wrapper."""
+def _loaded_wrappers() -> tuple[tuple[type, ...], dict[type, str]]:
+    """The wrapper classes whose modules are imported, and the attribute each holds its model in."""
+    found: dict[type, str] = {}
     for home, class_name, attribute in _WRAPPERS:
         loaded = sys.modules.get(home)
         cls = getattr(loaded, class_name, None) if loaded is not None else None
-        if cls is not None and isinstance(module, cls):
-            return attribute
-    return None
+        if isinstance(cls, type):
+            found[cls] = attribute
+    return tuple(found), found
 
 
 def wrapper_paths(model: torch.nn.Module) -> frozenset[str]:
     """The raw module paths that are a wrapper's wrapped child, e.g. ``{"module", "module._orig_mod"}``."""
+    classes, attributes = _loaded_wrappers()
+    if not classes:
+        return frozenset()
     paths = set()
+    # One isinstance against every loaded wrapper class a module: a save walks every module.
     for prefix, module in model.named_modules(remove_duplicate=False):
-        attribute = _wrapped_attribute(module)
-        if attribute is not None and attribute in module._modules:
-            paths.add(f"{prefix}.{attribute}" if prefix else attribute)
+        if isinstance(module, classes):
+            attribute = next(a for cls, a in attributes.items() if isinstance(module, cls))
+            if attribute in module._modules:
+                paths.add(f"{prefix}.{attribute}" if prefix else attribute)
     return frozenset(paths)
 
 
@@ -92,6 +98,8 @@ def state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict(keep_vars=True)`` under canonical names (the live tensors)."""
     canonical = Canonical(model)
     raw = model.state_dict(keep_vars=True)
+    if not canonical.paths:  # no wrapper: the names are canonical already
+        return dict(raw)
     names = _unique(((name, canonical(name)) for name in raw), "state_dict keys")
     return {name: raw[raw_name] for name, raw_name in names.items()}
 
@@ -100,6 +108,8 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """``model.named_parameters()`` under canonical names (tied parameters under their first name)."""
     canonical = Canonical(model)
     raw = dict(model.named_parameters())
+    if not canonical.paths:
+        return raw
     names = _unique(((name, canonical(name)) for name in raw), "parameters")
     return {name: raw[raw_name] for name, raw_name in names.items()}
 
