@@ -55,6 +55,7 @@ def wrapper_paths(model: torch.nn.Module) -> frozenset[str]:
         return frozenset()
     paths = set()
     # One isinstance against every loaded wrapper class a module: a save walks every module.
+    module: torch.nn.Module
     for prefix, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, classes):
             attribute = next(a for cls, a in attributes.items() if isinstance(module, cls))
