@@ -16,6 +16,7 @@ from client.cli.common import (
     UsageProblem,
     echo_json,
     open_client,
+    open_saving_client,
     parse_size,
     parse_target,
     reported,
@@ -115,7 +116,7 @@ def import_(
         if "@" in run_id:
             raise UsageProblem(f"{run_id!r}: import adds the next version of a run; give RUN without @REF")
         validate_run_id(run_id)
-        with open_client(create=True) as ckpt:
+        with open_saving_client() as ckpt:
             result = import_weights(ckpt, source, run_id, tags=tag or ())
     typer.echo(
         f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "
