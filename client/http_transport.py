@@ -221,6 +221,25 @@ class HttpTransport:
         if answer.status_code != 206:
             raise IntegrityError(f"the server ignored the byte range for shard {shard_id} (HTTP {answer.status_code})")
 
+    def read_ranges(self, ranges: Sequence[tuple[str, int, Sequence[memoryview]]]) -> None:
+        """Fill, for each ``(shard_id, offset, buffers)``, ``buffers`` in turn from that shard's
+        bytes at ``offset``: every range in one request (``POST /v1/shards/ranges``), its answer
+        received straight into the buffers.
+
+        Network errors and 429/5xx answers are retried (a read is safe to repeat).
+
+        Raises:
+            IntegrityError: the server sent too few or too many bytes.
+        """
+        wanted = [
+            {"shard_id": shard_id, "offset": offset, "length": sum(b.nbytes for b in buffers)}
+            for shard_id, offset, buffers in ranges
+        ]
+        body = json.dumps({"ranges": wanted}).encode()
+        headers = {"Content-Type": "application/json"}
+        flat = [buffer for _, _, buffers in ranges for buffer in buffers]
+        self.session.post_into("/v1/shards/ranges", body, headers, flat, f"reading {len(wanted)} shard ranges")
+
     def runs(self) -> list[RunInfo]:
         """Every run."""
         return [RunInfo.model_validate(item) for item in self._json("GET", "/v1/runs")]
