@@ -142,16 +142,15 @@ class SeparatePacker(Generic[T]):
     Each kind fills its own open shard; shards close as :class:`ShardPacker` closes them.
     """
 
-    def __init__(self, shard_bytes: int, **packer_options: int) -> None:
+    def __init__(self, shard_bytes: int) -> None:
         self.shard_bytes = shard_bytes
-        self._options = packer_options
         self._packers: dict[Hashable, ShardPacker[T]] = {}
 
     def add(self, item: T, nbytes: int, kind: Hashable) -> list[T] | None:
         """Add ``item`` of ``kind``; returns the shard of that kind it closed, if it closed one."""
         packer = self._packers.get(kind)
         if packer is None:
-            packer = self._packers[kind] = ShardPacker(self.shard_bytes, **self._options)
+            packer = self._packers[kind] = ShardPacker(self.shard_bytes)
         return packer.add(item, nbytes)
 
     def flush(self) -> list[list[T]]:
