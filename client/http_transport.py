@@ -23,7 +23,7 @@ from urllib.parse import quote
 from client.http_retry import RetryPolicy
 from client.http_session import HttpSession
 from service import __version__
-from service.errors import IntegrityError
+from service.errors import IntegrityError, RangeNotSatisfiableError
 from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
@@ -238,7 +238,10 @@ class HttpTransport:
         body = json.dumps({"ranges": wanted}).encode()
         headers = {"Content-Type": "application/json"}
         flat = [buffer for _, _, buffers in ranges for buffer in buffers]
-        self.session.post_into("/v1/shards/ranges", body, headers, flat, f"reading {len(wanted)} shard ranges")
+        try:
+            self.session.post_into("/v1/shards/ranges", body, headers, flat, f"reading {len(wanted)} shard ranges")
+        except RangeNotSatisfiableError as exc:  # the version's locations say the bytes are there
+            raise IntegrityError(f"a stored shard is shorter than recorded: {exc.message}") from exc
 
     def runs(self) -> list[RunInfo]:
         """Every run."""

@@ -3,18 +3,17 @@
 A load whose tensors were stored at different times reads a little from each of hundreds of
 shards; one request per shard costs a round trip and a request's server overhead each. A
 batch names up to ``MAX_RANGES`` ranges (``MAX_BATCH_BYTES`` in all); every range is checked
-against its shard's recorded size before the first byte goes out, so a bad batch is a 4xx,
-never a cut-off 200. The body is the ranges' bytes in the order asked, nothing between them.
+against its shard's size (its blob's, as for a single-shard GET) before the first byte goes
+out, so a bad batch is a 4xx, never a cut-off 200. The body is the ranges' bytes in the order
+asked, nothing between them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from sqlalchemy import select
-
-from service.db.models import Shard
 from service.errors import NotFoundError, PayloadTooLargeError, RangeNotSatisfiableError
 from service.store import Store
 
@@ -22,6 +21,8 @@ from service.store import Store
 MAX_RANGES = 4096
 #: Most bytes one batch answers: a client asks for far less (64 MiB) and sends several at once.
 MAX_BATCH_BYTES = 256 << 20
+#: Shard sizes looked up at once.
+SIZE_LOOKUPS = 16
 #: The body goes out in pieces of about this size: small ranges are joined, large ones cut.
 CHUNK_BYTES = 1 << 20
 
@@ -64,10 +65,13 @@ def check_batch(store: Store, ranges: Sequence[ByteRange]) -> int:
 
 
 def shard_sizes(store: Store, shard_ids: set[str]) -> dict[str, int]:
-    """The recorded size of each of ``shard_ids`` the store holds, in one query."""
-    with store.db.transaction() as session:
-        rows = session.execute(select(Shard.id, Shard.size).where(Shard.id.in_(sorted(shard_ids))))
-        return {shard_id: size for shard_id, size in rows}
+    """The size of each of ``shard_ids`` the blob store holds, asked of the blobs themselves (as a
+    single-shard GET does: a file cut short behind the store's back is seen before any byte goes
+    out), ``SIZE_LOOKUPS`` at a time (on S3 each is a request)."""
+    ordered = sorted(shard_ids)
+    with ThreadPoolExecutor(min(SIZE_LOOKUPS, len(ordered)) or 1, thread_name_prefix="ckptstore-sizes") as pool:
+        sizes = list(pool.map(store.blobs.size, ordered))
+    return {shard_id: size for shard_id, size in zip(ordered, sizes, strict=True) if size is not None}
 
 
 def stream_batch(store: Store, ranges: Sequence[ByteRange]) -> Iterator[bytes | memoryview]:
