@@ -81,6 +81,9 @@ class Client(Connection):
         create: bool = True,
     ) -> None:
         super().__init__(url, home=home, token=token, retry_seconds=retry_seconds, create=create)
+        prepare_writes = getattr(self.transport, "prepare_writes", None)
+        if prepare_writes is not None:  # an embedded store picks its write mode before the first save
+            prepare_writes()
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
