@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from client.transport import Transport
 from service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
 from service.retention_rules import Policy, check_policy
+
+if TYPE_CHECKING:
+    from client.transport import Transport
 
 DEFAULT_HOME = "~/.ckptstore"
 

@@ -111,7 +111,10 @@ def test_serve_and_db_upgrade_run_without_torch_numpy_or_the_client_api(tmp_path
     listed = torch_free_cli(env, "ls")
     assert listed.returncode == 0, listed.stderr
     # The check has teeth: a command that stores tensors fails here for want of torch.
-    imported = torch_free_cli(env, "import", str(tmp_path / "w.safetensors"), "base")
+    weights = tmp_path / "w.safetensors"
+    header = b'{"w":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}'
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\x00\x00\x80?")  # a valid 1.0
+    imported = torch_free_cli(env, "import", str(weights), "base")
     assert imported.returncode != 0 and "may not be imported" in imported.stderr
 
 

@@ -24,7 +24,6 @@ from client.cli.common import (
     store_location,
     table,
 )
-from client.progress import byte_bar
 from service.format.names import validate_run_id
 
 
@@ -32,6 +31,8 @@ class _Bar:
     """A byte bar whose total is set once known."""
 
     def __init__(self, description: str) -> None:
+        from client.progress import byte_bar  # here: tqdm is not for the commands that show no bar
+
         self.bar = byte_bar(0, description)
 
     def total(self, n: int) -> None:
