@@ -71,12 +71,13 @@ def main() -> None:
     parser.add_argument("--tensor-kib", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    state = model(args.tensors, args.tensor_kib * 256)
+    together, spread = model(args.tensors, args.tensor_kib * 256), model(args.tensors, args.tensor_kib * 256)
     with tempfile.TemporaryDirectory(prefix="ckpt-http-reads-") as home, served(Path(home)) as url:
         with Client(url) as ckpt:
-            ckpt.save("one", state)
+            ckpt.save("one", together)
             ckpt.shard_bytes = 1  # every tensor a shard of its own, as after saves that each changed one
-            ckpt.save("many", state)
+            saved = ckpt.save("many", spread)  # other values: nothing of "one" to share
+            assert saved.shards == args.tensors, saved
             loaded = Client(url, hash_cache=False)
             rows = {
                 "one shard": lambda: load_seconds(loaded, "one", per_shard=False),
