@@ -101,7 +101,7 @@ class Store:
         staging_dir: Path,
         *,
         max_header_bytes: int = MAX_HEADER_BYTES,
-        direct_writes: bool | None = None,
+        direct_writes: bool | None = True,
     ) -> None:
         self.db = db
         self.blobs = blobs

@@ -35,21 +35,29 @@ _PIECE = 4 << 20
 
 @dataclass(frozen=True)
 class WriteChoice:
-    """What the probe found: whether to write directly, and the median seconds of each way."""
+    """What the probe found: whether to write directly, and the median seconds of each way (None:
+    not measured)."""
 
     direct: bool
     direct_seconds: float | None
-    buffered_seconds: float
+    buffered_seconds: float | None
     device: int
 
 
 def choose_direct_writes(staging_dir: Path) -> WriteChoice:
-    """The write mode for shards staged in ``staging_dir``: read from its cache, else measured and cached."""
+    """The write mode for shards staged in ``staging_dir``: read from its cache, else measured and cached.
+
+    A disk that fails the measurement (full, read-only) gets direct writes, uncached: the write of
+    the shard itself then reports the problem, as it would have without a probe.
+    """
     device = os.stat(staging_dir).st_dev
     cached = _read_cache(staging_dir / CACHE_NAME, device)
     if cached is not None:
         return cached
-    choice = measure(staging_dir)
+    try:
+        choice = measure(staging_dir)
+    except OSError:
+        return WriteChoice(True, None, None, device)
     _write_cache(staging_dir / CACHE_NAME, choice)
     return choice
 
@@ -103,7 +111,7 @@ def _read_cache(path: Path, device: int) -> WriteChoice | None:
         choice = WriteChoice(
             direct=bool(fields["direct"]),
             direct_seconds=None if fields["direct_seconds"] is None else float(fields["direct_seconds"]),
-            buffered_seconds=float(fields["buffered_seconds"]),
+            buffered_seconds=None if fields["buffered_seconds"] is None else float(fields["buffered_seconds"]),
             device=int(fields["device"]),
         )
     except (OSError, ValueError, KeyError, TypeError):

@@ -84,3 +84,14 @@ def test_a_client_that_saves_settles_the_write_mode_on_opening(tmp_path: Path, m
             ckpt.transport.direct_writes
             is json.loads((tmp_path / "save" / "staging" / CACHE_NAME).read_text())["direct"]
         )  # type: ignore[attr-defined]
+
+
+def test_a_disk_that_fails_the_measurement_gets_direct_writes_uncached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(_: Path) -> WriteChoice:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(write_probe, "measure", full)
+    assert choose_direct_writes(tmp_path).direct is True
+    assert not (tmp_path / CACHE_NAME).exists()  # measured again once the disk has room
