@@ -37,12 +37,14 @@ if TYPE_CHECKING:
 
     from client.api import Client
     from client.background import SaveHandle
+    from client.connection import Connection
     from client.results import LoadResult, SaveResult
 
-# Torch is imported on first use of these, so torch-free tools (the server image, the
+# Imported on first use (all but Connection import torch), so torch-free tools (the server image, the
 # ``ckptstore serve`` command) can import this package.
 _LAZY = {
     "Client": "client.api",
+    "Connection": "client.connection",
     "LoadResult": "client.results",
     "SaveHandle": "client.background",
     "SaveResult": "client.results",
@@ -59,6 +61,7 @@ __all__ = [
     "CheckpointError",
     "Client",
     "ConflictError",
+    "Connection",
     "IntegrityError",
     "InvalidInputError",
     "InvalidManifestError",

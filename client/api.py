@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import torch
 
 from client import keys, restore, selection
 from client.background import SaveHandle, Staging
+from client.connection import Connection
 from client.hashing import DigestCache, SaveLedger
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
@@ -20,53 +20,17 @@ from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
 from client.saving import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
 from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
-from client.transport import Transport
 from service.errors import (
     InvalidInputError,
-    NotFoundError,
-    PermissionDeniedError,
     StateEncodingError,
     StateMismatchError,
 )
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES
-from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
-from service.retention_rules import Policy, check_policy
 
-DEFAULT_HOME = "~/.ckptstore"
 UPLOADS_IN_FLIGHT = 2
 HTTP_UPLOADS_IN_FLIGHT = 4
 HTTP_READS_IN_PARALLEL = 2
-
-
-def default_home() -> Path:
-    """``$CKPTSTORE_HOME`` or ``~/.ckptstore``, read now."""
-    return Path(os.environ.get("CKPTSTORE_HOME") or DEFAULT_HOME).expanduser()
-
-
-def open_transport(
-    url: str | None,
-    home: Path | str | None,
-    token: str | None,
-    *,
-    create: bool = True,
-    retry_seconds: float | None = None,
-) -> Transport:
-    """A server at ``url``; else the embedded store in ``home``; else the store the environment
-    names, as ``ckptstore serve`` reads it (``CKPTSTORE_DATABASE_URL``, ``CKPTSTORE_BLOBS``,
-    ``CKPTSTORE_HOME``; see :func:`service.factory.local_settings`).
-
-    With ``create=False`` a store that does not exist yet is refused (NotFoundError naming
-    the variables to set) rather than created.
-    """
-    if url:
-        if not url.startswith(("http://", "https://")):
-            raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
-        return HttpTransport(url, token, retry_seconds=retry_seconds)
-    # Here, not at the top: a client over HTTP never pays for the engine (SQLAlchemy, Alembic).
-    from service.factory import local_settings, open_store
-
-    return open_store(local_settings(home), require_current_schema=True, create=create)
 
 
 def _sharded(model: torch.nn.Module) -> bool:
@@ -84,8 +48,9 @@ def _rank() -> int:
     return torch.distributed.get_rank()
 
 
-class Client:
-    """A connection to one checkpoint store.
+class Client(Connection):
+    """A connection to one checkpoint store that saves and loads checkpoints (browsing and
+    management come from :class:`client.connection.Connection`).
 
     Args:
         url: a ckptstore server; None to open the store in this process: the one
@@ -115,7 +80,10 @@ class Client:
         retry_seconds: float | None = None,
         create: bool = True,
     ) -> None:
-        self.transport = open_transport(url, home, token, create=create, retry_seconds=retry_seconds)
+        super().__init__(url, home=home, token=token, retry_seconds=retry_seconds, create=create)
+        prepare_writes = getattr(self.transport, "prepare_writes", None)
+        if prepare_writes is not None:  # an embedded store picks its write mode before the first save
+            prepare_writes()
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
@@ -133,8 +101,11 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _settle(self) -> None:
+        self._wait_for_background(report=False)
+
+    def _history_changed(self) -> None:
+        self.ledger.forget_committed()
 
     # -- save ----------------------------------------------------------------------------
 
@@ -488,110 +459,3 @@ class Client:
         result.bytes_read = reader.bytes_read
         result.seconds = time.perf_counter() - started
         return result
-
-    # -- browsing ------------------------------------------------------------------------
-
-    def runs(self) -> list[RunInfo]:
-        """Every run in the store, most recently updated first."""
-        self._wait_for_background(report=False)
-        return self.transport.runs()
-
-    def versions(self, run_id: str) -> list[VersionInfo]:
-        """Every version of ``run_id``, oldest first."""
-        self._wait_for_background(report=False)
-        return self.transport.versions(run_id)
-
-    def tag(self, run_id: str, version: int | str, name: str) -> int:
-        """Point tag ``name`` at a version; returns the version number."""
-        self._wait_for_background(report=False)
-        return self.transport.tag(run_id, version, name)
-
-    def untag(self, run_id: str, name: str) -> None:
-        """Remove a tag."""
-        self._wait_for_background(report=False)
-        self.transport.untag(run_id, name)
-
-    def delete(self, run_id: str, version: int | str) -> int:
-        """Delete one version; returns its number. Stored bytes are reclaimed by garbage collection."""
-        self._wait_for_background(report=False)
-        self.ledger.forget_committed()
-        return self.transport.delete_version(run_id, version)
-
-    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
-        """Delete the stored bytes no version references any more; returns what went (or would go).
-
-        Shards recorded, or reported present to a save, less than ``grace_seconds`` ago (default
-        one hour) are kept, so saves in progress are never affected. ``dry_run`` only reports.
-        ``orphans`` also deletes blobs no shard record names (left by an interrupted collection);
-        run that while no save is uploading. A server asks for an admin token.
-        """
-        self._wait_for_background(report=False)
-        return self.transport.gc(grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans)
-
-    # -- retention -----------------------------------------------------------------------
-
-    def retention(self, run_id: str) -> RetentionPolicy:
-        """The run's retention policy and, in ``would_remove``, the versions it would remove now."""
-        self._wait_for_background(report=False)
-        return self.transport.get_retention(run_id)
-
-    def set_retention(
-        self,
-        run_id: str,
-        keep_last: int | None = None,
-        keep_best: int | None = None,
-        metric: str | None = None,
-        mode: Literal["min", "max"] = "min",
-        *,
-        create_run: bool = False,
-    ) -> RetentionPolicy:
-        """Replace the run's retention policy; each commit from the next one on applies it.
-
-        Kept are the last ``keep_last`` versions, the ``keep_best`` best by ``metric`` ('min':
-        lowest is best; 'max': highest; ties go to the newer version), every tagged version and
-        the newest one; the others are removed at the next commit (or at once with
-        :meth:`apply_retention`). Neither ``keep_last`` nor ``keep_best`` clears the policy. A
-        run that does not exist yet is NotFoundError, or created with ``create_run`` (so a policy
-        can precede the first save; :meth:`save` with a policy does this). A server asks for an
-        admin token: a policy deletes versions.
-        """
-        self._wait_for_background(report=False)
-        try:
-            return self.transport.set_retention(
-                run_id,
-                keep_last=keep_last,
-                keep_best=keep_best,
-                metric=metric,
-                mode=mode if keep_best is not None else None,
-                create_run=create_run,
-            )
-        except PermissionDeniedError as exc:
-            raise PermissionDeniedError(
-                f"{exc.message}: a retention policy deletes versions, so setting one needs an admin token "
-                f"(an admin can run `ckptstore retention {run_id} ...`; saves with a write token then keep to it)"
-            ) from exc
-
-    def apply_retention(self, run_id: str) -> list[int]:
-        """Remove now the versions the run's policy does not keep; returns their numbers."""
-        self._wait_for_background(report=False)
-        self.ledger.forget_committed()
-        return self.transport.apply_retention(run_id)
-
-    def _use_retention(
-        self, run_id: str, keep_last: int | None, keep_best: int | None, metric: str | None, mode: str | None
-    ) -> None:
-        """Make the run's policy the one given, writing it only when it differs.
-
-        Reading first lets a training job with a write token save with the policy an admin set.
-        """
-        wanted = check_policy(keep_last, keep_best, metric, mode)
-        try:
-            current = self.transport.get_retention(run_id)
-        except NotFoundError:  # a new run
-            current = None
-        if current is None or Policy(current.keep_last, current.keep_best, current.metric, current.mode) != wanted:
-            chosen: Literal["min", "max"] = "max" if wanted.mode == "max" else "min"
-            # A new run: this save creates it anyway, so the policy may create it first.
-            self.set_retention(
-                run_id, wanted.keep_last, wanted.keep_best, wanted.metric, chosen, create_run=current is None
-            )

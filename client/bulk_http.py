@@ -63,6 +63,9 @@ class BulkWire(Protocol):
     def get_into(self, path: str, headers: dict[str, str], buffers: Sequence[memoryview]) -> Reply:
         """GET ``path``; a 2xx body fills ``buffers`` in order, exactly; any other answer is returned read."""
 
+    def post_into(self, path: str, body: bytes, headers: dict[str, str], buffers: Sequence[memoryview]) -> Reply:
+        """POST ``body`` to ``path``; a 2xx answer's body fills ``buffers`` as :meth:`get_into` does."""
+
     def close(self) -> None:
         """Release the connections."""
 
@@ -176,9 +179,20 @@ class BulkHttp:
         Raises:
             IntegrityError: the body is longer or shorter than the buffers.
         """
+        return self._into("GET", path, headers, buffers, None)
+
+    def post_into(self, path: str, body: bytes, headers: dict[str, str], buffers: Sequence[memoryview]) -> BulkResponse:
+        """POST ``body`` to ``path`` and, on a 2xx answer, fill ``buffers`` as :meth:`get_into` does."""
+        return self._into("POST", path, {**headers, "Content-Length": str(len(body))}, buffers, body)
+
+    def _into(
+        self, method: str, path: str, headers: dict[str, str], buffers: Sequence[memoryview], body: bytes | None
+    ) -> BulkResponse:
         connection = self._connection()
         try:
-            self._start(connection, "GET", path, headers)
+            self._start(connection, method, path, headers)
+            if body:
+                connection.send(body)
             response = connection.getresponse()
             answer = BulkResponse(response.status, _lower(response.getheaders()), url=self._base + path)
             if response.status >= 300:
@@ -225,7 +239,18 @@ class HttpxBulk:
         Raises:
             IntegrityError: the body is longer or shorter than the buffers.
         """
-        with self._http.stream("GET", path, headers=headers) as response:
+        return self._into("GET", path, headers, buffers, None)
+
+    def post_into(
+        self, path: str, body: bytes, headers: dict[str, str], buffers: Sequence[memoryview]
+    ) -> httpx.Response:
+        """POST ``body`` to ``path`` and, on a 2xx answer, fill ``buffers`` as :meth:`get_into` does."""
+        return self._into("POST", path, headers, buffers, body)
+
+    def _into(
+        self, method: str, path: str, headers: dict[str, str], buffers: Sequence[memoryview], body: bytes | None
+    ) -> httpx.Response:
+        with self._http.stream(method, path, headers=headers, content=body) as response:
             if response.status_code >= 300:
                 response.read()
             else:

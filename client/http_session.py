@@ -79,6 +79,18 @@ class HttpSession:
         """
         return self._run("GET", path, lambda: self.bulk.get_into(path, headers, buffers), doing)
 
+    def post_into(
+        self, path: str, body: bytes, headers: dict[str, str], buffers: Sequence[memoryview], doing: str
+    ) -> Reply:
+        """POST ``body`` (a read that is safe to repeat), the answer's body received straight into
+        ``buffers`` (exactly filled); returns the answer.
+
+        Raises:
+            IntegrityError: the body is longer or shorter than the buffers.
+            CheckpointError: as :meth:`put_bytes`.
+        """
+        return self._run("POST", path, lambda: self.bulk.post_into(path, body, headers, buffers), doing)
+
     def _run(self, method: str, path: str, send: Callable[[], R], doing: str = "") -> R:
         """One request under the policy; an error answer raised as its CheckpointError."""
         reply = self.policy.run(self.route, method, path, send, doing)

@@ -23,7 +23,7 @@ from urllib.parse import quote
 from client.http_retry import RetryPolicy
 from client.http_session import HttpSession
 from service import __version__
-from service.errors import IntegrityError
+from service.errors import IntegrityError, RangeNotSatisfiableError
 from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
@@ -220,6 +220,28 @@ class HttpTransport:
         answer = self.session.get_into(f"/v1/shards/{shard_id}", headers, buffers, f"reading shard {shard_id}")
         if answer.status_code != 206:
             raise IntegrityError(f"the server ignored the byte range for shard {shard_id} (HTTP {answer.status_code})")
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, Sequence[memoryview]]]) -> None:
+        """Fill, for each ``(shard_id, offset, buffers)``, ``buffers`` in turn from that shard's
+        bytes at ``offset``: every range in one request (``POST /v1/shards/ranges``), its answer
+        received straight into the buffers.
+
+        Network errors and 429/5xx answers are retried (a read is safe to repeat).
+
+        Raises:
+            IntegrityError: the server sent too few or too many bytes.
+        """
+        wanted = [
+            {"shard_id": shard_id, "offset": offset, "length": sum(b.nbytes for b in buffers)}
+            for shard_id, offset, buffers in ranges
+        ]
+        body = json.dumps({"ranges": wanted}).encode()
+        headers = {"Content-Type": "application/json"}
+        flat = [buffer for _, _, buffers in ranges for buffer in buffers]
+        try:
+            self.session.post_into("/v1/shards/ranges", body, headers, flat, f"reading {len(wanted)} shard ranges")
+        except RangeNotSatisfiableError as exc:  # the version's locations say the bytes are there
+            raise IntegrityError(f"a stored shard is shorter than recorded: {exc.message}") from exc
 
     def runs(self) -> list[RunInfo]:
         """Every run."""

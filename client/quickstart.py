@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from client.api import Client, default_home
+from client.api import Client
+from client.connection import default_home
 
 RUN_ID = "quickstart"
 

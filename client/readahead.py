@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from client.readplan import ReadUnit
 
 #: Reads one unit into its pieces' views: ``read_scatter(shard_id, offset, views)``.
 ReadScatter = Callable[[str, int, Sequence[memoryview]], None]
+
+Item = TypeVar("Item")
+Views = TypeVar("Views")
 
 
 def read_ahead(
@@ -28,12 +32,29 @@ def read_ahead(
     the consumer stops, queued reads are cancelled and running ones waited for, so no thread
     outlives the generator.
     """
+
+    def read(unit: ReadUnit, views: list[memoryview]) -> None:
+        read_scatter(unit.shard_id, unit.offset, views)
+
+    return run_ahead(read, units, views_for, ahead=ahead, threads=threads, name=name)
+
+
+def run_ahead(
+    read: Callable[[Item, Views], None],
+    items: Sequence[Item],
+    views_for: Callable[[int, Item], Views],
+    *,
+    ahead: int,
+    threads: int,
+    name: str,
+) -> Generator[tuple[Item, Views, Future[None]], None, None]:
+    """:func:`read_ahead` for any kind of read: ``read(item, views)`` fills ``views_for(number, item)``."""
     pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
-    waiting: deque[tuple[ReadUnit, list[memoryview], Future[None]]] = deque()
+    waiting: deque[tuple[Item, Views, Future[None]]] = deque()
     try:
-        for number, unit in enumerate(units):
-            views = views_for(number, unit)
-            waiting.append((unit, views, pool.submit(read_scatter, unit.shard_id, unit.offset, views)))
+        for number, item in enumerate(items):
+            views = views_for(number, item)
+            waiting.append((item, views, pool.submit(read, item, views)))
             if len(waiting) > ahead:
                 yield waiting.popleft()
         while waiting:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from client.readahead import read_ahead
-from client.readplan import ReadUnit, Stored, plan_reads
+from client.readahead import run_ahead
+from client.readplan import ReadUnit, Stored, batch_units, plan_reads
 from client.tensors import NAME_TO_TORCH, byte_view
 from client.transport import Transport
 from service.errors import IntegrityError, InvalidInputError
@@ -32,6 +32,11 @@ UNIT_BYTES = 64 << 20
 #: Reads in flight ahead of the hashing: enough to keep the reading thread busy, few enough
 #: that an error stops the work soon.
 READ_AHEAD = 2
+#: Most bytes and ranges one batched request asks of a server (see ``Transport.read_ranges``):
+#: small enough that hashing one batch overlaps reading the next, large enough that a
+#: version spread over a thousand shards of small tensors takes a handful of requests.
+BATCH_BYTES = 16 << 20
+BATCH_UNITS = 1024
 
 
 @dataclass(frozen=True)
@@ -196,25 +201,31 @@ class TensorReader:
     ) -> Generator[tuple[ReadUnit, list[memoryview]], None, None]:
         """Yield each unit with its pieces' byte views once read, ``READ_AHEAD`` reads ahead on ``read_threads``.
 
-        However the consumer stops (an error, an abandoned iterator), queued reads are
-        cancelled and the running one is waited for, so no thread outlives the generator.
+        A store that answers many ranges in one request (a server: ``read_ranges``) gets the
+        units in batches of up to ``BATCH_BYTES``, so a version spread over many shards costs
+        a few requests, not one per shard. However the consumer stops (an error, an abandoned
+        iterator), queued reads are cancelled and the running one is waited for, so no thread
+        outlives the generator.
         """
 
-        def views_for(_number: int, unit: ReadUnit) -> list[memoryview]:
-            return [jobs[p.index].bytes()[p.start : p.start + p.length] for p in unit.pieces]
+        def views_for(_number: int, batch: list[ReadUnit]) -> list[list[memoryview]]:
+            return [[jobs[p.index].bytes()[p.start : p.start + p.length] for p in unit.pieces] for unit in batch]
 
-        reads = read_ahead(
-            self.transport.read_scatter,
-            units,
-            views_for,
-            ahead=READ_AHEAD,
-            threads=self.read_threads,
-            name="ckptstore-read",
-        )
+        read_ranges = getattr(self.transport, "read_ranges", None)
+        batches = batch_units(units, BATCH_BYTES, BATCH_UNITS) if read_ranges else [[unit] for unit in units]
+
+        def read(batch: list[ReadUnit], views: list[list[memoryview]]) -> None:
+            if len(batch) == 1:
+                self.transport.read_scatter(batch[0].shard_id, batch[0].offset, views[0])
+            else:
+                assert read_ranges is not None
+                read_ranges([(u.shard_id, u.offset, v) for u, v in zip(batch, views, strict=True)])
+
+        reads = run_ahead(read, batches, views_for, ahead=READ_AHEAD, threads=self.read_threads, name="ckptstore-read")
         with closing(reads):
-            for unit, views, future in reads:
+            for batch, views, future in reads:
                 future.result()
-                yield unit, views
+                yield from zip(batch, views, strict=True)
 
     def read(self, key: str) -> torch.Tensor:
         """The verified tensor stored under ``key``, as a new CPU tensor."""

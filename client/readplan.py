@@ -73,3 +73,25 @@ def _start(units: list[ReadUnit], shard_id: str, offset: int) -> ReadUnit:
     unit = ReadUnit(shard_id, offset)
     units.append(unit)
     return unit
+
+
+def batch_units(units: Sequence[ReadUnit], max_bytes: int, max_units: int) -> list[list[ReadUnit]]:
+    """Group consecutive ``units`` into batches of at most ``max_bytes`` and ``max_units`` each,
+    in order, for a store that answers many ranges in one request.
+
+    A unit larger than ``max_bytes`` makes a batch of its own.
+
+    Raises:
+        ValueError: ``max_bytes`` or ``max_units`` is not positive.
+    """
+    if max_bytes < 1 or max_units < 1:
+        raise ValueError(f"batch limits {max_bytes} bytes, {max_units} units must be positive")
+    batches: list[list[ReadUnit]] = []
+    size = 0
+    for unit in units:
+        if not batches or size + unit.nbytes > max_bytes or len(batches[-1]) == max_units:
+            batches.append([])
+            size = 0
+        batches[-1].append(unit)
+        size += unit.nbytes
+    return batches

@@ -5,15 +5,20 @@ A save's tensors are known by index. The plan is made from their sizes, the dige
 client's cache already knows, which tensors changed in place since the client's last save,
 and which tensor objects appear under several keys. As groups are hashed, :class:`SavePlan`
 tells the runner (:mod:`client.saving`) what to ask and what to send, and keeps the sizes
-of the digests this version references. Everything here works on plain ints and strings.
+of the digests this version references. :class:`SeparatePacker` keeps tensors of different
+kinds (frozen, trainable) out of each other's shards. Everything here works on plain ints and
+strings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from service.format.sharding import ShardPacker
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -121,3 +126,34 @@ def plan_save(
     if last is not None:
         groups.append(last)
     return SavePlan(list(lengths), write_first, groups, committed)
+
+
+class SeparatePacker(Generic[T]):
+    """Packs items into shards of about ``shard_bytes`` each, never two kinds in one shard.
+
+    A save packs frozen tensors (``trainable`` False) apart from everything that changes as
+    training goes (trainable weights, optimizer state): garbage collection keeps a shard
+    whole while any tensor in it is referenced, so a frozen base packed beside one save's
+    trainable tensors would keep those alive as long as any later version uses the base, and
+    two saves racing to store the same base would each keep a copy. Kept apart, a frozen
+    shard is the same for every save that packs the same frozen tensors (content-addressed,
+    stored once), and a trainable shard is reclaimed with the versions that use it.
+
+    Each kind fills its own open shard; shards close as :class:`ShardPacker` closes them.
+    """
+
+    def __init__(self, shard_bytes: int) -> None:
+        self.shard_bytes = shard_bytes
+        self._packers: dict[Hashable, ShardPacker[T]] = {}
+
+    def add(self, item: T, nbytes: int, kind: Hashable) -> list[T] | None:
+        """Add ``item`` of ``kind``; returns the shard of that kind it closed, if it closed one."""
+        packer = self._packers.get(kind)
+        if packer is None:
+            packer = self._packers[kind] = ShardPacker(self.shard_bytes)
+        return packer.add(item, nbytes)
+
+    def flush(self) -> list[list[T]]:
+        """The open shards, one per kind that has one; the packer starts afresh."""
+        closed = [packer.flush() for packer in self._packers.values()]
+        return [group for group in closed if group is not None]

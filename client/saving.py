@@ -186,7 +186,9 @@ class SaveRun:
             for i in plan.write_first
         }
         for index in plan.write_first:
-            uploader.add_unhashed(index, self.records[index].key, self.tensors[index], plan.lengths[index])
+            uploader.add_unhashed(
+                index, self.records[index].key, self.tensors[index], plan.lengths[index], frozen=self.frozen(index)
+            )
         uploader.flush()
         return taken
 
@@ -206,8 +208,18 @@ class SaveRun:
         absent = set(self.settings.transport.missing(asked)) if asked else set()
         sending = plan.to_send(group, hashed, absent)
         for index in sending.indexes:
-            uploader.add(self.digests[index], self.records[index].key, self.tensors[index], plan.lengths[index])
+            uploader.add(
+                self.digests[index],
+                self.records[index].key,
+                self.tensors[index],
+                plan.lengths[index],
+                frozen=self.frozen(index),
+            )
         on_skipped(sending.skipped_bytes)
+
+    def frozen(self, index: int) -> bool:
+        """Whether tensor ``index`` was saved frozen (``trainable`` False): packed apart from the rest."""
+        return self.records[index].trainable is False
 
     def keep_unhashed_digests(self, plan: SavePlan, digests: dict[int, str], taken: dict[int, Taken | None]) -> None:
         """Record the digests the store found for the tensors it took unhashed."""
@@ -236,7 +248,8 @@ class SaveRun:
                 queued: set[str] = set()
                 for index, digest in enumerate(self.digests):
                     if digest in again and digest not in queued:
-                        uploader.add(digest, self.records[index].key, self.tensors[index], plan.sizes[digest])
+                        key, tensor = self.records[index].key, self.tensors[index]
+                        uploader.add(digest, key, tensor, plan.sizes[digest], frozen=self.frozen(index))
                         queued.add(digest)
                 stored, shards = uploader.finish()
             self.stored_bytes += stored

@@ -20,6 +20,8 @@ class Transport(Protocol):
     Optional capability: a store with ``takes_unhashed`` True also implements
     :meth:`put_tensors`, taking tensors whose digests the caller does not know (the embedded
     store hashes them as it writes them); a save then sends its changed tensors unhashed.
+    A store with a ``read_ranges(ranges)`` method (a server) answers many ``(shard_id, offset,
+    buffers)`` ranges in one request; a load then batches its reads of many shards.
     """
 
     #: Whether :meth:`put_tensors` is available.

@@ -1,7 +1,8 @@
 """Sending a save's missing tensors as shards, a few at a time, while the caller goes on hashing.
 
 Tensors are added in the order the save finds them missing and packed into shards by
-:class:`service.format.sharding.ShardPacker`; each closed shard goes to the store on a worker
+:class:`client.save_plan.SeparatePacker`, frozen tensors never beside trainable ones (so each
+kind's shards are reclaimed with the versions that use them); each closed shard goes to the store on a worker
 thread straight from tensor memory. At most
 ``in_flight`` shards are sent at once; adding more waits for the oldest.
 
@@ -17,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from client.save_plan import SeparatePacker
 from client.shards import build_shard
 from client.tensors import byte_view, dtype_name, host_contiguous
 from client.transport import Transport
-from service.format.sharding import ShardPacker
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor
 
@@ -55,8 +56,8 @@ class ShardUploader:
         self.digests: dict[int, str] = {}
         self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
         self._sending: deque[Future[ShardReceipt]] = deque()
-        self._packer: ShardPacker[tuple[str, str, torch.Tensor]] = ShardPacker(shard_bytes)
-        self._unhashed: ShardPacker[tuple[int, str, torch.Tensor]] = ShardPacker(shard_bytes)
+        self._packer: SeparatePacker[tuple[str, str, torch.Tensor]] = SeparatePacker(shard_bytes)
+        self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(shard_bytes)
 
     def __enter__(self) -> ShardUploader:
         return self
@@ -66,26 +67,25 @@ class ShardUploader:
             future.cancel()
         self._pool.shutdown(wait=True)
 
-    def add(self, digest: str, key: str, tensor: torch.Tensor, nbytes: int) -> None:
-        """Queue one tensor (of ``nbytes`` bytes, more than zero) for the current shard."""
-        closed = self._packer.add((digest, key, tensor), nbytes)
+    def add(self, digest: str, key: str, tensor: torch.Tensor, nbytes: int, *, frozen: bool = False) -> None:
+        """Queue one tensor (of ``nbytes`` bytes, more than zero) for the current shard of its
+        kind: ``frozen`` (saved with ``trainable`` False) or not."""
+        closed = self._packer.add((digest, key, tensor), nbytes, frozen)
         if closed is not None:
             self._send(closed)
 
-    def add_unhashed(self, index: int, key: str, tensor: torch.Tensor, nbytes: int) -> None:
+    def add_unhashed(self, index: int, key: str, tensor: torch.Tensor, nbytes: int, *, frozen: bool = False) -> None:
         """Queue one tensor whose digest is not known (the transport must ``takes_unhashed``);
-        it appears in :attr:`digests` under ``index`` once stored."""
-        closed = self._unhashed.add((index, key, tensor), nbytes)
+        it appears in :attr:`digests` under ``index`` once stored. ``frozen`` as for :meth:`add`."""
+        closed = self._unhashed.add((index, key, tensor), nbytes, frozen)
         if closed is not None:
             self._send_unhashed(closed)
 
     def flush(self) -> None:
         """Start sending the shards being filled, without waiting for them."""
-        last = self._packer.flush()
-        if last is not None:
+        for last in self._packer.flush():
             self._send(last)
-        unhashed = self._unhashed.flush()
-        if unhashed is not None:
+        for unhashed in self._unhashed.flush():
             self._send_unhashed(unhashed)
 
     def finish(self) -> tuple[int, int]:

@@ -34,8 +34,10 @@ class Settings(BaseSettings):
     s3_part_bytes: int = Field(default=64 << 20, ge=5 << 20)
     #: Largest shard upload accepted, in bytes.
     max_shard_bytes: int = Field(default=8 << 30, ge=1 << 20)
-    #: Write shards around the page cache (O_DIRECT) where the file system allows it.
-    direct_writes: bool = True
+    #: Write shards around the page cache (O_DIRECT) where the file system allows it; unset:
+    #: whichever of direct and buffered writes is faster on the staging folder's disk, measured
+    #: once and kept in ``write-mode.json`` there (:mod:`service.write_probe`).
+    direct_writes: bool | None = None
     #: Largest commit (manifest) body accepted, in bytes (about 30,000 tensors by default); also
     #: caps every other JSON body. See README "Limits and timeouts" before raising it.
     max_json_bytes: int = Field(default=8 << 20, ge=1 << 16)

@@ -9,6 +9,7 @@ mode (:mod:`service.gc`), so a sweep never removes what a save in progress relie
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
@@ -40,6 +41,7 @@ from service.retention import apply_policy, describe_policy, lock_run, read_poli
 from service.retention_rules import check_policy
 from service.settings import Settings
 from service.shard_writer import UnhashedTensor, write_shard
+from service.write_probe import choose_direct_writes
 
 QUERY_BATCH = 500
 MAX_DIGESTS_PER_QUERY = 100_000
@@ -94,7 +96,9 @@ class Store:
         staging_dir: a local folder for shards being received or written.
         max_header_bytes: cap on a shard's JSON header.
         direct_writes: write shards around the page cache where the file system allows it
-            (:mod:`service.direct_file`).
+            (:mod:`service.direct_file`); None: whichever way is faster on the staging
+            folder's disk, measured before the first shard is written and kept there
+            (:mod:`service.write_probe`).
     """
 
     #: Takes tensors whose digests the caller does not know (:meth:`put_tensors`).
@@ -107,20 +111,36 @@ class Store:
         staging_dir: Path,
         *,
         max_header_bytes: int = MAX_HEADER_BYTES,
-        direct_writes: bool = True,
+        direct_writes: bool | None = True,
     ) -> None:
         self.db = db
         self.blobs = blobs
         self.staging_dir = Path(staging_dir)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.max_header_bytes = max_header_bytes
-        self.direct_writes = direct_writes
+        self._direct_writes = direct_writes
+        self._direct_lock = threading.Lock()
+
+    @property
+    def direct_writes(self) -> bool:
+        """Whether shards are written around the page cache: as configured, else as measured
+        (once per staging folder, then read from its cache) on the staging folder's disk."""
+        if self._direct_writes is None:
+            with self._direct_lock:
+                if self._direct_writes is None:
+                    self._direct_writes = choose_direct_writes(self.staging_dir).direct
+        return self._direct_writes
+
+    def prepare_writes(self) -> None:
+        """Settle the write mode now (measuring the disk if nothing says which), so that the
+        first save does not pay for the measurement; a client that saves calls this on opening."""
+        _ = self.direct_writes
 
     @classmethod
     def open_home(cls, home: Path | str, *, direct_writes: bool | None = None) -> Store:
         """The embedded store in folder ``home``: ``metadata.db``, ``blobs/`` and ``staging/``.
 
-        ``direct_writes`` defaults to the ``CKPTSTORE_DIRECT_WRITES`` setting (on).
+        ``direct_writes`` defaults to the ``CKPTSTORE_DIRECT_WRITES`` setting (unset: measured).
         """
         home = Path(home).expanduser()
         home.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,9 @@ from service.db import Database, schema
 from tests.backends import POSTGRES_URL, PostgresDatabases, moto_server
 
 os.environ.setdefault("CKPTSTORE_DISABLE_PROGRESS_BARS", "1")
+# Stores made by tests write directly rather than measure their disk each (a quarter of a second
+# per fresh store); tests/service/test_write_probe.py covers the measuring.
+os.environ.setdefault("CKPTSTORE_DIRECT_WRITES", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

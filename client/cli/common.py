@@ -22,6 +22,7 @@ from service.format.names import LATEST, parse_ref, validate_run_id
 
 if TYPE_CHECKING:
     from client.api import Client
+    from client.connection import Connection
 
 #: Exit codes: 1 = the operation failed (or found problems), 2 = the command line was wrong.
 EXIT_FAILED = 1
@@ -109,23 +110,40 @@ def reported() -> Iterator[None]:
 
 
 @contextmanager
-def open_client(*, create: bool = False) -> Iterator[Client]:
-    """A client on ``CKPTSTORE_URL`` (a server), or else on the store ``ckptstore serve`` would
-    open: ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` when set, else the embedded store in
-    ``CKPTSTORE_HOME``.
+def open_client(*, create: bool = False) -> Iterator[Connection]:
+    """A connection to ``CKPTSTORE_URL`` (a server), or else to the store ``ckptstore serve``
+    would open: ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` when set, else the embedded
+    store in ``CKPTSTORE_HOME``.
 
-    The same settings :func:`client.default_client` reads; the CLI opens its own client and
-    closes it so an HTTP client's upload staging folder does not outlive the command. Only a
-    command that saves passes ``create=True``: every other one refuses a store that does not
-    exist yet (NotFoundError naming the variables to set) rather than report on an empty one
-    it just made.
+    The same settings :func:`client.default_client` reads, through a torch-free
+    :class:`client.connection.Connection`: listing and managing versions never imports torch.
+    The CLI opens its own connection and closes it so an HTTP client's upload staging folder
+    does not outlive the command. Every command that may refuses a store that does not exist
+    yet (NotFoundError naming the variables to set) rather than report on an empty one it just
+    made; ``create=True`` is for a command that saves (see :func:`open_saving_client`).
     """
+    from client.connection import Connection
+
+    with Connection(_url(), token=_token(), create=create) as opened:
+        yield opened
+
+
+@contextmanager
+def open_saving_client() -> Iterator[Client]:
+    """A :class:`client.api.Client` (which imports torch) on the same store as :func:`open_client`,
+    creating the store if it does not exist yet: for the commands that save tensors."""
     from client.api import Client
 
-    url = os.environ.get("CKPTSTORE_URL") or None
-    token = os.environ.get("CKPTSTORE_TOKEN") or None
-    with Client(url, token=token, create=create) as opened:
+    with Client(_url(), token=_token(), create=True) as opened:
         yield opened
+
+
+def _url() -> str | None:
+    return os.environ.get("CKPTSTORE_URL") or None
+
+
+def _token() -> str | None:
+    return os.environ.get("CKPTSTORE_TOKEN") or None
 
 
 def store_location(transport: object) -> str:

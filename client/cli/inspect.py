@@ -4,17 +4,19 @@ what changed."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
 from client import keys
 from client.cli.common import echo_json, open_client, parse_target, reported, size, table
-from service.diff import VersionDiff, diff_manifests
 from service.errors import NotFoundError
-from service.format.manifest import Manifest, TensorEntry
 from service.format.names import validate_run_id
 from service.records import RunInfo, VersionInfo
+
+if TYPE_CHECKING:  # imported where used: ``ckptstore ls`` needs neither
+    from service.diff import VersionDiff
+    from service.format.manifest import Manifest, TensorEntry
 
 #: Key prefix -> section title, in the order sections are shown.
 SECTIONS = (
@@ -153,6 +155,8 @@ def diff(
     """Compare two versions: tensors changed, added and removed; hyperparameter and metric changes."""
     with reported():
         a, b = parse_target(older, "RUN@A"), parse_target(newer, "RUN@B")
+        from service.diff import diff_manifests
+
         with open_client() as ckpt:
             result = diff_manifests(ckpt.transport.manifest(a.run_id, a.ref), ckpt.transport.manifest(b.run_id, b.ref))
     if as_json:

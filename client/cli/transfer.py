@@ -16,6 +16,7 @@ from client.cli.common import (
     UsageProblem,
     echo_json,
     open_client,
+    open_saving_client,
     parse_size,
     parse_target,
     reported,
@@ -23,7 +24,6 @@ from client.cli.common import (
     store_location,
     table,
 )
-from client.progress import byte_bar
 from service.format.names import validate_run_id
 
 
@@ -31,6 +31,8 @@ class _Bar:
     """A byte bar whose total is set once known."""
 
     def __init__(self, description: str) -> None:
+        from client.progress import byte_bar  # here: tqdm is not for the commands that show no bar
+
         self.bar = byte_bar(0, description)
 
     def total(self, n: int) -> None:
@@ -156,7 +158,7 @@ def import_(
         if "@" in run_id:
             raise UsageProblem(f"{run_id!r}: import adds the next version of a run; give RUN without @REF")
         validate_run_id(run_id)
-        with open_client(create=True) as ckpt:
+        with open_saving_client() as ckpt:
             result = import_weights(ckpt, source, run_id, tags=tag or ())
     typer.echo(
         f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "

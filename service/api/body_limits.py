@@ -9,6 +9,7 @@ Body                            Limit                       Why
 ==============================  ==========================  ==============================
 a commit (``CommitRequest``)    ``max_json_bytes`` (8 MiB)   a manifest of ~30,000 tensors
 a digest list (``DigestList``)  8 MiB                       100,000 digests, pretty-printed
+shard ranges (``RangeBatch``)   1 MiB                       4,096 ranges, pretty-printed
 anything else                   64 KiB                      a tag, a policy, gc options
 ==============================  ==========================  ==============================
 
@@ -23,13 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.api.schemas import MAX_DIGESTS, CommitRequest, DigestList
+from service.api.schemas import MAX_DIGESTS, CommitRequest, DigestList, RangeBatch
 from service.errors import InvalidInputError
+from service.range_batch import MAX_RANGES
 
 SETTING = "CKPTSTORE_MAX_JSON_BYTES"
 #: ``"<64 hex>",`` plus a newline and indentation for each digest, and the braces around them.
 DIGEST_LIST_BYTES = 8 << 20
 SMALL_BODY_BYTES = 64 << 10
+#: ``{"shard_id": "<64 hex>", "offset": ..., "length": ...},`` with indentation, per range.
+RANGE_BATCH_BYTES = 1 << 20
 #: Arrays and objects any body may hold besides its share by size (a small body's few).
 CONTAINER_ALLOWANCE = 64
 
@@ -83,11 +87,18 @@ DIGEST_LIST = BodyLimit(
     max_commas=MAX_DIGESTS + 64,
     shape=f'one object {{"digests": [...]}} of up to {MAX_DIGESTS} digests',
 )
+RANGE_BATCH = BodyLimit(
+    RANGE_BATCH_BYTES,
+    max_colons=3 * MAX_RANGES + 64,
+    max_commas=3 * MAX_RANGES + 64,
+    bytes_per_container=64,
+    shape=f'one object {{"ranges": [{{"shard_id", "offset", "length"}}, ...]}} of up to {MAX_RANGES} ranges',
+)
 COMMIT = BodyLimit(
     None, bytes_per_container=16, shape="a manifest holds about one for every 100 bytes, its state far fewer"
 )
 SMALL = BodyLimit(SMALL_BODY_BYTES)
-LIMITS: dict[object, BodyLimit] = {DigestList: DIGEST_LIST, CommitRequest: COMMIT}
+LIMITS: dict[object, BodyLimit] = {DigestList: DIGEST_LIST, RangeBatch: RANGE_BATCH, CommitRequest: COMMIT}
 
 
 def limit_for(body_model: object) -> BodyLimit:

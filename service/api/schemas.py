@@ -6,10 +6,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from service.format.bounds import MAX_VERSION
+from service.format.bounds import INT64_MAX, MAX_VERSION
 from service.format.manifest import Digest, ManifestBody, few_body_fields, few_unknown_fields
 from service.format.names import MetricName, TagName
 from service.gc import MAX_GRACE_SECONDS
+from service.range_batch import MAX_BATCH_BYTES, MAX_RANGES
 from service.retention_rules import MAX_KEEP
 
 MAX_DIGESTS = 100_000
@@ -29,6 +30,20 @@ class DigestList(_Strict):
     """A list of tensor digests."""
 
     digests: Annotated[list[Digest], Field(max_length=MAX_DIGESTS, fail_fast=True)]
+
+
+class ShardRange(_Strict):
+    """``length`` bytes of shard ``shard_id`` from byte ``offset``."""
+
+    shard_id: Digest
+    offset: Annotated[int, Field(ge=0, le=INT64_MAX)]
+    length: Annotated[int, Field(ge=1, le=MAX_BATCH_BYTES)]
+
+
+class RangeBatch(_Strict):
+    """Byte ranges of shards to answer back to back, in this order."""
+
+    ranges: Annotated[list[ShardRange], Field(min_length=1, max_length=MAX_RANGES, fail_fast=True)]
 
 
 class MissingResponse(BaseModel):

@@ -26,7 +26,7 @@ from service.db.models import Tag
 from service.settings import Settings
 from service.store import Store
 from tests.api.kit import TOKENS, bearer, is_json_error, raw_request, status_of
-from tests.api.served import SEEDED_BODY, SEEDED_RUN, ServedStore, served_store
+from tests.api.served import SEEDED_BODY, SEEDED_RUN, SEEDED_SHARD, ServedStore, served_store
 from tests.backends import POSTGRES_URL, PostgresDatabases
 from tests.servers import running_server
 
@@ -116,6 +116,11 @@ def test_a_reserved_tag_made_before_the_rule_can_still_be_removed(served: Served
 JSON_BODIES: dict[tuple[str, str], tuple[str, str, dict[str, Any]]] = {
     ("POST", "/v1/tensors/missing"): ("write", "/v1/tensors/missing", {"digests": []}),
     ("POST", "/v1/tensors/locate"): ("read", "/v1/tensors/locate", {"digests": []}),
+    ("POST", "/v1/shards/ranges"): (
+        "read",
+        "/v1/shards/ranges",
+        {"ranges": [{"shard_id": SEEDED_SHARD.shard_id, "offset": 0, "length": 8}]},
+    ),
     ("POST", "/v1/runs/{run_id}/versions"): ("write", f"/v1/runs/{SEEDED_RUN}/versions", SEEDED_BODY),
     ("PUT", "/v1/runs/{run_id}/tags/{name}"): ("write", f"/v1/runs/{SEEDED_RUN}/tags/v1", {"version": 1}),
     ("PUT", "/v1/runs/{run_id}/retention"): ("admin", f"/v1/runs/{SEEDED_RUN}/retention", {"keep_last": 3}),

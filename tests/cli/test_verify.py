@@ -10,7 +10,7 @@ import torch
 from service.format.dtypes import byte_length
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, train
-from tests.client.test_integrity import only_shard, rewrite
+from tests.client.test_integrity import rewrite, trainable_shard
 
 
 def saved_twice(cli: Cli) -> TinyNet:
@@ -43,7 +43,7 @@ def test_a_flipped_byte_fails_verify_naming_the_key_and_shard(any_cli: Cli, tmp_
     saved_twice(any_cli)
     backend = any_cli.backend
     assert backend is not None
-    shard_id = only_shard(backend.blobs)
+    shard_id = trainable_shard(backend.blobs)
     manifest = any_cli.client.transport.manifest("run", 1)
     (entry,) = [e for e in manifest.tensors if e.key == "model/body.0.weight"]
     assert entry.digest is not None
@@ -75,7 +75,8 @@ def test_a_missing_shard_is_a_problem_per_tensor(cli: Cli, tmp_path: Path) -> No
     model = TinyNet()
     cli.client.save("run", model)
     blobs = cli.client.transport.blobs  # type: ignore[attr-defined]
-    blobs.delete(only_shard(blobs))
+    for shard_id in list(blobs.list_ids()):  # the trainable tensors' shard and the buffers' one
+        blobs.delete(shard_id)
     report = json.loads(cli("verify", "--json").stdout)
     assert not report["ok"] and report["bytes"] == 0
     keys = {p["key"] for p in report["problems"]}
@@ -86,7 +87,7 @@ def test_a_missing_shard_is_a_problem_per_tensor(cli: Cli, tmp_path: Path) -> No
 def test_a_truncated_shard_names_only_the_tensors_it_lost(cli: Cli, tmp_path: Path) -> None:
     cli.client.save("run", TinyNet())
     blobs = cli.client.transport.blobs  # type: ignore[attr-defined]
-    rewrite(blobs, only_shard(blobs), tmp_path / "short", lambda data: bytes(data[:-3]))
+    rewrite(blobs, trainable_shard(blobs), tmp_path / "short", lambda data: bytes(data[:-3]))
     result = cli("verify")
     assert result.exit_code == 1
     problems = [line for line in result.stdout.splitlines() if line.startswith("run@1")]

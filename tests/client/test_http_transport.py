@@ -73,7 +73,8 @@ def test_idempotent_requests_are_retried_through_503s(tmp_path: Path) -> None:
     assert result.version == 1
     assert flaky.seen[("GET", "runs/versions")] == 3, flaky.seen  # two 503s, then the manifest
     assert flaky.seen[("POST", "v1/tensors")] == 3
-    assert flaky.seen[("GET", "v1/shards")] >= 3
+    # Shard bytes come by ranged GETs or, for ranges of several shards, a batched POST: retried alike.
+    assert flaky.seen[("GET", "v1/shards")] + flaky.seen[("POST", "v1/shards")] >= 3
 
 
 def test_a_commit_is_never_retried(tmp_path: Path) -> None:
@@ -85,7 +86,8 @@ def test_a_commit_is_never_retried(tmp_path: Path) -> None:
             with pytest.raises(client.StorageError):
                 ckpt.save("run", TinyNet())
             assert flaky.seen[("POST", "runs/versions")] == 1, "a commit must not be sent twice"
-            assert flaky.seen[("PUT", "v1/shards")] == 2, "a shard upload is idempotent and retried"
+            # Two shards (the buffers saved with trainable False apart), the first sent twice.
+            assert flaky.seen[("PUT", "v1/shards")] == 3, "a shard upload is idempotent and retried"
             flaky.failures = 0
             assert ckpt.save("run", TinyNet()).version == 1
 

@@ -61,9 +61,9 @@ def _next_save(
         hashed.extend(key for (key, _), digest in zip(tensors, known, strict=True) if digest is None)
         return real(tensors, cache, **kwargs)
 
-    def spied_add(self: Any, index: int, key: str, tensor: torch.Tensor, nbytes: int) -> None:
+    def spied_add(self: Any, index: int, key: str, tensor: torch.Tensor, nbytes: int, **kwargs: Any) -> None:
         unhashed.append(key)
-        real_add(self, index, key, tensor, nbytes)
+        real_add(self, index, key, tensor, nbytes, **kwargs)
 
     with monkeypatch.context() as patch:
         patch.setattr(saving, "digest_all", spied)

@@ -15,6 +15,7 @@ EXPECTED = {
     "CheckpointError",
     "Client",
     "ConflictError",
+    "Connection",
     "IntegrityError",
     "InvalidInputError",
     "InvalidManifestError",

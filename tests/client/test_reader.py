@@ -16,7 +16,7 @@ import client.reader as reader_module
 from client.reader import TensorReader
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet
-from tests.client.test_integrity import only_shard, rewrite
+from tests.client.test_integrity import rewrite, trainable_shard
 
 
 class Wide(nn.Module):
@@ -141,7 +141,7 @@ def test_a_corrupt_byte_in_a_big_tensor_names_it_and_stops_reading(
         data[where.offset + random.Random(1).randrange(where.nbytes)] ^= 0x10
         return bytes(data)
 
-    rewrite(backend.blobs, only_shard(backend.blobs), tmp_path / "corrupt", flip)
+    rewrite(backend.blobs, trainable_shard(backend.blobs), tmp_path / "corrupt", flip)
     model = Wide(seed=1)
     with pytest.raises(client.IntegrityError, match=rf"model/big: bytes read from shard {where.shard_id} at offset"):
         backend.client.load("run", model=model)
@@ -159,7 +159,7 @@ def test_an_abandoned_read_stops_its_thread(ckpt: client.Client, small_units: in
 
 def test_a_missing_shard_mid_load_stops_the_thread(backend: Backend) -> None:
     backend.client.save("run", Wide())
-    backend.blobs.delete(only_shard(backend.blobs))
+    backend.blobs.delete(trainable_shard(backend.blobs))
     with pytest.raises(client.NotFoundError):
         backend.client.load("run", model=Wide(seed=1))
     assert read_threads() == []

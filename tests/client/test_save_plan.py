@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.save_plan import plan_save
+from client.save_plan import SeparatePacker, plan_save
 
 
 def test_changed_tensors_of_a_store_that_takes_them_go_unhashed() -> None:
@@ -74,3 +74,32 @@ def test_every_index_is_planned_once_in_order(
     for group in plan.groups:
         to_hash = sum(lengths[i] for i in group if known[i] is None)
         assert group and (to_hash <= shard_bytes or len([i for i in group if known[i] is None and lengths[i]]) == 1)
+
+
+def test_frozen_and_trainable_tensors_never_share_a_shard() -> None:
+    packer: SeparatePacker[int] = SeparatePacker(100)
+    assert packer.add(0, 60, "frozen") is None
+    assert packer.add(1, 60, "trainable") is None  # a shard of its own: 0 is frozen
+    assert packer.add(2, 30, "frozen") is None
+    assert packer.add(3, 30, "frozen") == [0, 2]  # the frozen shard is full; 3 starts the next
+    assert packer.flush() == [[3], [1]]
+    assert packer.flush() == []
+
+
+@given(
+    items=st.lists(st.tuples(st.integers(1, 120), st.sampled_from(["frozen", "trainable", "state"])), max_size=40),
+    target=st.integers(1, 200),
+)
+def test_every_shard_holds_one_kind_and_every_item_once(items: list[tuple[int, str]], target: int) -> None:
+    packer: SeparatePacker[int] = SeparatePacker(target)
+    shards: list[list[int]] = []
+    for index, (nbytes, kind) in enumerate(items):
+        closed = packer.add(index, nbytes, kind)
+        if closed is not None:
+            shards.append(closed)
+    shards += packer.flush()
+    assert sorted(i for shard in shards for i in shard) == list(range(len(items)))
+    for shard in shards:
+        assert len({items[i][1] for i in shard}) == 1
+        assert shard == sorted(shard)  # each kind keeps the order its items came in
+        assert len(shard) == 1 or sum(items[i][0] for i in shard) <= target

@@ -19,7 +19,7 @@ from service.errors import StorageError
 from service.format.digest import tensor_digest
 from service.records import TensorLocation
 from tests.client.conftest import Backend
-from tests.client.test_integrity import only_shard, rewrite
+from tests.client.test_integrity import rewrite, trainable_shard
 
 UNIT = 1000
 
@@ -157,7 +157,7 @@ def test_a_corrupt_byte_in_the_second_unit_of_a_big_tensor_is_reported_once(
         corrupt.extend(data[big.offset : big.offset + big.nbytes])
         return bytes(data)
 
-    rewrite(backend.blobs, only_shard(backend.blobs), tmp_path / "corrupt", flip)
+    rewrite(backend.blobs, trainable_shard(backend.blobs), tmp_path / "corrupt", flip)
     report, sizes = run(Reads(backend.client.transport))
     actual = tensor_digest("F32", [4099], corrupt)
     assert report.problems == [

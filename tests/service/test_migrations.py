@@ -7,6 +7,7 @@ Each test gets a brand-new database: a SQLite file, or a PostgreSQL database mad
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from service.db.schema import (
     head_revision,
     migrations_dir,
     require_current,
+    revisions,
     upgrade,
 )
 from service.errors import StorageError
@@ -210,6 +212,28 @@ def test_migration_scripts_are_found_through_the_service_package() -> None:
     assert (folder / "env.py").is_file()
     assert (folder / "script.py.mako").is_file()
     assert (folder / "versions" / "0001_initial.py").is_file()
+
+
+def test_the_revisions_read_without_alembic_are_alembics_own() -> None:
+    # Opening a store checks its revision from the scripts' revision lines, never importing Alembic.
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(alembic_config())
+    assert revisions() == {script.revision: script.down_revision for script in scripts.walk_revisions()}
+    assert head_revision() == scripts.get_current_head()
+
+
+def test_opening_a_store_imports_no_alembic(tmp_path: Path) -> None:
+    Database.sqlite_file(tmp_path / "metadata.db").dispose()  # created and migrated: Alembic runs here
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from service.db import Database\n"
+        f"Database.sqlite_file(Path({str(tmp_path / 'metadata.db')!r})).dispose()\n"
+        "assert 'alembic' not in sys.modules, 'opening a current store imported alembic'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def test_every_package_goes_into_the_wheel() -> None:

@@ -1,0 +1,196 @@
+"""A torch-free handle on one store: browse runs and versions, tag, delete, collect, keep.
+
+:class:`client.api.Client` adds saving and loading on top. Everything here works on names,
+numbers and JSON records only, so the command line's listing and management commands (and
+any tool that only looks at a store) start without importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
+from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
+from service.retention_rules import Policy, check_policy
+
+if TYPE_CHECKING:
+    from client.transport import Transport
+
+DEFAULT_HOME = "~/.ckptstore"
+
+
+def default_home() -> Path:
+    """``$CKPTSTORE_HOME`` or ``~/.ckptstore``, read now."""
+    return Path(os.environ.get("CKPTSTORE_HOME") or DEFAULT_HOME).expanduser()
+
+
+def open_transport(
+    url: str | None,
+    home: Path | str | None,
+    token: str | None,
+    *,
+    create: bool = True,
+    retry_seconds: float | None = None,
+) -> Transport:
+    """A server at ``url``; else the embedded store in ``home``; else the store the environment
+    names, as ``ckptstore serve`` reads it (``CKPTSTORE_DATABASE_URL``, ``CKPTSTORE_BLOBS``,
+    ``CKPTSTORE_HOME``; see :func:`service.factory.local_settings`).
+
+    With ``create=False`` a store that does not exist yet is refused (NotFoundError naming
+    the variables to set) rather than created.
+    """
+    # Imported here, not at the top: a client over HTTP never pays for the engine (SQLAlchemy,
+    # Alembic), an embedded one never for httpx.
+    if url:
+        if not url.startswith(("http://", "https://")):
+            raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
+        from client.http_transport import HttpTransport
+
+        return HttpTransport(url, token, retry_seconds=retry_seconds)
+    from service.factory import local_settings, open_store
+
+    return open_store(local_settings(home), require_current_schema=True, create=create)
+
+
+class Connection:
+    """One store, for everything but tensors: runs, versions, tags, deletion, gc and retention.
+
+    Args are as for :class:`client.api.Client`, which is a Connection that also saves and loads.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        home: Path | str | None = None,
+        token: str | None = None,
+        retry_seconds: float | None = None,
+        create: bool = True,
+    ) -> None:
+        self.transport = open_transport(url, home, token, create=create, retry_seconds=retry_seconds)
+
+    def close(self) -> None:
+        """Release the store's resources."""
+        self._settle()
+        self.transport.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _settle(self) -> None:
+        """Called before every operation: a client saving in the background waits for it here."""
+
+    def _history_changed(self) -> None:
+        """Called before versions are removed: a client forgets what it knew was committed."""
+
+    # -- browsing ------------------------------------------------------------------------
+
+    def runs(self) -> list[RunInfo]:
+        """Every run in the store, most recently updated first."""
+        self._settle()
+        return self.transport.runs()
+
+    def versions(self, run_id: str) -> list[VersionInfo]:
+        """Every version of ``run_id``, oldest first."""
+        self._settle()
+        return self.transport.versions(run_id)
+
+    def tag(self, run_id: str, version: int | str, name: str) -> int:
+        """Point tag ``name`` at a version; returns the version number."""
+        self._settle()
+        return self.transport.tag(run_id, version, name)
+
+    def untag(self, run_id: str, name: str) -> None:
+        """Remove a tag."""
+        self._settle()
+        self.transport.untag(run_id, name)
+
+    def delete(self, run_id: str, version: int | str) -> int:
+        """Delete one version; returns its number. Stored bytes are reclaimed by garbage collection."""
+        self._settle()
+        self._history_changed()
+        return self.transport.delete_version(run_id, version)
+
+    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
+        """Delete the stored bytes no version references any more; returns what went (or would go).
+
+        Shards recorded, or reported present to a save, less than ``grace_seconds`` ago (default
+        one hour) are kept, so saves in progress are never affected. ``dry_run`` only reports.
+        ``orphans`` also deletes blobs no shard record names (left by an interrupted collection);
+        run that while no save is uploading. A server asks for an admin token.
+        """
+        self._settle()
+        return self.transport.gc(grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans)
+
+    # -- retention -----------------------------------------------------------------------
+
+    def retention(self, run_id: str) -> RetentionPolicy:
+        """The run's retention policy and, in ``would_remove``, the versions it would remove now."""
+        self._settle()
+        return self.transport.get_retention(run_id)
+
+    def set_retention(
+        self,
+        run_id: str,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        *,
+        create_run: bool = False,
+    ) -> RetentionPolicy:
+        """Replace the run's retention policy; each commit from the next one on applies it.
+
+        Kept are the last ``keep_last`` versions, the ``keep_best`` best by ``metric`` ('min':
+        lowest is best; 'max': highest; ties go to the newer version), every tagged version and
+        the newest one; the others are removed at the next commit (or at once with
+        :meth:`apply_retention`). Neither ``keep_last`` nor ``keep_best`` clears the policy. A
+        run that does not exist yet is NotFoundError, or created with ``create_run`` (so a policy
+        can precede the first save; :meth:`client.api.Client.save` with a policy does this). A
+        server asks for an admin token: a policy deletes versions.
+        """
+        self._settle()
+        try:
+            return self.transport.set_retention(
+                run_id,
+                keep_last=keep_last,
+                keep_best=keep_best,
+                metric=metric,
+                mode=mode if keep_best is not None else None,
+                create_run=create_run,
+            )
+        except PermissionDeniedError as exc:
+            raise PermissionDeniedError(
+                f"{exc.message}: a retention policy deletes versions, so setting one needs an admin token "
+                f"(an admin can run `ckptstore retention {run_id} ...`; saves with a write token then keep to it)"
+            ) from exc
+
+    def apply_retention(self, run_id: str) -> list[int]:
+        """Remove now the versions the run's policy does not keep; returns their numbers."""
+        self._settle()
+        self._history_changed()
+        return self.transport.apply_retention(run_id)
+
+    def _use_retention(
+        self, run_id: str, keep_last: int | None, keep_best: int | None, metric: str | None, mode: str | None
+    ) -> None:
+        """Make the run's policy the one given, writing it only when it differs.
+
+        Reading first lets a training job with a write token save with the policy an admin set.
+        """
+        wanted = check_policy(keep_last, keep_best, metric, mode)
+        try:
+            current = self.transport.get_retention(run_id)
+        except NotFoundError:  # a new run
+            current = None
+        if current is None or Policy(current.keep_last, current.keep_best, current.metric, current.mode) != wanted:
+            chosen: Literal["min", "max"] = "max" if wanted.mode == "max" else "min"
+            # A new run: this save creates it anyway, so the policy may create it first.
+            self.set_retention(
+                run_id, wanted.keep_last, wanted.keep_best, wanted.metric, chosen, create_run=current is None
+            )

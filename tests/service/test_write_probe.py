@@ -1,0 +1,97 @@
+"""The store picks direct or buffered writes by measuring its staging disk once, then keeps the choice."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from service import write_probe
+from service.store import Store
+from service.write_probe import CACHE_NAME, WriteChoice, choose_direct_writes, measure
+
+
+def test_the_probe_measures_both_ways_and_the_faster_wins(tmp_path: Path) -> None:
+    choice = measure(tmp_path)
+    assert choice.buffered_seconds > 0
+    if choice.direct_seconds is None:  # a file system refusing O_DIRECT: buffered without a contest
+        assert choice.direct is False
+    else:
+        assert choice.direct == (choice.direct_seconds <= choice.buffered_seconds)
+    assert choice.device == os.stat(tmp_path).st_dev
+    assert list(tmp_path.iterdir()) == []  # no probe file left behind
+
+
+def test_the_choice_is_cached_and_read_back_without_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = choose_direct_writes(tmp_path)
+    cached = json.loads((tmp_path / CACHE_NAME).read_text())
+    assert cached["direct"] == first.direct and cached["device"] == first.device
+
+    def refuse(_: Path) -> WriteChoice:
+        raise AssertionError("measured again although a cached choice exists")
+
+    monkeypatch.setattr(write_probe, "measure", refuse)
+    assert choose_direct_writes(tmp_path) == first
+    # The cache says which way wins, and that is what a store there uses.
+    flipped = {**cached, "direct": not cached["direct"]}
+    (tmp_path / CACHE_NAME).write_text(json.dumps(flipped))
+    assert choose_direct_writes(tmp_path).direct is (not first.direct)
+
+
+@pytest.mark.parametrize("cache", ["not json", '{"direct": true}', "[]", '{"direct": true, "direct_seconds": 1}'])
+def test_a_broken_cache_or_one_from_another_disk_is_measured_again(tmp_path: Path, cache: str) -> None:
+    (tmp_path / CACHE_NAME).write_text(cache)
+    choice = choose_direct_writes(tmp_path)
+    assert json.loads((tmp_path / CACHE_NAME).read_text())["device"] == choice.device
+    other = {**json.loads((tmp_path / CACHE_NAME).read_text()), "device": choice.device + 1, "direct": True}
+    (tmp_path / CACHE_NAME).write_text(json.dumps(other))
+    assert choose_direct_writes(tmp_path).device == choice.device
+
+
+def test_a_store_measures_only_when_the_setting_is_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTSTORE_DIRECT_WRITES", "0")
+    store = Store.open_home(tmp_path / "set")
+    try:
+        assert store.direct_writes is False
+        assert not (store.staging_dir / CACHE_NAME).exists()
+    finally:
+        store.close()
+    monkeypatch.delenv("CKPTSTORE_DIRECT_WRITES")
+    store = Store.open_home(tmp_path / "measured")
+    try:
+        assert not (store.staging_dir / CACHE_NAME).exists()  # opening a store measures nothing...
+        store.prepare_writes()  # ...until a client that saves opens it, or the first shard comes
+        chosen = store.direct_writes
+        cached = json.loads((store.staging_dir / CACHE_NAME).read_text())
+        assert chosen is cached["direct"]
+        assert store.receiver().direct_writes is chosen
+    finally:
+        store.close()
+
+
+def test_a_client_that_saves_settles_the_write_mode_on_opening(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import client
+
+    monkeypatch.delenv("CKPTSTORE_DIRECT_WRITES", raising=False)
+    with client.Connection(home=tmp_path / "browse"):
+        pass
+    assert not (tmp_path / "browse" / "staging" / CACHE_NAME).exists()  # browsing measures nothing
+    with client.Client(home=tmp_path / "save") as ckpt:
+        assert (tmp_path / "save" / "staging" / CACHE_NAME).exists()
+        assert (
+            ckpt.transport.direct_writes
+            is json.loads((tmp_path / "save" / "staging" / CACHE_NAME).read_text())["direct"]
+        )  # type: ignore[attr-defined]
+
+
+def test_a_disk_that_fails_the_measurement_gets_direct_writes_uncached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(_: Path) -> WriteChoice:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(write_probe, "measure", full)
+    assert choose_direct_writes(tmp_path).direct is True
+    assert not (tmp_path / CACHE_NAME).exists()  # measured again once the disk has room
