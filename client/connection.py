@@ -116,16 +116,28 @@ class Connection:
         self._history_changed()
         return self.transport.delete_version(run_id, version)
 
-    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
+    def gc(
+        self,
+        *,
+        grace_seconds: int | None = None,
+        dry_run: bool = False,
+        orphans: bool = False,
+        compact_below: float | None = None,
+    ) -> GcReport:
         """Delete the stored bytes no version references any more; returns what went (or would go).
 
         Shards recorded, or reported present to a save, less than ``grace_seconds`` ago (default
         one hour) are kept, so saves in progress are never affected. ``dry_run`` only reports.
         ``orphans`` also deletes blobs no shard record names (left by an interrupted collection);
-        run that while no save is uploading. A server asks for an admin token.
+        run that while no save is uploading. ``compact_below`` (a fraction, e.g. 0.5) first
+        rewrites the live tensors of every shard whose live bytes are below that share of its
+        size into a new shard; the old shard goes once the grace period has passed. A server
+        asks for an admin token.
         """
         self._settle()
-        return self.transport.gc(grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans)
+        return self.transport.gc(
+            grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans, compact_below=compact_below
+        )
 
     # -- retention -----------------------------------------------------------------------
 

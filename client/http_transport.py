@@ -292,9 +292,21 @@ class HttpTransport:
         data = self._json("POST", f"/v1/runs/{quote(validate_run_id(run_id))}/retention/apply")
         return [int(v) for v in data["removed"]]
 
-    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
+    def gc(
+        self,
+        *,
+        grace_seconds: int | None = None,
+        dry_run: bool = False,
+        orphans: bool = False,
+        compact_below: float | None = None,
+    ) -> GcReport:
         """Garbage-collect on the server (admin scope; safe to retry: a second pass sweeps nothing new)."""
-        payload = {"dry_run": dry_run, "grace_seconds": grace_seconds, "orphans": orphans}
+        payload = {
+            "dry_run": dry_run,
+            "grace_seconds": grace_seconds,
+            "orphans": orphans,
+            "compact_below": compact_below,
+        }
         return GcReport.model_validate(self._json("POST", "/v1/gc", json=payload))
 
     def close(self) -> None:

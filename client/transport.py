@@ -93,8 +93,16 @@ class Transport(Protocol):
     def apply_retention(self, run_id: str) -> list[int]:
         """Remove now the versions a run's policy does not keep."""
 
-    def gc(self, *, grace_seconds: int | None = None, dry_run: bool = False, orphans: bool = False) -> GcReport:
-        """Sweep shards no version references (None: the default grace period)."""
+    def gc(
+        self,
+        *,
+        grace_seconds: int | None = None,
+        dry_run: bool = False,
+        orphans: bool = False,
+        compact_below: float | None = None,
+    ) -> GcReport:
+        """Sweep shards no version references (None: the default grace period), first compacting
+        shards whose live bytes are below ``compact_below`` of their size."""
 
     def close(self) -> None:
         """Release resources."""

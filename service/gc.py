@@ -98,6 +98,12 @@ def hold_exclusive(session: Session) -> None:
     _lock(session, exclusive=True)
 
 
+def check_grace(grace_seconds: int) -> None:
+    """InvalidInputError unless ``grace_seconds`` is between 0 and :data:`MAX_GRACE_SECONDS`."""
+    if isinstance(grace_seconds, bool) or not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
+        raise InvalidInputError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS}, not {grace_seconds!r}")
+
+
 @dataclass(frozen=True)
 class _Unreferenced:
     shard_id: str
@@ -235,8 +241,7 @@ def collect(
         StorageError: the database or blob store failed; what was swept stays swept, blobs not
             yet deleted are reported as orphans by the next run.
     """
-    if isinstance(grace_seconds, bool) or not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
-        raise InvalidInputError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS}, not {grace_seconds!r}")
+    check_grace(grace_seconds)
     started = time.perf_counter()
     cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
     if not dry_run:
@@ -278,4 +283,12 @@ def collect(
     )
 
 
-__all__ = ["DEFAULT_GRACE_SECONDS", "GC_LOCK", "MAX_GRACE_SECONDS", "collect", "hold_exclusive", "hold_shared"]
+__all__ = [
+    "DEFAULT_GRACE_SECONDS",
+    "GC_LOCK",
+    "MAX_GRACE_SECONDS",
+    "check_grace",
+    "collect",
+    "hold_exclusive",
+    "hold_shared",
+]

@@ -92,7 +92,9 @@ class GcReport(_Record):
     only when asked, and ``orphans_swept`` counts those deleted. ``stale_uploads`` are
     incomplete S3 multipart uploads with nothing added within the grace period (a writer killed
     mid-upload), holding ``stale_upload_bytes`` in parts; asking for orphans aborts them too,
-    and ``uploads_aborted`` counts those aborted.
+    and ``uploads_aborted`` counts those aborted. ``shards_compacted`` are shards whose live
+    tensors were rewritten into a new shard (see :mod:`service.compaction`); they are swept once
+    the grace period has passed, freeing ``bytes_compacted``.
     """
 
     dry_run: bool
@@ -108,4 +110,6 @@ class GcReport(_Record):
     stale_uploads: int = 0
     stale_upload_bytes: int = 0
     uploads_aborted: int = 0
+    shards_compacted: int = 0
+    bytes_compacted: int = 0
     seconds: float

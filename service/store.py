@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import Text, bindparam, func, select, type_coerce, update
@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from service.blobs import BlobStore, LocalBlobStore
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.commit import ShapeCache, commit_version
+from service.compaction import compact
 from service.db import Database
 from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
@@ -31,7 +32,7 @@ from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
 from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
 from service.format.sharding import SHARD_METADATA
-from service.gc import DEFAULT_GRACE_SECONDS, collect, hold_shared
+from service.gc import DEFAULT_GRACE_SECONDS, check_grace, collect, hold_shared
 from service.ingest import verify_shard_file
 from service.listings import latest_versions, one_version, run_versions
 from service.manifest_parts import manifest_text, release_versions
@@ -40,7 +41,7 @@ from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, Te
 from service.retention import apply_policy, describe_policy, lock_run, read_policy, write_policy
 from service.retention_rules import check_policy
 from service.settings import Settings
-from service.shard_writer import UnhashedTensor, write_shard
+from service.shard_writer import UnhashedTensor, WrittenShard, write_shard
 from service.write_probe import choose_direct_writes
 
 QUERY_BATCH = 500
@@ -285,18 +286,26 @@ class Store:
             if tensor.data.nbytes == 0:
                 raise InvalidInputError("an empty tensor needs no storage; leave it out")
         order = layout_order([tensor.dtype for tensor in tensors])
-        path = self.staging_path()
-        try:
-            written = write_shard(
-                path, [tensors[i] for i in order], SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes
-            )
-            receipt = self._store_shard(path, written.header, lambda: None)
-        finally:
-            path.unlink(missing_ok=True)
+        receipt, written = self._write_tensors([tensors[i] for i in order], on_bytes)
         digests = [""] * len(tensors)
         for index, digest in zip(order, written.digests, strict=True):
             digests[index] = digest
         return receipt, digests
+
+    def _write_tensors(
+        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+    ) -> tuple[ShardReceipt, WrittenShard]:
+        """Write ``tensors``, in the order given, as one shard, hashing each, and store it."""
+        path = self.staging_path()
+        try:
+            written = write_shard(path, tensors, SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes)
+            return self._store_shard(path, written.header, lambda: None), written
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _compaction_write(self, tensors: Sequence[UnhashedTensor]) -> tuple[ShardHeader, list[str]]:
+        _receipt, written = self._write_tensors(tensors)
+        return written.header, written.digests
 
     def _store_shard(self, path: Path, header: ShardHeader, verify: Callable[[], None]) -> ShardReceipt:
         """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new."""
@@ -373,6 +382,7 @@ class Store:
         grace_seconds: int | None = None,
         dry_run: bool = False,
         orphans: bool = False,
+        compact_below: float | None = None,
         now: datetime | None = None,
     ) -> GcReport:
         """Delete shards no committed version references, sparing recent ones; see :mod:`service.gc`.
@@ -382,10 +392,25 @@ class Store:
                 :meth:`missing`, less than this long ago (default one hour).
             dry_run: only report what would be swept.
             orphans: also delete blobs no shard row names.
+            compact_below: first compact every shard whose live bytes are below this fraction
+                of its size (see :mod:`service.compaction`); the shards it retires are swept
+                once the grace period has passed.
             now: the time the grace period counts back from (default: now).
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
-        return collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
+        compaction = None
+        if compact_below is not None:
+            check_grace(grace)
+            cutoff = (now or utcnow()) - timedelta(seconds=grace)
+            compaction = compact(
+                self.db, self.blobs, self._compaction_write, below=compact_below, cutoff=cutoff, dry_run=dry_run
+            )
+        report = collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
+        if compaction is None:
+            return report
+        return report.model_copy(
+            update={"shards_compacted": compaction.shards, "bytes_compacted": compaction.bytes_reclaimable}
+        )
 
     # -- reading -------------------------------------------------------------------------
 

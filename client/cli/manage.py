@@ -85,6 +85,15 @@ def gc(
             "than the grace period (run while no save uploads).",
         ),
     ] = False,
+    compact_below: Annotated[
+        float | None,
+        typer.Option(
+            "--compact-below",
+            metavar="FRACTION",
+            help="First rewrite the live tensors of shards whose live bytes are below this share of their size "
+            "(e.g. 0.5); the old shards go once the grace period has passed.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,
 ) -> None:
     """Reclaim the stored bytes of shards no committed version references.
@@ -93,12 +102,12 @@ def gc(
     in progress is never affected; `--grace 0` keeps nothing unreferenced. On a server this
     needs an admin token. --json prints dry_run, grace_seconds, shards_swept, tensors_swept,
     bytes_swept, shards_kept, shards_in_grace, orphan_blobs, orphan_bytes, orphans_swept,
-    stale_uploads, stale_upload_bytes, uploads_aborted, seconds.
+    stale_uploads, stale_upload_bytes, uploads_aborted, shards_compacted, bytes_compacted, seconds.
     """
     with reported():
         seconds = parse_duration(grace)
         with open_client() as ckpt:
-            report = ckpt.gc(grace_seconds=seconds, dry_run=dry_run, orphans=orphans)
+            report = ckpt.gc(grace_seconds=seconds, dry_run=dry_run, orphans=orphans, compact_below=compact_below)
     if as_json:
         echo_json(report.model_dump(mode="json"))
         return
@@ -111,6 +120,11 @@ def gc(
         f"kept {report.shards_kept} shards, {report.shards_in_grace} of them unreferenced but within "
         f"the {grace.strip()} grace period"
     )
+    if compact_below is not None:
+        typer.echo(
+            f"{'would compact' if report.dry_run else 'compacted'} {report.shards_compacted} shards: "
+            f"{size(report.bytes_compacted)} freed once the grace period has passed"
+        )
     if report.orphan_blobs:
         what = f"{report.orphan_blobs} blobs ({size(report.orphan_bytes)}) have no shard record"
         if report.orphans_swept:

@@ -27,5 +27,10 @@ async def collect_garbage(store: StoreDep, body: Annotated[GcRequest, Body()] = 
     Every field has a default, so the body may be left out.
     """
     return await run_in_threadpool(
-        lambda: store.gc(grace_seconds=body.grace_seconds, dry_run=body.dry_run, orphans=body.orphans)
+        lambda: store.gc(
+            grace_seconds=body.grace_seconds,
+            dry_run=body.dry_run,
+            orphans=body.orphans,
+            compact_below=body.compact_below,
+        )
     )
