@@ -107,3 +107,30 @@ def test_gc_reports_orphan_blobs_and_deletes_them_when_asked(cli: Cli) -> None:
     assert "deleted 1" in cli.ok("gc", "--orphans")
     assert "no shard record" not in cli.ok("gc")
     assert cli.ok("verify").startswith("verified 1 versions")
+
+
+def test_gc_compacts_a_shard_whose_live_bytes_fell_below_the_threshold(any_cli: Cli) -> None:
+    ckpt = any_cli.client
+    first, second = TinyNet(seed=1, width=256), TinyNet(seed=2, width=256)
+    with torch.no_grad():
+        second.embed.weight.copy_(first.embed.weight)  # the one tensor both versions share
+    ckpt.save("run", first, step=1)
+    ckpt.save("run", second, step=2, tags=["best"])
+    any_cli.ok("rm", "run@1", "-y")
+    swept = json.loads(any_cli.ok("gc", "--grace", "0", "--json"))  # version 1's dead shards, not the shared one
+    before = sum(blob_sizes(any_cli).values())
+
+    above = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.01", "--json"))
+    assert above["shards_compacted"] == 0
+    dry = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.5", "--dry-run", "--json"))
+    assert dry["shards_compacted"] == 1 and sum(blob_sizes(any_cli).values()) == before
+    done = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.5", "--json"))
+
+    assert done["shards_compacted"] == 1 and done["bytes_compacted"] > 0
+    after = sum(blob_sizes(any_cli).values())
+    assert after == before - done["bytes_compacted"], (before, after, done, swept)
+    loaded = TinyNet(seed=3, width=256)
+    ckpt.load("run", "best", model=loaded)
+    expected = second.state_dict()
+    assert all(tensors_equal(value, expected[key]) for key, value in loaded.state_dict().items())
+    assert any_cli.ok("verify").startswith("verified 1 versions")
