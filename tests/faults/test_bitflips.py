@@ -74,15 +74,21 @@ def saved(tmp_path: Path) -> Iterator[Saved]:
         ckpt.save("run", model, optim, step=2)
         store = ckpt.transport
         assert isinstance(store, Store) and isinstance(store.blobs, LocalBlobStore)
-        (shard_id,) = list(store.blobs.list_ids())
         manifest = store.manifest("run")
         keys: dict[str, set[str]] = {}
         for entry in manifest.tensors:
             if entry.digest is not None and entry.nbytes:
                 keys.setdefault(entry.digest, set()).add(entry.key)
+        locations = store.locate(list(keys))
+        # A save packs frozen tensors (BatchNorm's statistics) apart from the rest: bits are
+        # flipped in the shard of the trainable weights and optimizer state, the larger one.
+        shards = list(store.blobs.list_ids())
+        assert len(shards) == 2
+        shard_id = max(shards, key=lambda s: sum(loc.nbytes for loc in locations.values() if loc.shard_id == s))
         owner: dict[int, set[str]] = {}
-        for digest, location in store.locate(list(keys)).items():
-            assert location.shard_id == shard_id
+        for digest, location in locations.items():
+            if location.shard_id != shard_id:
+                continue
             for offset in range(location.offset, location.offset + location.nbytes):
                 owner[offset] = keys[digest]
     shard = home / "blobs" / shard_id[:2] / shard_id
