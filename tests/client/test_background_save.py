@@ -139,7 +139,7 @@ def test_a_bad_metric_is_refused_by_save_itself(backend: Backend) -> None:
 
 
 SCRIPT = """
-import os, sys, torch
+import os, sys, threading, torch
 import client
 from tests.client.models import TinyNet, train
 ckpt = client.Client({where})
@@ -150,8 +150,10 @@ transport = ckpt.transport
 hook = {hook!r}
 if hook:
     real = getattr(transport, hook)
+    first = threading.Lock()  # uploads run on several threads: one announces, all wait
     def stalled(*args, **kwargs):
-        print("in " + hook, flush=True)
+        if first.acquire(blocking=False):
+            print("in " + hook, flush=True)
         sys.stdin.read()  # until killed
         return real(*args, **kwargs)
     setattr(transport, hook, stalled)
