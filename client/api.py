@@ -13,6 +13,7 @@ import torch
 from client import keys, restore, selection
 from client.background import SaveHandle, Staging
 from client.connection import Connection
+from client.gc_pause import paused_collection
 from client.hashing import DigestCache, SaveLedger
 from client.http_transport import HttpTransport
 from client.progress import byte_bar
@@ -166,6 +167,7 @@ class Client(Connection):
         blocking: bool,
     ) -> SaveResult | SaveHandle: ...
 
+    @paused_collection()
     def save(
         self,
         run_id: str,
@@ -224,6 +226,7 @@ class Client(Connection):
             return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
         return self._save_in_background(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
 
+    @paused_collection()
     def save_state_dict(
         self,
         run_id: str,
@@ -375,6 +378,7 @@ class Client(Connection):
 
     # -- load ----------------------------------------------------------------------------
 
+    @paused_collection()
     def load(
         self,
         run_id: str,
@@ -428,7 +432,7 @@ class Client(Connection):
             )
         target = torch.device(device) if device is not None else None
         manifest = self.transport.manifest(validate_run_id(run_id), version)
-        with byte_bar(sum(e.nbytes for e in manifest.tensors), "load") as bar:
+        with byte_bar(lambda: sum(e.nbytes for e in manifest.tensors), "load") as bar:
             reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self._widths()[0])
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
             if model is None:

@@ -10,6 +10,7 @@ exception classes the embedded store raises (:func:`client.http_errors.raise_for
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
+
+from pydantic import TypeAdapter
 
 from client.http_retry import RetryPolicy
 from client.http_session import HttpSession
@@ -34,6 +37,12 @@ from service.shard_writer import UnhashedTensor
 STAGING_PREFIX = "ckptstore-upload-"
 #: A staging folder untouched this long whose process is gone was left by a killed client.
 STALE_STAGING_SECONDS = 3600.0
+
+
+@functools.cache
+def _locations() -> TypeAdapter[dict[str, TensorLocation]]:
+    """The validator of a locate answer, built on first use (a CLI command never needs it)."""
+    return TypeAdapter(dict[str, TensorLocation])
 
 
 def _owner_gone(name: str) -> bool:
@@ -198,8 +207,8 @@ class HttpTransport:
         wanted = list(dict.fromkeys(digests))
         if not wanted:
             return {}
-        data = self._json("POST", "/v1/tensors/locate", json={"digests": wanted})
-        return {digest: TensorLocation.model_validate(item) for digest, item in data.items()}
+        answer = self.session.request("POST", "/v1/tensors/locate", json={"digests": wanted})
+        return _locations().validate_json(answer.content)
 
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from a byte range of a shard."""

@@ -17,6 +17,8 @@ def escape(part: object) -> str:
 
 def unescape(part: str) -> str:
     """Undo :func:`escape`."""
+    if "~" not in part:  # almost every part
+        return part
     return part.replace("~1", "/").replace("~0", "~")
 
 

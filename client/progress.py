@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -18,14 +19,19 @@ def bars_enabled() -> bool:
     return sys.stderr.isatty()
 
 
-def byte_bar(total: int, description: str) -> tqdm:
-    """A bar counting bytes with throughput, disabled unless :func:`bars_enabled`."""
+def byte_bar(total: int | Callable[[], int], description: str) -> tqdm:
+    """A bar counting bytes with throughput, disabled unless :func:`bars_enabled`.
+
+    ``total`` may be a function, called only if the bar is shown (summing the sizes of tens of
+    thousands of tensors is not free).
+    """
+    enabled = bars_enabled()
     return tqdm(
-        total=total,
+        total=(total() if callable(total) else total) if enabled else 0,
         desc=description,
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        disable=not bars_enabled(),
+        disable=not enabled,
         leave=False,
     )

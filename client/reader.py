@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from client.readahead import run_ahead
-from client.readplan import ReadUnit, Stored, batch_units, plan_reads
+from client.readplan import ReadUnit, batch_units, plan_reads
 from client.tensors import NAME_TO_TORCH, byte_view
 from client.transport import Transport
 from service.errors import IntegrityError, InvalidInputError
-from service.format.digest import TensorHasher
+from service.format.digest import TensorHasher, tensor_digest
 from service.format.manifest import DTypeName, Manifest, TensorEntry
 from service.records import TensorLocation
 
@@ -51,21 +51,33 @@ class PieceSpec:
 class _Job:
     """One stored tensor on its way: the keys it serves, where it is, its destination, its hash."""
 
-    def __init__(self, keys: list[str], spec: PieceSpec, location: TensorLocation, tensor: torch.Tensor | None) -> None:
+    __slots__ = ("keys", "dtype", "shape", "location", "tensor", "_hasher", "_bytes")
+
+    def __init__(
+        self, keys: list[str], dtype: DTypeName, shape: list[int], location: TensorLocation, tensor: torch.Tensor | None
+    ) -> None:
         self.keys = keys
-        self.spec = spec
+        self.dtype = dtype
+        self.shape = shape
         self.location = location
         self.tensor = tensor
-        self.hasher = TensorHasher(spec.dtype, spec.shape)
+        self._hasher: TensorHasher | None = None
         self._bytes: memoryview | None = None
 
     def bytes(self) -> memoryview:
         """The destination's raw bytes, allocating it (uninitialised) on first use."""
         if self._bytes is None:
             if self.tensor is None:
-                self.tensor = torch.empty(self.spec.shape, dtype=NAME_TO_TORCH[self.spec.dtype])
+                self.tensor = torch.empty(self.shape, dtype=NAME_TO_TORCH[self.dtype])
             self._bytes = byte_view(self.tensor.detach())
         return self._bytes
+
+    def digest(self, view: memoryview, *, last: bool) -> str | None:
+        """Hash the next piece of the tensor's bytes; the digest once ``last``, else None."""
+        if self._hasher is None:
+            self._hasher = TensorHasher(self.dtype, self.shape)
+        self._hasher.update(view)
+        return self._hasher.hexdigest() if last else None
 
     def release(self) -> torch.Tensor:
         """The destination, no longer referenced here (the reader must not keep every tensor alive)."""
@@ -119,17 +131,17 @@ class TensorReader:
             IntegrityError: bytes read do not hash to their digest.
         """
         into = dict(into or {})
+        entries = self.entries
         for key, destination in into.items():
-            _check_destination(self.entries[key], destination)
+            _check_destination(entries[key], destination)
         groups: dict[str, list[str]] = {}
         for key in keys:
-            entry = self.entries[key]
+            entry = entries[key]
             if entry.digest is None or 0 in entry.shape:
                 yield key, _deliver(self.read(key), into.get(key))
             else:
                 groups.setdefault(entry.digest, []).append(key)
-        specs = {key: PieceSpec(self.entries[key].dtype, self.entries[key].shape, "") for key in _keys_of(groups)}
-        yield from self._stream(self._jobs(groups, into, specs), into)
+        yield from self._stream(self._jobs(groups, into, entries), into)
 
     def read_pieces(
         self, pieces: Mapping[str, PieceSpec], *, into: Mapping[str, torch.Tensor] | None = None
@@ -150,10 +162,13 @@ class TensorReader:
                 yield label, _deliver(torch.empty(spec.shape, dtype=NAME_TO_TORCH[spec.dtype]), into.get(label))
             else:
                 groups.setdefault(spec.digest, []).append(label)
-        yield from self._stream(self._jobs(groups, into, dict(pieces)), into)
+        yield from self._stream(self._jobs(groups, into, pieces), into)
 
     def _jobs(
-        self, groups: dict[str, list[str]], into: dict[str, torch.Tensor], specs: dict[str, PieceSpec]
+        self,
+        groups: dict[str, list[str]],
+        into: dict[str, torch.Tensor],
+        specs: Mapping[str, TensorEntry] | Mapping[str, PieceSpec],
     ) -> list[_Job]:
         """One job per digest, in storage order, each read straight into a destination if it may.
 
@@ -161,40 +176,48 @@ class TensorReader:
         destination partly overlaps it: bytes for it may arrive while an earlier tensor there
         is still being hashed. Such keys are read into a fresh tensor and copied in order.
         """
-        tangled = _partly_overlapping([_span(tensor) for tensor in into.values() if tensor.numel()])
+        spans = {key: _span(tensor) for key, tensor in into.items() if tensor.numel()}
+        tangled = _partly_overlapping(list(spans.values()))
         claimed: set[tuple[int, int]] = set()
+        locations = self.locations
         jobs = []
-        for digest in sorted(groups, key=lambda d: (self.locations[d].shard_id, self.locations[d].offset)):
+        for digest in sorted(groups, key=lambda d: (locations[d].shard_id, locations[d].offset)):
             keys = groups[digest]
-            spans = {key: _span(into[key]) for key in keys if key in into}
-            owner = next((k for k, span in spans.items() if span not in claimed and span not in tangled), None)
-            claimed.update(spans.values())
-            if owner is not None:
+            owner = None
+            for key in keys:
+                span = spans.get(key)
+                if span is not None and owner is None and span not in claimed and span not in tangled:
+                    owner = key
+            claimed.update(spans[k] for k in keys if k in spans)
+            if owner is not None and owner != keys[0]:
                 keys = [owner, *(k for k in keys if k != owner)]
-            destination = into[owner] if owner is not None else None
-            jobs.append(_Job(keys, specs[keys[0]], self.locations[digest], destination))
+            spec, destination = specs[keys[0]], into[owner] if owner is not None else None
+            jobs.append(_Job(keys, spec.dtype, spec.shape, locations[digest], destination))
         return jobs
 
     def _stream(
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Hash each arriving piece into its tensor's digest; yield every tensor whose last piece came."""
-        stored = [Stored(j.location.shard_id, j.location.offset, j.location.nbytes) for j in jobs]
-        units = plan_reads(stored, UNIT_BYTES)
+        units = plan_reads([job.location for job in jobs], UNIT_BYTES)
         with closing(self._fetched(jobs, units)) as fetched:
             for unit, views in fetched:
                 for piece, view in zip(unit.pieces, views, strict=True):
-                    job = jobs[piece.index]
-                    job.hasher.update(view)
-                    if piece.last:
-                        self._check(job.keys[0], job.location, job.hasher.hexdigest())
-                        self._count(job.location.nbytes)
-                        tensor = job.release()
-                        yield job.keys[0], _deliver(tensor, into.get(job.keys[0]))
-                        for key in job.keys[1:]:
-                            # Every key gets its own memory: optimizer state updated in place
-                            # (Adam's step, equal moments) must never alias another parameter's.
-                            yield key, _deliver(tensor, into.get(key), copy=True)
+                    job = jobs[piece.item]
+                    if piece.start == 0 and piece.last:  # read in one piece: hashed in one call
+                        digest: str | None = tensor_digest(job.dtype, job.shape, view)
+                    else:
+                        digest = job.digest(view, last=piece.last)
+                    if digest is None:
+                        continue
+                    self._check(job.keys[0], job.location, digest)
+                    tensor = job.release()
+                    yield job.keys[0], _deliver(tensor, into.get(job.keys[0]))
+                    for key in job.keys[1:]:
+                        # Every key gets its own memory: optimizer state updated in place
+                        # (Adam's step, equal moments) must never alias another parameter's.
+                        yield key, _deliver(tensor, into.get(key), copy=True)
+                self._count(sum(job.location.nbytes for job in (jobs[p.item] for p in unit.pieces if p.last)))
 
     def _fetched(
         self, jobs: list[_Job], units: list[ReadUnit]
@@ -209,7 +232,7 @@ class TensorReader:
         """
 
         def views_for(_number: int, batch: list[ReadUnit]) -> list[list[memoryview]]:
-            return [[jobs[p.index].bytes()[p.start : p.start + p.length] for p in unit.pieces] for unit in batch]
+            return [[jobs[p.item].bytes()[p.start : p.start + p.length] for p in unit.pieces] for unit in batch]
 
         read_ranges = getattr(self.transport, "read_ranges", None)
         batches = batch_units(units, BATCH_BYTES, BATCH_UNITS) if read_ranges else [[unit] for unit in units]
@@ -283,23 +306,22 @@ def _partly_overlapping(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
 
 
 def _check_destination(entry: TensorEntry, tensor: torch.Tensor) -> None:
-    _check_piece_destination(entry.key, PieceSpec(entry.dtype, entry.shape, ""), tensor)
+    _check_shaped_destination(entry.key, entry.dtype, entry.shape, tensor)
 
 
 def _check_piece_destination(label: str, spec: PieceSpec, tensor: torch.Tensor) -> None:
-    want = NAME_TO_TORCH[spec.dtype]
-    if tensor.device.type != "cpu" or tensor.dtype != want or list(tensor.shape) != list(spec.shape):
+    _check_shaped_destination(label, spec.dtype, spec.shape, tensor)
+
+
+def _check_shaped_destination(label: str, dtype: DTypeName, shape: list[int], tensor: torch.Tensor) -> None:
+    want = NAME_TO_TORCH[dtype]
+    if not tensor.is_cpu or tensor.dtype != want or list(tensor.shape) != list(shape):
         raise InvalidInputError(
             f"{label}: cannot read into a {tensor.dtype} tensor of shape {list(tensor.shape)} on "
-            f"{tensor.device}; it needs a CPU tensor of {want} and shape {list(spec.shape)}"
+            f"{tensor.device}; it needs a CPU tensor of {want} and shape {list(shape)}"
         )
     if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
         raise InvalidInputError(f"{label}: cannot read into a tensor that is not contiguous")
-
-
-def _keys_of(groups: dict[str, list[str]]) -> list[str]:
-    """Every key of a digest -> keys grouping."""
-    return [key for keys in groups.values() for key in keys]
 
 
 def _deliver(source: torch.Tensor, destination: torch.Tensor | None, *, copy: bool = False) -> torch.Tensor:

@@ -9,22 +9,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+
+class Located(Protocol):
+    """Where one item's bytes are: a shard, an offset in it and a length (> 0)."""
+
+    @property
+    def shard_id(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class Stored:
-    """Where one item's bytes are: a shard, an offset in it and a length (> 0)."""
+    """A :class:`Located` item of the caller's own making."""
 
     shard_id: str
     offset: int
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Bytes ``start`` to ``start + length`` of item ``index``; ``last`` when they end it."""
+class Piece(NamedTuple):
+    """Bytes ``start`` to ``start + length`` of item number ``item``; ``last`` when they end it.
 
-    index: int
+    A named tuple: a read of many small tensors makes one per tensor.
+    """
+
+    item: int
     start: int
     length: int
     last: bool
@@ -40,7 +54,7 @@ class ReadUnit:
     nbytes: int = 0
 
 
-def plan_reads(items: Sequence[Stored], unit_bytes: int) -> list[ReadUnit]:
+def plan_reads(items: Sequence[Located], unit_bytes: int) -> list[ReadUnit]:
     """Cut ``items`` (sorted by shard and offset, not overlapping) into reads of at most ``unit_bytes``.
 
     A read covers only consecutive bytes: a gap between items, or another shard, starts a

@@ -89,26 +89,25 @@ def load_into_model(
     tensor before it changes (the digest cache forgets it); ``loaded`` sees every tensor that
     now holds exactly the verified bytes of a stored digest (no cast), with that digest.
     """
-    targets, sources = plan.targets, plan.sources
+    targets, sources, entries = plan.targets, plan.sources, reader.entries
     wrong = [
-        f"{name}: checkpoint {list(reader.entries[key].shape)}, model {list(targets[name].shape)}"
+        f"{name}: checkpoint {list(entries[key].shape)}, model {list(targets[name].shape)}"
         for name, key in sources.items()
-        if list(reader.entries[key].shape) != list(targets[name].shape)
+        if entries[key].shape != list(targets[name].shape)
     ]
     if wrong:
         raise StateMismatchError(f"shape mismatch for {len(wrong)} tensors: {format_list(wrong, 5)}")
-    for name in sources:
+    direct = {}  # key -> the target the reader fills itself
+    for name, key in sources.items():
         target = targets[name]
         before_write(target)
-        want_dtype = _wanted_dtype(target.dtype, dtype)
-        want_device = device if device is not None else target.device
-        if target.dtype != want_dtype or target.device != want_device:
-            _reallocate(target, want_dtype, want_device)
-    direct = {
-        key: targets[name]
-        for name, key in sources.items()
-        if _readable_in_place(targets[name], NAME_TO_TORCH[reader.entries[key].dtype])
-    }
+        if device is not None or dtype is not None:
+            want_dtype = _wanted_dtype(target.dtype, dtype)
+            want_device = device if device is not None else target.device
+            if target.dtype != want_dtype or target.device != want_device:
+                _reallocate(target, want_dtype, want_device)
+        if _readable_in_place(target, NAME_TO_TORCH[entries[key].dtype]):
+            direct[key] = target
     name_of = {key: name for name, key in sources.items()}
     casts = []
     with closing(reader.read_many(sources.values(), into=direct)) as stream:
@@ -118,7 +117,7 @@ def load_into_model(
                 _copy_into(target, source)
             if source.dtype != target.dtype:
                 casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
-            elif (digest := reader.entries[key].digest) is not None:
+            elif (digest := entries[key].digest) is not None:
                 loaded(target, digest)
     return casts
 

@@ -231,15 +231,15 @@ def _check_tensors(
                         _problem(references[location.digest], location.digest, location.shard_id, str(exc))
                     )
             for piece, view in zip(unit.pieces, views, strict=True):
-                if piece.index in unreadable:
+                if piece.item in unreadable:
                     continue
-                location = order[piece.index]
+                location = order[piece.item]
                 reference = references[location.digest]
                 if piece.start == 0:
-                    hashers[piece.index] = TensorHasher(reference.dtype, reference.shape)
-                hashers[piece.index].update(view)
+                    hashers[piece.item] = TensorHasher(reference.dtype, reference.shape)
+                hashers[piece.item].update(view)
                 if piece.last:
-                    _check(location, hashers.pop(piece.index).hexdigest(), reference, report)
+                    _check(location, hashers.pop(piece.item).hexdigest(), reference, report)
                     if on_bytes is not None:
                         on_bytes(location.nbytes)
 
@@ -304,16 +304,16 @@ def _unreadable(
     """
     if len(unit.pieces) == 1:
         (piece,) = unit.pieces
-        return {} if piece.index in skip else {piece.index: error}
+        return {} if piece.item in skip else {piece.item: error}
     errors: dict[int, CheckpointError] = {}
     for piece, view in zip(unit.pieces, views, strict=True):
-        if piece.index in skip:
+        if piece.item in skip:
             continue
-        location = order[piece.index]
+        location = order[piece.item]
         try:
             transport.read_into(location.shard_id, location.offset + piece.start, view)
         except CheckpointError as exc:
-            errors[piece.index] = exc
+            errors[piece.item] = exc
     return errors
 
 

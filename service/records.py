@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
@@ -21,8 +22,14 @@ class ShardReceipt(_Record):
     created: bool
 
 
-class TensorLocation(_Record):
-    """Where one tensor digest's bytes live."""
+@dataclass(frozen=True, slots=True)
+class TensorLocation:
+    """Where one tensor digest's bytes live.
+
+    A plain dataclass, not a pydantic model: a load of a model with tens of thousands of
+    tensors builds one per tensor, and a model costs several times as much to build. The HTTP
+    face still validates and serializes it as a JSON object.
+    """
 
     digest: str
     shard_id: str

@@ -435,10 +435,10 @@ class Store:
             for batch in _batches(wanted):
                 # Plain tuples through a statement built once: an ORM object per tensor was a
                 # third of loading a model of many small tensors.
-                for digest, shard_id, offset, nbytes, dtype, shape in connection.execute(_LOCATE, {"digests": batch}):
-                    found[digest] = TensorLocation.model_construct(
-                        digest=digest, shard_id=shard_id, offset=offset, nbytes=nbytes, dtype=dtype, shape=shapes(shape)
-                    )
+                # ``all()`` fetches the rows at once; iterating a result fetches them one by one.
+                rows = connection.execute(_LOCATE, {"digests": batch}).all()
+                for digest, shard_id, offset, nbytes, dtype, shape in rows:
+                    found[digest] = TensorLocation(digest, shard_id, offset, nbytes, dtype, shapes(shape))
         absent = [d for d in wanted if d not in found]
         if absent:
             raise NotFoundError(f"{len(absent)} tensors are not in the store, e.g. {absent[0]}")

@@ -74,6 +74,8 @@ def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str,
 
 #: How long a SQLite connection waits for another one's lock before giving up.
 BUSY_TIMEOUT_SECONDS = 60
+#: Most page cache, in KiB, each SQLite connection keeps.
+SQLITE_CACHE_KIB = 32 << 10
 
 
 def _switch_to_wal(cursor: Any) -> None:
@@ -110,6 +112,10 @@ def _configure_sqlite(engine: Engine) -> None:
         _switch_to_wal(cursor)
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
+        # SQLite's default page cache (2 MiB) holds a small fraction of the tensor rows of a
+        # model of many tensors: locating 32,768 tensors took 1.6x as long with it. Pages are
+        # taken as needed, up to this much per connection.
+        cursor.execute(f"PRAGMA cache_size={-SQLITE_CACHE_KIB}")
         cursor.close()
 
     @event.listens_for(engine, "begin")

@@ -46,14 +46,14 @@ def test_every_byte_is_read_once_in_order_within_the_budget(sizes: list[int], ga
         assert 0 < read.nbytes <= unit
         position = read.offset
         for piece in read.pieces:
-            item = items[piece.index]
+            item = items[piece.item]
             assert item.offset + piece.start == position
             position += piece.length
             assert piece.last == (piece.start + piece.length == item.nbytes)
-            covered.append((piece.index, piece.start))
+            covered.append((piece.item, piece.start))
         assert position == read.offset + read.nbytes
     expected_order = sorted(covered)
     assert covered == expected_order
     for index, item in enumerate(items):
-        pieces = [p for read in units for p in read.pieces if p.index == index]
+        pieces = [p for read in units for p in read.pieces if p.item == index]
         assert sum(p.length for p in pieces) == item.nbytes and pieces[-1].last

@@ -147,7 +147,7 @@ def test_a_corrupt_byte_in_the_second_unit_of_a_big_tensor_is_reported_once(
     order = sorted(where.values(), key=lambda location: location.offset)
     units = plan_reads([Stored(loc.shard_id, loc.offset, loc.nbytes) for loc in order], small_units)
     index = order.index(big)
-    first, second = [unit for unit in units if any(piece.index == index for piece in unit.pieces)][:2]
+    first, second = [unit for unit in units if any(piece.item == index for piece in unit.pieces)][:2]
     assert first.offset <= big.offset < second.offset < big.offset + big.nbytes
     position = second.offset + 5
     corrupt = bytearray()
