@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -13,6 +12,7 @@ from sqlalchemy.sql.expression import ColumnElement, Exists
 
 from service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_new
+from service.db.shapes import ShapeCache
 from service.errors import ConflictError, InvalidManifestError, MissingTensorsError, format_list
 from service.format.bounds import INT64_MAX, MAX_VERSION
 from service.format.digest import tensor_digest
@@ -104,25 +104,6 @@ def _stored_tensors(session: Session, digests: list[str]) -> dict[str, tuple[str
         rows = connection.execute(_STORED, {"digests": digests[start : start + BATCH]}).all()
         found.update((digest, (dtype, shape, nbytes, referenced)) for digest, dtype, shape, nbytes, referenced in rows)
     return found
-
-
-class ShapeCache:
-    """Stored shapes read as lists, each distinct JSON text parsed once.
-
-    A model's tensors share a few shapes, so parsing every row's text anew was a good part of
-    checking a manifest. PostgreSQL's driver hands JSON over already parsed.
-    """
-
-    def __init__(self) -> None:
-        self._parsed: dict[str, list[int]] = {}
-
-    def __call__(self, value: Any) -> list[int]:
-        if not isinstance(value, str):
-            return list(value)
-        parsed = self._parsed.get(value)
-        if parsed is None:
-            parsed = self._parsed[value] = list(json.loads(value))
-        return parsed
 
 
 def _empty_referenced(session: Session, empty: list[str]) -> set[str]:

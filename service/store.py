@@ -14,21 +14,20 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Text, bindparam, func, select, type_coerce, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore, LocalBlobStore
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
-from service.commit import ShapeCache, commit_version
-from service.compaction import compact
 from service.db import Database
 from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
+from service.db.shapes import ShapeCache
 from service.errors import InvalidInputError, NotFoundError, StorageError
-from service.format.digest import is_digest
+from service.format.digest import all_digests, is_digest
 from service.format.dtypes import DTYPES, byte_length
-from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
 from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
 from service.format.sharding import SHARD_METADATA
@@ -43,6 +42,13 @@ from service.retention_rules import check_policy
 from service.settings import Settings
 from service.shard_writer import UnhashedTensor, WrittenShard, write_shard
 from service.write_probe import choose_direct_writes
+
+if TYPE_CHECKING:
+    from service.format.manifest import Manifest, ManifestBody
+
+# Committing, compacting and parsing manifests import the manifest models (pydantic schemas
+# with patterns), which a listing never needs: those methods import them when first called, so
+# `ckptstore ls` starts without them.
 
 QUERY_BATCH = 500
 MAX_DIGESTS_PER_QUERY = 100_000
@@ -59,9 +65,9 @@ def _check_digests(digests: Iterable[str]) -> list[str]:
     unique = list(dict.fromkeys(digests))
     if len(unique) > MAX_DIGESTS_PER_QUERY:
         raise InvalidInputError(f"{len(unique)} digests in one request; the limit is {MAX_DIGESTS_PER_QUERY}")
-    for digest in unique:
-        if not is_digest(digest):
-            raise InvalidInputError(f"{str(digest)[:80]!r} is not a digest (64 lowercase hex characters)")
+    if not all_digests(unique):
+        bad = next(d for d in unique if not is_digest(d))
+        raise InvalidInputError(f"{str(bad)[:80]!r} is not a digest (64 lowercase hex characters)")
     return unique
 
 
@@ -371,6 +377,8 @@ class Store:
         """
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
+        from service.commit import commit_version
+
         with self.db.transaction() as session:
             return commit_version(session, run_id, body, tags)
 
@@ -400,6 +408,8 @@ class Store:
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
         compaction = None
         if compact_below is not None:
+            from service.compaction import compact
+
             check_grace(grace)
             cutoff = (now or utcnow()) - timedelta(seconds=grace)
             compaction = compact(
@@ -421,6 +431,8 @@ class Store:
 
     def manifest(self, run_id: str, ref: int | str = LATEST) -> Manifest:
         """The manifest of the version ``ref`` names."""
+        from service.format.manifest import manifest_from_json
+
         with self.db.transaction() as session:
             version = _resolve(session, validate_run_id(run_id), ref)
             return manifest_from_json(manifest_text(session, run_id, version))

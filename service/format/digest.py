@@ -28,6 +28,19 @@ def is_digest(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and _DIGEST_RE.match(value) is not None
 
 
+_DIGEST_LINES_RE = re.compile(r"(?:[0-9a-f]{64}\n)*")
+
+
+def all_digests(values: Sequence[object]) -> bool:
+    """True if every one of ``values`` is a well-formed digest: one regex pass over them all,
+    where checking each on its own cost a microsecond a digest."""
+    # Every value a string of exactly 64 characters, so each takes one 65-character line.
+    if not all(type(value) is str and len(value) == 64 for value in values):
+        return False
+    text = "\n".join(values) + "\n"  # type: ignore[arg-type]
+    return not values or _DIGEST_LINES_RE.fullmatch(text) is not None
+
+
 def tensor_preamble(dtype: str, shape: Sequence[int]) -> bytes:
     """The bytes hashed before a tensor's data: its dtype name and shape."""
     return _preamble(dtype, tuple(shape))

@@ -19,14 +19,16 @@ that splitting took apart (see ``docs/FORMAT.md``).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
-from pydantic import TypeAdapter
 
-from service.format.manifest import Manifest, TensorEntry
+if TYPE_CHECKING:
+    from service.format.manifest import Manifest, TensorEntry
 
 #: An entry whose key's CRC-32 is 0 modulo this ends a part (once the part has MIN_ENTRIES).
 BOUNDARY_MODULUS = 16
@@ -34,7 +36,17 @@ MIN_ENTRIES = 16
 MAX_ENTRIES = 256
 _EMPTY_TENSORS = '"tensors":[]'
 _HEAD_PREFIX = '{"format":"ckptstore.manifest/1","digest_algorithm":"blake3",' + _EMPTY_TENSORS
-_ENTRIES = TypeAdapter(list[TensorEntry])
+
+
+@functools.cache
+def _entries_adapter() -> Any:
+    """The serializer of a part's entries. Built on first use: reading a manifest back only
+    splices text, and a listing command must not pay for the manifest models' import."""
+    from pydantic import TypeAdapter
+
+    from service.format.manifest import TensorEntry
+
+    return TypeAdapter(list[TensorEntry])
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,7 @@ def boundaries(keys: Sequence[str]) -> list[int]:
 
 def part_of(entries: Sequence[TensorEntry]) -> Part:
     """The part holding ``entries`` (already validated) in their order."""
-    body = _ENTRIES.dump_json(list(entries), exclude_none=True).decode()
+    body = _entries_adapter().dump_json(list(entries), exclude_none=True).decode()
     return Part(blake3(body.encode()).hexdigest(), body, entries)
 
 

@@ -22,19 +22,22 @@ from tests.servers import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prints, at exit, which heavy modules the command imported: after the command's own output.
+HEAVY = ("torch", "numpy")
+#: What a listing never needs: the manifest models, committing and compaction.
+WRITE_SIDE = ("service.format.manifest", "service.commit", "service.compaction")
 PROBE = (
     "import atexit, sys\n"
-    "atexit.register(lambda: print('IMPORTED:' + ','.join(m for m in ('torch', 'numpy') if m in sys.modules),"
+    "atexit.register(lambda: print('IMPORTED:' + ','.join(m for m in {watched!r} if m in sys.modules),"
     " file=sys.stderr))\n"
     "from client.cli import app\n"
     "app()\n"
 )
 
 
-def run_cli(env: dict[str, str], *args: str) -> tuple[int, str, list[str]]:
-    """Run ``ckptstore *args``; its exit code, stdout and the heavy modules it imported."""
+def run_cli(env: dict[str, str], *args: str, watched: tuple[str, ...] = HEAVY) -> tuple[int, str, list[str]]:
+    """Run ``ckptstore *args``; its exit code, stdout and which ``watched`` modules it imported."""
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, *args],
+        [sys.executable, "-c", PROBE.format(watched=watched), *args],
         cwd=ROOT,
         env={**os.environ, **env},
         capture_output=True,
@@ -100,6 +103,22 @@ def test_metadata_commands_over_http_never_import_torch(tmp_path: Path) -> None:
             check_commands({"CKPTSTORE_URL": url, "CKPTSTORE_HOME": str(tmp_path / "unused")})
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("args", [("ls",), ("ls", "demo"), ("ls", "demo", "--json")])
+def test_listings_import_nothing_of_the_write_path(tmp_path: Path, args: tuple[str, ...]) -> None:
+    home = tmp_path / "home"
+    with client.Client(home=home) as ckpt:
+        fill(ckpt)
+    env = {"CKPTSTORE_HOME": str(home), "CKPTSTORE_URL": ""}
+    code, output, imported = run_cli(env, *args, watched=WRITE_SIDE)
+    assert code == 0, output
+    assert "demo" in output or "VERSION" in output, output
+    assert imported == []
+    # The probe tells the difference: showing a version parses its manifest.
+    code, output, imported = run_cli(env, "show", "demo@2", watched=WRITE_SIDE)
+    assert code == 0, output
+    assert "service.format.manifest" in imported
 
 
 def test_a_command_that_saves_still_imports_torch(tmp_path: Path) -> None:

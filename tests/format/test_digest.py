@@ -15,6 +15,7 @@ from service.format.digest import (
     DIGEST_PATTERN,
     JOIN_BYTES,
     TensorHasher,
+    all_digests,
     is_digest,
     shard_id,
     tensor_digest,
@@ -178,6 +179,28 @@ def test_is_digest_accepts_64_lowercase_hex(value: str) -> None:
 )
 def test_is_digest_rejects_everything_else(value: object) -> None:
     assert not is_digest(value)
+    # Checked in bulk, one bad value among good ones fails the whole list, wherever it is.
+    assert not all_digests([GOLDEN_F32_2, value, "0" * 64])
+    assert not all_digests([value])
+
+
+_DIGESTISH = st.one_of(
+    st.binary(min_size=32, max_size=32).map(bytes.hex),
+    st.text(alphabet="0123456789abcdefA \n", min_size=63, max_size=65),
+    st.text(max_size=130),
+    st.sampled_from([None, 0, b"0" * 64, GOLDEN_F32_2 + "\n" + GOLDEN_F32_2[:63]]),
+)
+
+
+@given(st.lists(_DIGESTISH, max_size=8))
+def test_all_digests_agrees_with_checking_each(values: list[object]) -> None:
+    assert all_digests(values) == all(is_digest(v) for v in values)
+
+
+def test_two_digests_in_one_string_are_not_two_digests() -> None:
+    """The bulk check joins values with newlines: a value holding a newline must not pass as two."""
+    assert not all_digests([GOLDEN_F32_2 + "\n" + GOLDEN_F32_2])
+    assert not all_digests([GOLDEN_F32_2[:32], GOLDEN_F32_2[32:]])
 
 
 @given(st.binary(min_size=32, max_size=32))
