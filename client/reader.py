@@ -186,9 +186,11 @@ class TensorReader:
             owner = None
             for key in keys:
                 span = spans.get(key)
-                if span is not None and owner is None and span not in claimed and span not in tangled:
+                if span is None:
+                    continue
+                if owner is None and span not in claimed and span not in tangled:
                     owner = key
-            claimed.update(spans[k] for k in keys if k in spans)
+                claimed.add(span)
             if owner is not None and owner != keys[0]:
                 keys = [owner, *(k for k in keys if k != owner)]
             spec, destination = specs[keys[0]], into[owner] if owner is not None else None

@@ -93,7 +93,7 @@ def load_into_model(
     wrong = [
         f"{name}: checkpoint {list(entries[key].shape)}, model {list(targets[name].shape)}"
         for name, key in sources.items()
-        if entries[key].shape != list(targets[name].shape)
+        if targets[name].shape != tuple(entries[key].shape)
     ]
     if wrong:
         raise StateMismatchError(f"shape mismatch for {len(wrong)} tensors: {format_list(wrong, 5)}")
