@@ -162,6 +162,10 @@ class HttpTransport:
         """Not available over HTTP (see :attr:`takes_unhashed`)."""
         raise NotImplementedError("a server takes only shards of hashed tensors")
 
+    def sizes_held(self, sizes: Iterable[int]) -> set[int]:
+        """Not available over HTTP (see :attr:`takes_unhashed`)."""
+        raise NotImplementedError("a save over HTTP hashes every tensor it sends")
+
     def put_shard(
         self,
         header: bytes,

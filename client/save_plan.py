@@ -90,7 +90,7 @@ def plan_save(
     known: Sequence[str | None],
     *,
     shard_bytes: int,
-    changed: Sequence[bool] | None = None,
+    likely_new: Sequence[bool] | None = None,
     holders: Sequence[int] | None = None,
     committed: frozenset[str] = frozenset(),
 ) -> SavePlan:
@@ -100,8 +100,9 @@ def plan_save(
         lengths: each tensor's size in bytes.
         known: each tensor's digest from the cache, or None where it must be hashed.
         shard_bytes: about how many bytes to hash per group (one shard's worth).
-        changed: for a store that takes tensors unhashed, whether each tensor is one of the
-            last save's that changed in place since; None: the store hashes nothing itself.
+        likely_new: for a store that takes tensors unhashed, whether each tensor is almost
+            surely not stored (one of the last save's that changed in place since, or of a
+            size no stored tensor has), so it goes unhashed; None: the store hashes nothing itself.
         holders: how many keys hold each tensor's object (a tied weight: more than one);
             only a tensor held once goes unhashed. By default every tensor is held once.
         committed: the digests the last committed version references.
@@ -109,9 +110,9 @@ def plan_save(
     count = len(lengths)
     holders = holders if holders is not None else [1] * count
     write_first = []
-    if changed is not None:
+    if likely_new is not None:
         write_first = [
-            i for i in range(count) if changed[i] and known[i] is None and lengths[i] > 0 and holders[i] == 1
+            i for i in range(count) if likely_new[i] and known[i] is None and lengths[i] > 0 and holders[i] == 1
         ]
     unhashed = set(write_first)
     packer: ShardPacker[int] = ShardPacker(shard_bytes, keep_empty=True)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from client.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all
+from client.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, sample
 from client.progress import byte_bar
 from client.results import SaveResult
 from client.save_plan import SavePlan, plan_save
@@ -32,6 +33,7 @@ from client.transport import Transport
 from client.uploading import ShardUploader
 from service import __version__
 from service.errors import MissingTensorsError
+from service.format.bounds import MAX_SIZES_PER_QUERY
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, validate_body
 from service.records import VersionInfo
@@ -162,15 +164,17 @@ class SaveRun:
             self.known = cached_digests(settings.cache, self.tensors, self.cacheable)
         lengths = [tensor.numel() * tensor.element_size() for tensor in self.tensors]
         marks: dict[int, Any] = {}
-        changed = None
+        likely_new = None
         if settings.transport.takes_unhashed:
             marks = settings.ledger.snapshot(self.tensors)
             changed = settings.ledger.changed(self.tensors, marks)
+            unseen = surely_unstored(settings.transport, self.tensors, lengths)
+            likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
         plan = plan_save(
             lengths,
             self.known,
             shard_bytes=settings.shard_bytes,
-            changed=changed,
+            likely_new=likely_new,
             holders=_holders(self.tensors),
             committed=settings.ledger.committed,
         )
@@ -256,6 +260,41 @@ class SaveRun:
             self.shards += shards
             plan.sent |= again
             return transport.commit(self.run_id, body, tags=self.tags)
+
+
+#: Tensors below this size are hashed before they are sent even when they cannot be stored yet:
+#: telling them apart (a sample each) costs more than hashing them twice.
+UNSEEN_MIN_BYTES = 64 << 10
+
+
+def surely_unstored(transport: Transport, tensors: list[torch.Tensor], lengths: list[int]) -> list[bool]:
+    """For each tensor, whether it cannot be stored yet and no other tensor of this save can
+    equal it: such a tensor is written at once and hashed once, by the store as it writes it,
+    instead of hashed first to ask about it (a first save into a new store hashes every byte
+    once, not twice).
+
+    A tensor cannot be stored when no stored tensor has its size (:meth:`Store.sizes_held`).
+    Two tensors of this save with the same size might be equal (zero-initialised buffers and
+    adapters, layer norms at one): those whose samples (:func:`client.hashing.sample`) match
+    another's are hashed first as before, so equal bytes are still stored once. Tensors under
+    :data:`UNSEEN_MIN_BYTES`, and a model of more distinct sizes than the store looks up at
+    once, are hashed first too.
+    """
+    flags = [False] * len(lengths)
+    sizes = {nbytes for nbytes in lengths if nbytes >= UNSEEN_MIN_BYTES}
+    if not sizes or len(sizes) > MAX_SIZES_PER_QUERY:
+        return flags
+    unseen = sizes - transport.sizes_held(sizes)
+    by_size: dict[int, list[int]] = {}
+    for index, nbytes in enumerate(lengths):
+        if nbytes in unseen:
+            by_size.setdefault(nbytes, []).append(index)
+    for indexes in by_size.values():
+        samples = [sample(tensors[i]) for i in indexes] if len(indexes) > 1 else [b""]
+        counts = Counter(samples)
+        for index, taken in zip(indexes, samples, strict=True):
+            flags[index] = counts[taken] == 1
+    return flags
 
 
 def _holders(tensors: list[torch.Tensor]) -> list[int]:

@@ -19,7 +19,8 @@ class Transport(Protocol):
 
     Optional capability: a store with ``takes_unhashed`` True also implements
     :meth:`put_tensors`, taking tensors whose digests the caller does not know (the embedded
-    store hashes them as it writes them); a save then sends its changed tensors unhashed.
+    store hashes them as it writes them), and :meth:`sizes_held`; a save then sends unhashed
+    the tensors that changed in place and those of a size the store holds no tensor of.
     A store with a ``read_ranges(ranges)`` method (a server) answers many ``(shard_id, offset,
     buffers)`` ranges in one request; a load then batches its reads of many shards.
     """
@@ -40,6 +41,9 @@ class Transport(Protocol):
     ) -> tuple[ShardReceipt, list[str]]:
         """Store tensors not hashed yet as one shard; returns the receipt and their digests in order
         (only where ``takes_unhashed``)."""
+
+    def sizes_held(self, sizes: Iterable[int]) -> set[int]:
+        """Those of ``sizes`` (byte lengths) some stored tensor has (only where ``takes_unhashed``)."""
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit a version."""

@@ -26,6 +26,7 @@ from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.db.shapes import ShapeCache
 from service.errors import InvalidInputError, NotFoundError, StorageError
+from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
 from service.format.digest import all_digests, is_digest
 from service.format.dtypes import DTYPES, byte_length
 from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
@@ -74,6 +75,7 @@ def _check_digests(digests: Iterable[str]) -> list[str]:
 _TENSORS = table(Tensor)
 # The write path's statements, built once and run on the session's connection: building them
 # per call and the ORM's handling of their results took about half of Store.missing.
+_ANY_OF_SIZE = select(_TENSORS.c.nbytes).where(_TENSORS.c.nbytes == bindparam("nbytes")).limit(1)
 _PRESENT = select(_TENSORS.c.digest).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
 # Rows another transaction is stamping right now are skipped rather than waited for: two saves
 # asking about overlapping digests in different orders would otherwise deadlock, and the other
@@ -193,6 +195,29 @@ class Store:
                     _stamp_seen(session, found, now)
                 present.update(found)
         return [d for d in wanted if d not in present]
+
+    def sizes_held(self, sizes: Iterable[int]) -> set[int]:
+        """Those of ``sizes`` (byte lengths) that some stored tensor has.
+
+        A tensor of a size no stored tensor has is not stored: a save writes it at once and
+        lets the store hash it as it writes it, instead of hashing it first to ask. The answer
+        is a hint, not a promise (another save may store such a tensor a moment later, and
+        then its bytes are kept twice until garbage collection compacts them). One index
+        probe per size, whatever the number of stored tensors.
+
+        Raises:
+            InvalidInputError: a size is not a positive integer, or more than
+                :data:`MAX_SIZES_PER_QUERY` distinct sizes are asked about.
+        """
+        unique = set(sizes)
+        if len(unique) > MAX_SIZES_PER_QUERY:
+            raise InvalidInputError(f"{len(unique)} sizes in one request; the limit is {MAX_SIZES_PER_QUERY}")
+        if any(type(size) is not int or not 1 <= size <= INT64_MAX for size in unique):
+            raise InvalidInputError(f"tensor sizes must be integers from 1 to {INT64_MAX}")
+        wanted = sorted(unique)
+        with self.db.transaction() as session:
+            connection = session.connection()
+            return {size for size in wanted if connection.execute(_ANY_OF_SIZE, {"nbytes": size}).first()}
 
     def ingest_file(self, path: Path) -> ShardReceipt:
         """Validate the shard at ``path``, store it and record its tensors; idempotent.

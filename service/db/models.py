@@ -76,6 +76,9 @@ class Tensor(Base):
     #: soon): garbage collection spares shards seen within its grace period.
     last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
+    # Whether any tensor of a size is stored (see Store.sizes_held) is one index probe.
+    __table_args__ = (Index("ix_tensors_nbytes", "nbytes"),)
+
 
 class Run(Base):
     """A training run; ``version_counter`` hands out version numbers under a row lock."""

@@ -16,5 +16,7 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 #: The largest version number a run can have (``versions.version`` is an ``INTEGER``).
 MAX_VERSION = INT32_MAX
+#: The most distinct tensor sizes one call asks the store about (one index probe each).
+MAX_SIZES_PER_QUERY = 1024
 
-__all__ = ["INT32_MAX", "INT64_MAX", "MAX_VERSION"]
+__all__ = ["INT32_MAX", "INT64_MAX", "MAX_SIZES_PER_QUERY", "MAX_VERSION"]

@@ -130,8 +130,10 @@ def test_tensors_cast_on_load_are_not_known_by_their_stored_digest(
     model = Adapted(seed=1)
     optim = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
     resumed.load("resumed", model=model, optim=optim, dtype=torch.float64)
-    hashed = _hashed_by_next_save(monkeypatch, resumed, model, optim)
-    assert BASE_WEIGHTS <= hashed
+    hashed, unhashed = _next_save(monkeypatch, resumed, model, optim)
+    # Their bytes are read again: hashed by the client, or (on an embedded store, which holds
+    # no float64 tensor of their size) handed to the store, which hashes them as it writes.
+    assert BASE_WEIGHTS <= hashed | unhashed
 
 
 def test_a_load_onto_meta_teaches_the_cache_nothing_and_fails_nothing(resumed: client.Client) -> None:

@@ -13,7 +13,7 @@ def test_changed_tensors_of_a_store_that_takes_them_go_unhashed() -> None:
         [10, 10, 0, 10, 10],
         [None, None, None, "cached", None],
         shard_bytes=100,
-        changed=[True, False, True, True, True],
+        likely_new=[True, False, True, True, True],
         holders=[1, 1, 1, 1, 2],
     )
     # 2 is empty, 3 is cached, 4 is a tied weight: each of those is hashed (or known) instead.
@@ -22,7 +22,7 @@ def test_changed_tensors_of_a_store_that_takes_them_go_unhashed() -> None:
 
 
 def test_without_the_capability_nothing_goes_unhashed() -> None:
-    plan = plan_save([10, 10], [None, None], shard_bytes=100, changed=None)
+    plan = plan_save([10, 10], [None, None], shard_bytes=100, likely_new=None)
     assert plan.write_first == [] and plan.groups == [[0, 1]]
 
 
@@ -64,7 +64,7 @@ def test_every_index_is_planned_once_in_order(
     known = ["d" if cached else None for _, cached, _, _ in tensors]
     changed = [moved for _, _, moved, _ in tensors] if capable else None
     holders = [held for _, _, _, held in tensors]
-    plan = plan_save(lengths, known, shard_bytes=shard_bytes, changed=changed, holders=holders)
+    plan = plan_save(lengths, known, shard_bytes=shard_bytes, likely_new=changed, holders=holders)
     hashed = [i for group in plan.groups for i in group]
     assert sorted(hashed + plan.write_first) == list(range(len(tensors)))
     assert hashed == sorted(hashed) and not set(hashed) & set(plan.write_first)

@@ -92,7 +92,9 @@ def test_racing_first_saves_store_the_frozen_base_once_and_gc_reclaims_the_rest(
         stored = blob_bytes(store)
         assert base_bytes < sum(stored.values()) < 2 * base_bytes
         base_shards = {store.locate(sorted(base_digests))[d].shard_id for d in base_digests}
-        assert len(base_shards) == 1
+        # The weight (of a size the empty store held none of) went unhashed, the small bias was
+        # hashed first: at most one shard each way, shared by both runs.
+        assert 1 <= len(base_shards) <= 2
         # No shard mixes the frozen base with an adapter.
         for shard in stored:
             held = keys_of_shard(store, shard)

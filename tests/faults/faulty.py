@@ -253,9 +253,10 @@ def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list
     from service import direct_file
 
     partial_files: list[tuple[Path, int, str]] = []
+    fired = threading.Lock()  # two shards may be written at once: the fault fires for one write only
 
     def failing_write(fd: int, data: Any) -> int:
-        if partial_files:
+        if partial_files or not fired.acquire(blocking=False):
             return os.write(fd, data)
         view = memoryview(data).cast("B")
         path = Path(os.readlink(f"/proc/self/fd/{fd}"))

@@ -1,0 +1,199 @@
+"""A tensor of a size no stored tensor has cannot be stored yet: an embedded save hands it to the
+store unhashed (hashed once, as it is written) instead of hashing it first to ask about it.
+Equal tensors still end up stored once, and tensors of sizes the store holds are hashed first."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import client
+from client import saving, uploading
+from service.errors import InvalidInputError
+from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
+from service.format.safetensors_header import read_header
+from service.store import Store
+
+ROWS = 128  # a 128 x 128 fp32 tensor is 64 KiB: the smallest that may go unhashed
+
+
+class Spy:
+    """Records the keys a save hashes on the client and those it hands to the store unhashed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.hashed: list[str] = []
+        self.unhashed: list[str] = []
+        real_digest_all, real_add = saving.digest_all, uploading.ShardUploader.add_unhashed
+
+        def digest_all(tensors: list[tuple[str, torch.Tensor]], cache: Any, **kwargs: Any) -> list[str]:
+            known = kwargs.get("known") or [None] * len(tensors)
+            self.hashed += [key for (key, _), digest in zip(tensors, known, strict=True) if digest is None]
+            return real_digest_all(tensors, cache, **kwargs)
+
+        def add_unhashed(uploader: Any, index: int, key: str, tensor: torch.Tensor, nbytes: int, **kw: Any) -> None:
+            self.unhashed.append(key)
+            real_add(uploader, index, key, tensor, nbytes, **kw)
+
+        monkeypatch.setattr(saving, "digest_all", digest_all)
+        monkeypatch.setattr(uploading.ShardUploader, "add_unhashed", add_unhashed)
+
+
+def stored_digests(store: Store) -> list[str]:
+    """Every tensor digest held in any stored shard, with repeats."""
+    digests = []
+    for blob_id in store.blobs.list_ids():
+        size = store.blobs.size(blob_id)
+        assert size is not None
+        data = bytearray(size)
+        store.blobs.read_into(blob_id, 0, memoryview(data))
+        digests += [entry.digest for entry in read_header(io.BytesIO(bytes(data)), size).entries]
+    return digests
+
+
+def embedded_store(ckpt: client.Client) -> Store:
+    assert isinstance(ckpt.transport, Store)
+    return ckpt.transport
+
+
+class Buffers(nn.Module):
+    """Tensors given by name, as buffers."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+
+
+def test_a_first_save_into_an_empty_store_hashes_each_large_tensor_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128))  # weights 256 and 128 KiB, small biases
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model)
+        assert sorted(spy.unhashed) == ["model/0.weight", "model/1.weight"]
+        assert sorted(spy.hashed) == ["model/0.bias", "model/1.bias"]
+        fresh = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128))
+        ckpt.load("run", model=fresh)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_equal_tensors_of_a_new_size_are_still_stored_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    tensors = {
+        "zeros_a": torch.zeros(ROWS, ROWS),
+        "zeros_b": torch.zeros(ROWS, ROWS),
+        "ones_a": torch.ones(ROWS, ROWS),
+        "ones_b": torch.ones(ROWS, ROWS),
+        "noise": torch.randn(ROWS, ROWS),
+    }
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path, shard_bytes=64 << 10) as ckpt:  # one tensor a shard
+        result = ckpt.save("run", Buffers(tensors))
+        assert spy.unhashed == ["model/noise"]  # the only one whose sample no other tensor shares
+        digests = stored_digests(embedded_store(ckpt))
+        assert len(digests) == len(set(digests)) == 3
+        assert result.bytes_new == 3 * ROWS * ROWS * 4
+
+
+def test_tensors_of_sizes_the_store_holds_are_hashed_first_and_not_stored_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    base = torch.randn(ROWS, ROWS)
+    with client.Client(home=tmp_path) as first:
+        first.save("a", Buffers({"base": base}))
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path) as second:  # a new process: nothing cached
+        result = second.save("b", Buffers({"base": base.clone(), "head": torch.randn(2 * ROWS, ROWS)}))
+        assert spy.hashed == ["model/base"] and spy.unhashed == ["model/head"]
+        assert result.bytes_new == 2 * ROWS * ROWS * 4  # the head only
+        digests = stored_digests(embedded_store(second))
+        assert len(digests) == len(set(digests)) == 2
+
+
+def test_over_http_every_tensor_is_hashed_first(http_client: client.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    http_client.save("run", Buffers({"noise": torch.randn(ROWS, ROWS)}))
+    assert spy.hashed == ["model/noise"] and spy.unhashed == []
+
+
+def test_sizes_held_answers_for_the_sizes_stored(tmp_path: Path) -> None:
+    with client.Client(home=tmp_path) as ckpt:
+        store = embedded_store(ckpt)
+        assert store.sizes_held([4, 65536]) == set()
+        ckpt.save("run", Buffers({"a": torch.randn(ROWS, ROWS), "b": torch.randn(3)}))
+        assert store.sizes_held([12, 65536, 5, 65536]) == {12, 65536}
+
+
+NOT_SIZES = [[0], [-1], [INT64_MAX + 1], [True], ["5"], [1.0], list(range(1, MAX_SIZES_PER_QUERY + 2))]
+
+
+@pytest.mark.parametrize("sizes", NOT_SIZES)
+def test_sizes_held_refuses_what_is_not_a_size(tmp_path: Path, sizes: list[Any]) -> None:
+    with client.Client(home=tmp_path) as ckpt, pytest.raises(InvalidInputError):
+        embedded_store(ckpt).sizes_held(sizes)
+
+
+@pytest.fixture
+def http_client(tmp_path: Path) -> Iterator[client.Client]:
+    from service.api.app import create_app
+    from service.settings import Settings
+    from tests.servers import running_server
+
+    settings = Settings(home=tmp_path / "server")
+    store = Store.open_home(settings.home_path)
+    try:
+        with running_server(create_app(store, settings)) as url, client.Client(url) as ckpt:
+            yield ckpt
+    finally:
+        store.close()
+
+
+KINDS = st.sampled_from(["zeros", "ones", "noise", "noise_copy"])
+SPECS = st.tuples(st.sampled_from([ROWS, 2 * ROWS]), KINDS, st.sampled_from([torch.float32, torch.int32]))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(SPECS, max_size=7),
+    st.sampled_from([64 << 10, 1 << 20]),
+)
+def test_a_first_save_stores_each_distinct_tensor_once_and_loads_exactly(
+    specs: list[tuple[int, str, torch.dtype]], shard_bytes: int
+) -> None:
+    """Whatever mix of equal and distinct tensors, sizes and dtypes (equal sizes, other dtypes),
+    and however they fall into shards: no digest is stored twice and every tensor loads back."""
+    torch.manual_seed(len(specs))
+    shared = torch.randn(2 * ROWS, ROWS)
+    tensors = {}
+    for number, (rows, kind, dtype) in enumerate(specs):
+        if kind == "zeros":
+            tensor = torch.zeros(rows, ROWS)
+        elif kind == "ones":
+            tensor = torch.ones(rows, ROWS)
+        elif kind == "noise":
+            tensor = torch.randn(rows, ROWS)
+        else:
+            tensor = shared[:rows].clone()
+        tensors[f"t{number}"] = tensor.to(dtype) if dtype != torch.float32 else tensor
+    with tempfile.TemporaryDirectory() as home, client.Client(home=home, shard_bytes=shard_bytes) as ckpt:
+        ckpt.save("run", Buffers(tensors))
+        digests = stored_digests(embedded_store(ckpt))
+        assert len(digests) == len(set(digests))
+        loaded = ckpt.load("run").state_dict
+        assert loaded is not None
+        assert set(loaded) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(loaded[name], tensor), name
