@@ -6,7 +6,8 @@ Prints, on an embedded store (SQLite and a folder):
    version: the commit time and the metadata added per version (growth of the SQLite file,
    averaged over the versions before each mark) at versions 2, 100 and 1000.
 2. **Listings.** ``Store.versions`` of those runs at their last version, the run page of the
-   16,384-tensor run, and the runs index ``/`` over 1,000 runs (through the real app).
+   16,384-tensor run, a save's ``sizes_held`` question on that store, and the runs index ``/``
+   over 1,000 runs (through the real app).
 3. **Many tensors.** Saving and loading into a model 32,768 tensors through the client against
    ``safetensors`` ``save_file`` (+fsync) and ``load_file`` + ``load_state_dict``, same run.
 4. **CLI.** The wall time of ``ckptstore ls`` as a subprocess.
@@ -38,6 +39,7 @@ from sqlalchemy import text
 from client import Client
 from service.api import pages_data
 from service.api.app import create_app
+from service.format.bounds import MAX_SIZES_PER_QUERY
 from service.format.manifest import ManifestBody, TensorEntry
 from service.settings import Settings
 from service.shard_writer import UnhashedTensor
@@ -188,7 +190,7 @@ def main() -> None:
         print(f"## History: one tensor changed per version (marks {marks})")
         print(f"{'tensors':>8} {'version':>8} {'commit ms':>10} {'metadata/version':>17} {'floor':>22}")
         listing: dict[int, float] = {}
-        run_page = 0.0
+        run_page = sizes_held = 0.0
         for tensors in (1024, 16384):
             found, store = history(root / f"h{tensors}", tensors, marks)
             first = found[2][0]
@@ -202,12 +204,14 @@ def main() -> None:
             listing[tensors] = median_time(lambda s=store: s.versions("run"))
             if tensors == 16384:
                 run_page = median_time(lambda s=store: pages_data.run_page(s, "run"), 3)
+                sizes_held = median_time(lambda s=store: s.sizes_held(range(1, MAX_SIZES_PER_QUERY + 1)))
             store.close()
         print(f"\n## Listings at version {marks[-1]}")
         for tensors, seconds in listing.items():
             shown = f"{seconds * 1000:.1f} ms (floor 50 ms: {verdict(seconds, 0.05)})"
             print(f"versions() of the {tensors}-tensor run: {shown}")
         print(f"run page of the 16384-tensor run: {run_page * 1000:.1f} ms")
+        print(f"sizes_held of {MAX_SIZES_PER_QUERY} sizes (a save asks) on that store: {sizes_held * 1000:.1f} ms")
         page, api = runs_index_time(root / "runs", 1000)
         print(f"/ with 1000 runs: {page:.3f} s (floor 0.2 s: {verdict(page, 0.2)}); /v1/runs: {api:.3f} s")
         print("\n## 32,768 tensors of 1024 floats (128 MiB), client against safetensors")
