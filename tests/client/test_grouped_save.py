@@ -3,7 +3,6 @@ bad manifests refused before any byte is stored."""
 
 from __future__ import annotations
 
-import io
 import math
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from torch import nn
 from client import Client
 from client.saving import SaveRun, SaveSettings
 from client.state import flatten
-from service.format.safetensors_header import read_header
 from tests.client.conftest import Backend
+from tests.client.shard_files import stored_digests
 
 SHARD = 64 << 10  # small shards: the 1 MiB model below is hashed in many groups
 
@@ -32,18 +31,6 @@ class Wide(nn.Module):
         self.register_buffer("zeros_b", torch.zeros(128, 128))
 
 
-def stored_digests(backend: Backend) -> list[str]:
-    """Every tensor digest held in any stored shard, with repeats."""
-    digests = []
-    for blob_id in backend.blobs.list_ids():
-        size = backend.blobs.size(blob_id)
-        assert size is not None
-        data = bytearray(size)
-        backend.blobs.read_into(blob_id, 0, memoryview(data))
-        digests += [e.digest for e in read_header(io.BytesIO(bytes(data)), size).entries]
-    return digests
-
-
 def test_a_grouped_save_sends_each_distinct_tensor_once_and_loads_exactly(backend: Backend) -> None:
     torch.manual_seed(0)
     model = Wide()
@@ -54,7 +41,7 @@ def test_a_grouped_save_sends_each_distinct_tensor_once_and_loads_exactly(backen
     assert result.tensors_new == 16
     assert result.bytes_new == 16 * 128 * 128 * 4
     assert result.shards > 4
-    digests = stored_digests(backend)
+    digests = stored_digests(backend.blobs)
     assert len(digests) == len(set(digests)) == 16
     fresh = Wide()
     backend.client.load("grouped", model=fresh)
@@ -123,7 +110,7 @@ def test_cached_tensors_the_store_lost_are_sent_again_in_their_group(
     again = backend.client.save("lost", model)
     assert len(commits) == 1  # sent before the commit, not after it was refused
     assert (again.tensors_new, again.bytes_new) == (first.tensors_new, first.bytes_new)
-    digests = stored_digests(backend)
+    digests = stored_digests(backend.blobs)
     assert len(digests) == len(set(digests)) == 16
     fresh = Wide()
     backend.client.load("lost", model=fresh)

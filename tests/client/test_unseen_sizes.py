@@ -4,7 +4,6 @@ Equal tensors still end up stored once, and tensors of sizes the store holds are
 
 from __future__ import annotations
 
-import io
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,8 @@ import client
 from client import saving, uploading
 from service.errors import InvalidInputError
 from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
-from service.format.safetensors_header import read_header
 from service.store import Store
+from tests.client.shard_files import stored_digests
 
 ROWS = 128  # a 128 x 128 fp32 tensor is 64 KiB: the smallest that may go unhashed
 
@@ -45,18 +44,6 @@ class Spy:
 
         monkeypatch.setattr(saving, "digest_all", digest_all)
         monkeypatch.setattr(uploading.ShardUploader, "add_unhashed", add_unhashed)
-
-
-def stored_digests(store: Store) -> list[str]:
-    """Every tensor digest held in any stored shard, with repeats."""
-    digests = []
-    for blob_id in store.blobs.list_ids():
-        size = store.blobs.size(blob_id)
-        assert size is not None
-        data = bytearray(size)
-        store.blobs.read_into(blob_id, 0, memoryview(data))
-        digests += [entry.digest for entry in read_header(io.BytesIO(bytes(data)), size).entries]
-    return digests
 
 
 def embedded_store(ckpt: client.Client) -> Store:
@@ -102,7 +89,7 @@ def test_equal_tensors_of_a_new_size_are_still_stored_once(tmp_path: Path, monke
     with client.Client(home=tmp_path, shard_bytes=64 << 10) as ckpt:  # one tensor a shard
         result = ckpt.save("run", Buffers(tensors))
         assert spy.unhashed == ["model/noise"]  # the only one whose sample no other tensor shares
-        digests = stored_digests(embedded_store(ckpt))
+        digests = stored_digests(embedded_store(ckpt).blobs)
         assert len(digests) == len(set(digests)) == 3
         assert result.bytes_new == 3 * ROWS * ROWS * 4
 
@@ -119,7 +106,7 @@ def test_tensors_of_sizes_the_store_holds_are_hashed_first_and_not_stored_again(
         result = second.save("b", Buffers({"base": base.clone(), "head": torch.randn(2 * ROWS, ROWS)}))
         assert spy.hashed == ["model/base"] and spy.unhashed == ["model/head"]
         assert result.bytes_new == 2 * ROWS * ROWS * 4  # the head only
-        digests = stored_digests(embedded_store(second))
+        digests = stored_digests(embedded_store(second).blobs)
         assert len(digests) == len(set(digests)) == 2
 
 
@@ -190,7 +177,7 @@ def test_a_first_save_stores_each_distinct_tensor_once_and_loads_exactly(
         tensors[f"t{number}"] = tensor.to(dtype) if dtype != torch.float32 else tensor
     with tempfile.TemporaryDirectory() as home, client.Client(home=home, shard_bytes=shard_bytes) as ckpt:
         ckpt.save("run", Buffers(tensors))
-        digests = stored_digests(embedded_store(ckpt))
+        digests = stored_digests(embedded_store(ckpt).blobs)
         assert len(digests) == len(set(digests))
         loaded = ckpt.load("run").state_dict
         assert loaded is not None
