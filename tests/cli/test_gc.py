@@ -113,7 +113,7 @@ def test_gc_compacts_a_shard_whose_live_bytes_fell_below_the_threshold(any_cli: 
     ckpt = any_cli.client
     first, second = TinyNet(seed=1, width=256), TinyNet(seed=2, width=256)
     with torch.no_grad():
-        second.embed.weight.copy_(first.embed.weight)  # the one tensor both versions share
+        second.body[3].weight.copy_(first.body[3].weight)  # the one tensor both versions share: half a shard
     ckpt.save("run", first, step=1)
     ckpt.save("run", second, step=2, tags=["best"])
     any_cli.ok("rm", "run@1", "-y")
@@ -122,11 +122,13 @@ def test_gc_compacts_a_shard_whose_live_bytes_fell_below_the_threshold(any_cli: 
 
     above = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.01", "--json"))
     assert above["shards_compacted"] == 0
-    dry = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.5", "--dry-run", "--json"))
-    assert dry["shards_compacted"] == 1 and sum(blob_sizes(any_cli).values()) == before
-    done = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.5", "--json"))
+    dry = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.6", "--dry-run", "--json"))
+    # The shared weight's shard, and (on an embedded store, which packs a first save's large new
+    # tensors apart from the small ones) the small tensors' shard kept by equal batch-norm buffers.
+    assert dry["shards_compacted"] >= 1 and sum(blob_sizes(any_cli).values()) == before
+    done = json.loads(any_cli.ok("gc", "--grace", "0", "--compact-below", "0.6", "--json"))
 
-    assert done["shards_compacted"] == 1 and done["bytes_compacted"] > 0
+    assert done["shards_compacted"] == dry["shards_compacted"] and done["bytes_compacted"] > 0
     after = sum(blob_sizes(any_cli).values())
     assert after == before - done["bytes_compacted"], (before, after, done, swept)
     loaded = TinyNet(seed=3, width=256)

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import service.commit
 import service.store
 from service.blobs import LocalBlobStore
 from service.receiver import ShardReceiver
@@ -108,13 +109,13 @@ def install_store_hooks(phases: Phases, *, entry_points: bool) -> None:
     ShardReceiver.finish = _before(phases, "verify", ShardReceiver.finish)  # type: ignore[method-assign]
     LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
     Store._record_shard = _around(phases, "record", "recorded", Store._record_shard)  # type: ignore[method-assign]
-    original_commit_version = service.store.commit_version
+    original_commit_version = service.commit.commit_version
 
     def commit_version(*args: Any, **kwargs: Any) -> Any:
         info = original_commit_version(*args, **kwargs)
         phases("commit-flushed")  # still inside the transaction: killing here must leave no version
         return info
 
-    service.store.commit_version = commit_version
+    service.commit.commit_version = commit_version  # Store.commit imports it when called
     if entry_points:
         Store.commit = _around(phases, "commit", "committed", Store.commit)  # type: ignore[method-assign]
