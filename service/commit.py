@@ -60,8 +60,6 @@ def _lock_run(session: Session, run_id: str) -> int:
     return cast(int, session.connection().execute(_LOCK_RUN, {"run_id": run_id}).scalar_one())
 
 
-
-
 def _listed_reference(digest: ColumnElement[str]) -> Exists:
     """Whether a part some committed version lists references ``digest`` (an EXISTS)."""
     return (
@@ -177,9 +175,7 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     # every earlier commit to the run left, so its figures count what it alone adds.
     counter = _lock_run(session, run_id)
     if counter >= MAX_VERSION:
-        raise ConflictError(
-            f"run {run_id!r} has used every version number up to {MAX_VERSION}; save to a new run"
-        )
+        raise ConflictError(f"run {run_id!r} has used every version number up to {MAX_VERSION}; save to a new run")
     # Parts some version lists were checked when first committed, and their tensors stay while
     # any version lists them (the collection lock is held): only the other parts are checked.
     parts = split(body.tensors)

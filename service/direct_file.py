@@ -1,4 +1,5 @@
-"""Writing a new file around the page cache (``O_DIRECT``) where the file system allows it.
+"""Writing a new file at the device's speed: around the page cache (``O_DIRECT``) where the file
+system allows it, else buffered with its write-back started as the bytes arrive.
 
 A buffered write copies every byte into page-cache pages the kernel must first allocate and
 map, and then writes them back to the device on ``fsync``. For a store that writes each shard
@@ -6,22 +7,30 @@ once and does not read it back soon, that copy is most of the cost of a durable 
 VM whose fresh memory is slow to touch, buffered write + fsync of 1 GiB took 2.6-3.2 s where
 the same bytes went to the device in 0.44-0.64 s with ``O_DIRECT``.
 
-``O_DIRECT`` wants every write aligned in memory, in length and in file position, so bytes are
-gathered in a page-aligned buffer (reused across files, so its memory stays resident) and
-written a whole buffer at a time; the last block is padded and the file then cut to its true
-length. File systems without ``O_DIRECT`` (tmpfs before Linux 6.6, some network and FUSE
-mounts) get ordinary buffered writes through the same interface, as does every file when
-direct writes are turned off (``CKPTSTORE_DIRECT_WRITES=0``). Either way the caller still
-fsyncs the file.
+Bytes are gathered in page-aligned buffers (reused across files, so their memory stays
+resident) and written a whole buffer at a time, each at its own file position, so with
+``in_flight`` several buffers are on their way to the device while the next is filled: one
+file keeps the device's queue busy, and the caller's own work (hashing) overlaps it. The last
+block of a direct file is padded and the file then cut to its true length.
+
+File systems without ``O_DIRECT`` (tmpfs before Linux 6.6, some network and FUSE mounts) get
+buffered writes through the same interface, as does every file when direct writes are turned
+off (``CKPTSTORE_DIRECT_WRITES=0``). A buffered file starts the write-back of each
+:data:`WRITEBACK_BYTES` as soon as they are written (``sync_file_range``), and drops the pages
+of the stretch before from the page cache once they are on the device, so the final ``fsync``
+finds almost nothing left to write and a large save does not fill memory with dirty pages.
+Either way the caller still fsyncs the file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,15 +38,21 @@ from pathlib import Path
 ALIGNMENT = 4096
 #: Bytes gathered before each write.
 BUFFER_BYTES = 4 << 20
-#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory; a file uses one,
-#: two with write-behind).
-MAX_IDLE_BUFFERS = 8
+#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory).
+MAX_IDLE_BUFFERS = 16
 #: Threads writing full buffers, shared by every file being written in the process.
-WRITER_THREADS = 4
+WRITER_THREADS = 8
+#: Buffers a file keeps on their way to the device by default (``in_flight``).
+DEFAULT_IN_FLIGHT = 3
+#: Buffered files: write-back is started for every stretch of this many bytes.
+WRITEBACK_BYTES = 8 << 20
 
 _idle_buffers: list[mmap.mmap] = []
 _idle_lock = threading.Lock()
 _writers: ThreadPoolExecutor | None = None
+
+#: Bytes of a piece, as a file's :meth:`DirectFileWriter.write` sees them land in its buffer.
+Observer = Callable[[memoryview], object]
 
 
 def _take_buffer() -> mmap.mmap:
@@ -70,28 +85,32 @@ def _writer_pool() -> ThreadPoolExecutor:
 class DirectFileWriter:
     """A new file at ``path`` written front to back with :meth:`write`, then :meth:`close`.
 
-    With ``write_behind``, two buffers take turns: while one is written to the file on a
-    background thread, the next bytes are gathered in the other, so a caller that hashes and
-    copies as bytes arrive (an HTTP upload) overlaps the device's write. Without it each full
-    buffer is written before ``write`` returns, which is faster where the caller's other
-    threads already keep both cores busy (an embedded save hashing its next shard).
+    Every byte is copied into one of the file's page-aligned buffers; a full buffer is written
+    at its position in the file, on a background thread when ``in_flight`` allows, so the
+    caller gathers the next bytes meanwhile. :meth:`write`'s ``observe`` sees each piece in the
+    buffer it was copied to, before that buffer is written: a digest taken there is of the
+    bytes written, whatever happens to the caller's memory afterwards.
 
     Args:
         path: the file to create; it must not exist.
         direct: bypass the page cache if the file system supports it.
-        write_behind: write full buffers on a background thread.
+        in_flight: full buffers written in the background while the next is filled (0: each
+            is written before :meth:`write` returns).
         start: leave this many bytes (a multiple of :data:`ALIGNMENT`) free at the start of
             the file for :meth:`write_head`, and append from there.
 
     Raises OSError from the file system (ENOSPC, EIO, EEXIST) unchanged; an error of a
-    background write is raised by the next :meth:`write` or by :meth:`close`.
+    background write is raised by the next :meth:`write` that needs its buffer, or by
+    :meth:`close`, and no write is started after it.
     """
 
-    def __init__(self, path: Path | str, *, direct: bool = True, write_behind: bool = False, start: int = 0) -> None:
+    def __init__(self, path: Path | str, *, direct: bool = True, in_flight: int = 0, start: int = 0) -> None:
         if start < 0 or start % ALIGNMENT:
             raise ValueError(f"start must be a non-negative multiple of {ALIGNMENT}, not {start}")
+        if in_flight < 0:
+            raise ValueError(f"in_flight must not be negative, not {in_flight}")
         self.path = Path(path)
-        self.write_behind = write_behind
+        self.in_flight = in_flight
         self.start = start
         self.size = start
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -105,31 +124,34 @@ class DirectFileWriter:
                     raise
                 self.direct = False  # tmpfs and others refuse the flag at open
         self._fd = fd if fd >= 0 else os.open(self.path, flags, 0o666)
-        if start:
-            os.lseek(self._fd, start, os.SEEK_SET)
-        self._buffers: list[mmap.mmap] = [_take_buffer() for _ in range(2 if write_behind else 1)]
+        self._buffers: list[mmap.mmap] = [_take_buffer() for _ in range(in_flight + 1)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._writing: list[Future[None] | None] = [None] * len(self._buffers)
+        self._current = 0
         self._view = self._views[0]
         self._filled = 0
-        self._writing: Future[None] | None = None
+        self._position = start  # where the current buffer's bytes go in the file
+        self._end = start  # the end of the furthest write started (a padded block included)
+        self._writeback = _Writeback(self._fd) if not self.direct else None
+        self._failed: BaseException | None = None
         self._closed = False
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append ``data`` to the file."""
+    def write(self, data: bytes | bytearray | memoryview, observe: Observer | None = None) -> None:
+        """Append ``data`` to the file; ``observe`` is called with each piece as copied, in order."""
         view = memoryview(data).cast("B")
         self.size += view.nbytes
         end = self._filled + view.nbytes
         if end < BUFFER_BYTES:  # the common case for small tensors: it fits, one copy, no loop
             self._view[self._filled : end] = view
+            if observe is not None:
+                observe(self._view[self._filled : end])
             self._filled = end
             return
         while view.nbytes:
-            if not self.direct and self._filled == 0 and view.nbytes >= BUFFER_BYTES:
-                self._wait()  # buffered: large pieces go to the kernel as they are, in order
-                self._write_all(view)
-                return
             take = min(view.nbytes, BUFFER_BYTES - self._filled)
             self._view[self._filled : self._filled + take] = view[:take]
+            if observe is not None:
+                observe(self._view[self._filled : self._filled + take])
             self._filled += take
             view = view[take:]
             if self._filled == BUFFER_BYTES:
@@ -140,64 +162,96 @@ class DirectFileWriter:
         if len(data) != self.start:
             raise ValueError(f"the head is {self.start} bytes, not {len(data)}")
         if not self.direct:
-            self._write_all(memoryview(data), position=0)
+            self._write_at(memoryview(data), 0)
             return
         aligned = mmap.mmap(-1, len(data))  # direct writes need page-aligned memory
         try:
             aligned.write(data)
-            with memoryview(aligned) as view:
-                self._write_all(view, position=0)
+            self._write_at(memoryview(aligned), 0)
         finally:
-            aligned.close()
+            try:
+                aligned.close()
+            except BufferError:
+                pass  # an error's traceback still holds a view of it: the mapping goes with that
 
     def close(self) -> None:
         """Write what is buffered and close the file (its length is exactly the bytes written)."""
         if self._closed:
             return
         try:
-            self._wait()
+            self._wait_all()
             if self._filled:
                 self._write_tail()
+            if self._end > self.size:
+                os.ftruncate(self._fd, self.size)  # a padded last block: cut the file back
         finally:
             self._release()
-
-    def _write_tail(self) -> None:
-        """Write the partly filled buffer; a direct write pads it to a block, then cuts the file back."""
-        if not self.direct:
-            self._write_all(self._view[: self._filled])
-            return
-        padded = -(-self._filled // ALIGNMENT) * ALIGNMENT
-        self._view[self._filled : padded] = bytes(padded - self._filled)
-        self._write_all(self._view[:padded])
-        if padded != self._filled:
-            os.ftruncate(self._fd, self.size)
 
     def abort(self) -> None:
         """Close without writing what is buffered (the caller removes the file)."""
         if self._closed:
             return
         try:
-            self._wait()
+            self._wait_all()
         except OSError:
             pass  # the file is being given up anyway
         finally:
             self._release()
 
     def _write_full_buffer(self) -> None:
-        """Write the full buffer (or hand it to a writer thread) and gather into the other one."""
-        self._wait()
-        if self.write_behind:
-            self._writing = _writer_pool().submit(self._write_all, self._view)
-            self._view = self._views[1] if self._view is self._views[0] else self._views[0]
+        """Start writing the full buffer (or write it, without ``in_flight``); gather into the next."""
+        position, view = self._position, self._view
+        self._position += BUFFER_BYTES
+        self._end = max(self._end, self._position)
+        if self.in_flight:
+            self._writing[self._current] = _writer_pool().submit(self._write_in_background, view, position)
+            self._current = (self._current + 1) % len(self._buffers)
+            self._view = self._views[self._current]
+            self._wait(self._current)  # the buffer about to be filled must be written first
         else:
-            self._write_all(self._view)
+            self._write_at(view, position)
         self._filled = 0
 
-    def _wait(self) -> None:
-        """Wait for the background write (raising its error), so the file is written in order."""
-        writing, self._writing = self._writing, None
+    def _write_tail(self) -> None:
+        """Write the partly filled buffer; a direct write pads it to a block (cut back by close)."""
+        length = self._filled
+        if self.direct:
+            length = -(-length // ALIGNMENT) * ALIGNMENT
+            self._view[self._filled : length] = bytes(length - self._filled)
+        self._write_at(self._view[:length], self._position)
+        self._end = max(self._end, self._position + length)
+
+    def _write_in_background(self, view: memoryview, position: int) -> None:
+        if self._failed is not None:
+            return  # a write before this one failed: write nothing more, the caller gets that error
+        try:
+            self._write_at(view, position)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _wait(self, index: int) -> None:
+        """Wait for buffer ``index``'s background write (raising its error, or an earlier one's)."""
+        writing, self._writing[index] = self._writing[index], None
         if writing is not None:
             writing.result()
+        if self._failed is not None:
+            raise self._failed
+
+    def _wait_all(self) -> None:
+        """Wait for every background write; raise the first error any of them met."""
+        for index in range(len(self._writing)):
+            try:
+                self._wait(index)
+            except BaseException:
+                for rest in range(len(self._writing)):  # let no write run on past the close
+                    writing, self._writing[rest] = self._writing[rest], None
+                    if writing is not None:
+                        try:
+                            writing.result()
+                        except BaseException:  # noqa: BLE001,S110 - the first error is the one raised
+                            pass
+                raise
 
     def _release(self) -> None:
         self._closed = True
@@ -209,21 +263,78 @@ class DirectFileWriter:
             for buffer in self._buffers:
                 _give_back(buffer)
 
-    def _write_all(self, view: memoryview, position: int | None = None) -> None:
-        """Write all of ``view`` at the file's offset, or at ``position`` (leaving the offset alone)."""
+    def _write_at(self, view: memoryview, position: int) -> None:
+        """Write all of ``view`` at ``position`` in the file."""
+        start, length = position, view.nbytes
         while view.nbytes:
             try:
-                written = os.write(self._fd, view) if position is None else os.pwrite(self._fd, view, position)
+                written = os.pwrite(self._fd, view, position)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
                 self._stop_direct()  # the file system took the flag at open but refuses the writes
                 continue
             view = view[written:]
-            if position is not None:
-                position += written
+            position += written
+        if self._writeback is not None:
+            self._writeback.written(start, length)
 
     def _stop_direct(self) -> None:
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
         fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
         self.direct = False
+        self._writeback = _Writeback(self._fd)
+
+
+class _Writeback:
+    """Streaming write-back of a buffered file: each :data:`WRITEBACK_BYTES` stretch is handed to
+    the device as soon as it is written, and the one before it, by then on the device, leaves
+    the page cache. Where the system lacks ``sync_file_range`` this does nothing (the final
+    fsync writes everything, as a plain buffered write would)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.started = 0  # write-back started for [0, started)
+        self.lock = threading.Lock()
+
+    def written(self, start: int, length: int) -> None:
+        """Note that ``[start, start + length)`` was written; start write-back of full stretches."""
+        if _sync_file_range is None:
+            return
+        with self.lock:
+            end = start + length
+            if end - self.started < WRITEBACK_BYTES:
+                return  # not yet a full stretch (or a write that finished after a later one)
+            # Pages of the stretch still being written by another thread are not dirty yet:
+            # they miss this start, and the final fsync writes them.
+            begin, self.started = self.started, end - end % ALIGNMENT
+        _start_writeback(self.fd, begin, self.started - begin)
+        if begin >= WRITEBACK_BYTES:
+            _drop_written(self.fd, begin - WRITEBACK_BYTES, WRITEBACK_BYTES)
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+_WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + length)`` to the device, without waiting."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _WRITE)  # advisory: a failure shows up in the fsync
+
+
+def _drop_written(fd: int, offset: int, length: int) -> None:
+    """Wait for the range's write-back, then drop its pages: the store does not read a shard back soon."""
+    if _sync_file_range is not None and _sync_file_range(fd, offset, length, _WAIT_BEFORE | _WRITE | _WAIT_AFTER) == 0:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.direct_file import DirectFileWriter
+from service.direct_file import DEFAULT_IN_FLIGHT, DirectFileWriter
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
 from service.format.digest import TensorHasher, tensor_digest
 from service.format.safetensors_header import (
@@ -113,7 +113,8 @@ class ShardReceiver:
     def _open(self) -> DirectFileWriter:
         try:
             # Its buffer also turns the many small tensors of an adapter's shard into few writes.
-            self._handle = DirectFileWriter(self.path, direct=self.direct_writes, write_behind=self.write_behind)
+            in_flight = DEFAULT_IN_FLIGHT if self.write_behind else 0
+            self._handle = DirectFileWriter(self.path, direct=self.direct_writes, in_flight=in_flight)
         except OSError as exc:
             raise staging_error(exc) from exc
         return self._handle

@@ -7,6 +7,12 @@ memory it copies to the file, as :class:`service.receiver.ShardReceiver` does fo
 whose digests it must check. Here the digests come out of that pass instead of being checked
 by it, so every byte is read once.
 
+Each tensor is hashed piece by piece from the writer's buffer, right after the piece is copied
+there and before the buffer goes to the device, so the digest is of the bytes as written and
+hashing one piece overlaps the device writing the pieces before it. Equal tensors are written
+once: a tensor that may equal one before it in the shard (same dtype, shape and sampled bytes)
+is hashed first instead, and written only if its digest is new.
+
 The header names tensors by digest, so it is written last, into room left at the start of
 the file. Its size does not depend on the digests (all are 64 characters), and it is padded to
 a disk block so the data behind it can be written around the page cache before it is known.
@@ -18,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.direct_file import ALIGNMENT, DirectFileWriter
-from service.format.digest import tensor_digest
+from service.direct_file import ALIGNMENT, DEFAULT_IN_FLIGHT, DirectFileWriter
+from service.format.digest import TensorHasher, tensor_digest
 from service.format.safetensors_header import ShardHeader, header_bytes, parse_header
 from service.receiver import staging_error
 
@@ -52,25 +58,33 @@ def write_shard(
 ) -> WrittenShard:
     """Write ``tensors``, in the order given, as a new shard file at ``path``, hashing each on the way.
 
-    Each tensor is hashed before it is copied, so one equal to a tensor before it is not
-    written again. The file is complete (not yet fsynced) when this returns; on an error it
-    is gone. ``on_bytes`` is called with each tensor's size once it is written.
+    A tensor equal to one before it is not written again. The file is complete (not yet
+    fsynced) when this returns; on an error it is gone. ``on_bytes`` is called with each
+    tensor's size once it is written.
     """
     spec = [(f"{i:064x}", t.dtype, t.shape) for i, t in enumerate(tensors)]  # stand-ins, as long as digests
     room = len(header_bytes(spec, metadata, align=ALIGNMENT))
     try:
-        writer = DirectFileWriter(path, direct=direct_writes, start=room)
+        writer = DirectFileWriter(path, direct=direct_writes, in_flight=DEFAULT_IN_FLIGHT, start=room)
     except OSError as exc:
         raise staging_error(exc) from exc
     digests: list[str] = []
     written: dict[str, UnhashedTensor] = {}
+    seen: set[tuple[str, tuple[int, ...], bytes]] = set()
     try:
         for tensor in tensors:
-            digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
+            fingerprint = _fingerprint(tensor)
+            if fingerprint in seen:  # it may equal a tensor before it: hash first, write if new
+                digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
+                if digest not in written:
+                    writer.write(tensor.data)
+            else:  # no tensor before it can be equal: hash the bytes as they are written
+                seen.add(fingerprint)
+                hasher = TensorHasher(tensor.dtype, tensor.shape, parallel=False)
+                writer.write(tensor.data, hasher.update)
+                digest = hasher.hexdigest()
             digests.append(digest)
-            if digest not in written:
-                written[digest] = tensor
-                writer.write(tensor.data)
+            written.setdefault(digest, tensor)
             if on_bytes is not None:
                 on_bytes(tensor.data.nbytes)
         named = [(digest, t.dtype, t.shape) for digest, t in written.items()]
@@ -86,3 +100,17 @@ def write_shard(
         path.unlink(missing_ok=True)
         raise
     return WrittenShard(digests, parse_header(header))
+
+
+#: Bytes sampled at each end and in the middle of a tensor to tell it from the ones before it.
+_SAMPLE_BYTES = 64
+
+
+def _fingerprint(tensor: UnhashedTensor) -> tuple[str, tuple[int, ...], bytes]:
+    """What two equal tensors surely share: dtype, shape and the bytes at a few places (different
+    fingerprints prove the tensors differ; equal ones prove nothing)."""
+    data, middle = tensor.data, tensor.data.nbytes // 2
+    if data.nbytes <= 3 * _SAMPLE_BYTES:
+        return tensor.dtype, tensor.shape, bytes(data)
+    sampled = data[:_SAMPLE_BYTES].tobytes() + data[middle : middle + _SAMPLE_BYTES].tobytes()
+    return tensor.dtype, tensor.shape, sampled + data[-_SAMPLE_BYTES:].tobytes()

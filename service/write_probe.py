@@ -22,7 +22,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from service.direct_file import DirectFileWriter
+from service.direct_file import DEFAULT_IN_FLIGHT, DirectFileWriter
 
 #: Bytes written per measurement: enough to get past the device's own write cache.
 PROBE_BYTES = 32 << 20
@@ -86,7 +86,7 @@ def _timed_write(staging_dir: Path, data: memoryview, *, direct: bool) -> tuple[
     path = staging_dir / f"probe-{uuid.uuid4().hex}.incomplete"  # swept like any staging file if left
     try:
         started = time.perf_counter()
-        writer = DirectFileWriter(path, direct=direct)
+        writer = DirectFileWriter(path, direct=direct, in_flight=DEFAULT_IN_FLIGHT)
         try:
             for _ in range(PROBE_BYTES // data.nbytes):
                 writer.write(data)

@@ -246,26 +246,27 @@ class FaultyBlobStore(BlobStore):
 def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[tuple[Path, int, str]]:
     """Make the server's next staging file fail with ``error`` once half its bytes are written.
 
-    The failure comes from the staging writer's own ``os.write`` (direct or buffered), as a
+    The failure comes from the staging writer's own ``os.pwrite`` (direct or buffered), as a
     full disk would report it. Returns the list that records the file cut short (path, bytes
     on disk at the failure, the name of the thread whose write failed).
     """
     from service import direct_file
 
     partial_files: list[tuple[Path, int, str]] = []
-    fired = threading.Lock()  # two shards may be written at once: the fault fires for one write only
+    fired = threading.Lock()  # shards and buffers are written at once: the fault fires for one write only
 
-    def failing_write(fd: int, data: Any) -> int:
+    def failing_pwrite(fd: int, data: Any, position: int) -> int:
         if partial_files or not fired.acquire(blocking=False):
-            return os.write(fd, data)
+            return os.pwrite(fd, data, position)
         view = memoryview(data).cast("B")
         path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-        with open(path, "ab") as handle:  # half the bytes land, whatever O_DIRECT would allow
+        with open(path, "r+b") as handle:  # half the bytes land, whatever O_DIRECT would allow
+            handle.seek(position)
             handle.write(view[: max(1, view.nbytes // 2)])
         partial_files.append((path, path.stat().st_size, threading.current_thread().name))
         raise error
 
-    monkeypatch.setattr(direct_file, "os", _Overlay(os, write=failing_write))
+    monkeypatch.setattr(direct_file, "os", _Overlay(os, pwrite=failing_pwrite))
     return partial_files
 
 

@@ -1,4 +1,5 @@
-"""DirectFileWriter: exact files whatever the write sizes, written around the page cache."""
+"""DirectFileWriter: exact files whatever the write sizes and writes in flight, written around the
+page cache, or buffered with the write-back started as the bytes arrive."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ctypes
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import direct_file
-from service.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
+from service.direct_file import ALIGNMENT, BUFFER_BYTES, WRITEBACK_BYTES, DirectFileWriter
 from service.store import Store
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -33,14 +35,20 @@ def cached_pages(path: Path) -> int:
 
 
 def write_in_pieces(
-    path: Path, data: bytes, sizes: list[int], *, direct: bool, write_behind: bool = False
+    path: Path,
+    data: bytes,
+    sizes: list[int],
+    *,
+    direct: bool,
+    in_flight: int = 0,
+    observe: Callable[[memoryview], object] | None = None,
 ) -> DirectFileWriter:
-    writer = DirectFileWriter(path, direct=direct, write_behind=write_behind)
+    writer = DirectFileWriter(path, direct=direct, in_flight=in_flight)
     start = 0
     for size in sizes:
-        writer.write(memoryview(data)[start : start + size])
+        writer.write(memoryview(data)[start : start + size], observe)
         start += size
-    writer.write(memoryview(data)[start:])
+    writer.write(memoryview(data)[start:], observe)
     writer.close()
     return writer
 
@@ -50,17 +58,36 @@ piece_sizes = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(sizes=piece_sizes, direct=st.booleans(), write_behind=st.booleans())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=piece_sizes, direct=st.booleans(), in_flight=st.sampled_from([0, 1, 3]))
 def test_the_file_holds_exactly_the_bytes_written_whatever_the_piece_sizes(
-    tmp_path: Path, sizes: list[int], direct: bool, write_behind: bool
+    tmp_path: Path, sizes: list[int], direct: bool, in_flight: int
 ) -> None:
     data = os.urandom(sum(sizes) + 17)
     path = tmp_path / f"f{os.urandom(4).hex()}"
-    writer = write_in_pieces(path, data, sizes, direct=direct, write_behind=write_behind)
+    observed = bytearray()
+    writer = write_in_pieces(path, data, sizes, direct=direct, in_flight=in_flight, observe=observed.extend)
     assert writer.size == len(data)
     assert path.stat().st_size == len(data)  # the padded last block was cut off again
     assert path.read_bytes() == data
+    assert observed == data  # every piece seen once, in order
+
+
+def test_observe_sees_the_bytes_as_copied_not_the_callers_memory_afterwards(tmp_path: Path) -> None:
+    # A caller whose memory changes while it is written (a tensor updated in place) gets a file
+    # and an observed stream that agree: both are the writer's copy.
+    source = bytearray(os.urandom(2 * BUFFER_BYTES + 100))
+    observed = bytearray()
+
+    def observe(piece: memoryview) -> None:
+        observed.extend(piece)
+        source[:] = bytes(len(source))  # the caller's memory is zeroed after the first piece lands
+
+    writer = DirectFileWriter(tmp_path / "f", in_flight=2)
+    writer.write(memoryview(source), observe)
+    writer.close()
+    assert (tmp_path / "f").read_bytes() == bytes(observed)
+    assert any(observed) and not all(observed[BUFFER_BYTES:])
 
 
 def test_direct_writes_leave_the_page_cache_empty_and_buffered_ones_fill_it(tmp_path: Path) -> None:
@@ -77,19 +104,20 @@ def test_direct_writes_leave_the_page_cache_empty_and_buffered_ones_fill_it(tmp_
 
 
 def test_a_direct_write_the_file_system_refuses_is_done_buffered_instead(tmp_path: Path) -> None:
-    writer = DirectFileWriter(tmp_path / "f", direct=True)
+    writer = DirectFileWriter(tmp_path / "f", direct=True, start=ALIGNMENT)
     assert writer.direct
-    unaligned = memoryview(bytearray(b"x" * 4097))[1:]  # O_DIRECT refuses this memory (EINVAL)
-    writer._write_all(unaligned)  # as a file system that took the flag at open but refuses the write
-    assert not writer.direct
     writer.write(b"tail")
+    unaligned = memoryview(bytearray(b"x" * 4097))[1:]  # O_DIRECT refuses this memory (EINVAL)
+    writer._write_at(unaligned, 0)  # as a file system that took the flag at open but refuses the write
+    assert not writer.direct
     writer.close()
     assert (tmp_path / "f").read_bytes() == b"x" * 4096 + b"tail"
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_failed_background_write_is_raised_by_the_next_call_and_nothing_is_written_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_a_failed_background_write_is_raised_and_no_write_starts_after_it_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, in_flight: int
 ) -> None:
     calls: list[int] = []
 
@@ -100,23 +128,27 @@ def test_a_failed_background_write_is_raised_by_the_next_call_and_nothing_is_wri
             return getattr(os, name)
 
         @staticmethod
-        def write(fd: int, data: memoryview) -> int:
-            calls.append(memoryview(data).nbytes)
+        def pwrite(fd: int, data: memoryview, position: int) -> int:
+            calls.append(position)
             if len(calls) == 2:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return os.write(fd, data)
+            return os.pwrite(fd, data, position)
 
     monkeypatch.setattr(direct_file, "os", FullDisk())
-    writer = DirectFileWriter(tmp_path / "f", direct=direct, write_behind=True)
+    writer = DirectFileWriter(tmp_path / "f", direct=direct, in_flight=in_flight)
     block = bytes(BUFFER_BYTES)
     with pytest.raises(OSError) as caught:
-        for _ in range(5):  # direct: the second buffer's write fails in the background
+        for _ in range(5 + in_flight):  # the second buffer's write fails in the background
             writer.write(block)
         writer.close()
     assert caught.value.errno == errno.ENOSPC
-    assert calls == [BUFFER_BYTES, BUFFER_BYTES]  # nothing was written after the failure
+    assert len(calls) <= 2 + in_flight  # at most the writes already on their way when it failed
+    seen = len(calls)
+    with pytest.raises(OSError):
+        for _ in range(3):
+            writer.write(block)
+    assert len(calls) == seen  # once the failure is known, nothing more is written
     writer.abort()  # still closes cleanly
-    assert (tmp_path / "f").stat().st_size == BUFFER_BYTES
 
 
 def test_abort_closes_the_file_without_writing_what_is_buffered(tmp_path: Path) -> None:
@@ -170,3 +202,15 @@ def test_the_room_at_the_start_is_whole_blocks_and_the_head_fills_it(tmp_path: P
             writer.write_head(b"x" * 10)
     finally:
         writer.abort()
+
+
+def test_a_buffered_file_starts_its_write_back_early_and_leaves_the_page_cache(tmp_path: Path) -> None:
+    # Each stretch's write-back is started as it is written and the stretch before it dropped
+    # once on the device: a large buffered file leaves little dirty memory for the final fsync.
+    data = os.urandom(6 * WRITEBACK_BYTES + 999)
+    writer = write_in_pieces(tmp_path / "f", data, [BUFFER_BYTES] * 6, direct=False, in_flight=2)
+    assert not writer.direct
+    total = -(-len(data) // mmap.PAGESIZE)
+    behind = (2 * WRITEBACK_BYTES + 3 * BUFFER_BYTES) // mmap.PAGESIZE  # the last stretches, writes in flight
+    assert cached_pages(tmp_path / "f") <= behind < total
+    assert (tmp_path / "f").read_bytes() == data

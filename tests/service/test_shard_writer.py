@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from shardkit import RawTensor
 
 from service.direct_file import ALIGNMENT
@@ -130,3 +132,70 @@ def test_the_digest_is_of_the_bytes_as_written(store: Store) -> None:
     data = bytearray(np.arange(1000, dtype=np.float32).tobytes())
     _, (digest,) = store.put_tensors([UnhashedTensor("F32", (1000,), memoryview(data))])
     assert digest == tensor_digest("F32", (1000,), bytes(data))
+
+
+def _near_copy(tensor: RawTensor, at: int) -> RawTensor:
+    """``tensor`` with one byte changed at ``at``: a fingerprint that samples elsewhere matches."""
+    data = bytearray(tensor.data)
+    data[at] ^= 0xFF
+    return RawTensor(tensor.dtype, tensor.shape, bytes(data))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["same", "near", "new"])), min_size=1, max_size=8),
+    direct=st.booleans(),
+)
+def test_equal_tensors_are_written_once_and_near_copies_are_kept_whatever_the_order(
+    tmp_path: Path, picks: list[tuple[int, str]], direct: bool
+) -> None:
+    # Sizes around the writer's buffer and the sampled spots: a near copy differs from its
+    # original in one byte its fingerprint does not sample, so only its digest tells them apart.
+    shapes = [(3,), (100, 3), (1 << 19,), (1 << 20, 2)]
+    originals = [raw("F32", shape, seed) for seed, shape in enumerate(shapes)]
+    tensors = []
+    for index, kind in picks:
+        base = originals[index]
+        if kind == "near":
+            tensors.append(_near_copy(base, len(base.data) // 4) if len(base.data) > 192 else base)
+        elif kind == "new":
+            tensors.append(raw("F32", base.shape, 100 + len(tensors)))
+        else:
+            tensors.append(base)
+    path = tmp_path / f"shard-{os.urandom(4).hex()}"
+
+    written = write_shard(path, [unhashed(t) for t in tensors], SHARD_METADATA, direct_writes=direct)
+
+    assert written.digests == [tensor_digest(t.dtype, t.shape, t.data) for t in tensors]
+    distinct = list(dict.fromkeys(written.digests))
+    assert [e.digest for e in written.header.entries] == distinct
+    loaded = safetensors.numpy.load_file(path)
+    by_digest = {digest: t for digest, t in zip(written.digests, tensors, strict=True)}
+    assert {d: loaded[d].tobytes() for d in distinct} == {d: by_digest[d].data for d in distinct}
+    path.unlink()
+
+
+def test_a_tensor_changed_while_it_is_written_gets_the_digest_of_the_bytes_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A caller's memory that changes mid-write (a tensor updated in place) cannot leave a shard
+    # whose bytes disagree with the digest naming them: the digest is taken from the writer's copy.
+    from service.format import digest as digest_module
+
+    source = bytearray(raw("F32", (1 << 21,), 5).data)  # 8 MiB: several of the writer's buffers
+    updates: list[int] = []
+    real_update = digest_module.TensorHasher.update
+
+    def update_then_change(self: digest_module.TensorHasher, data: memoryview) -> None:
+        real_update(self, data)
+        updates.append(len(data))
+        source[:16] = bytes(16)  # changed after its first piece was copied
+        source[-16:] = bytes(16)
+
+    monkeypatch.setattr(digest_module.TensorHasher, "update", update_then_change)
+    path = tmp_path / "shard"
+    written = write_shard(path, [UnhashedTensor("F32", (1 << 21,), memoryview(source))], SHARD_METADATA)
+    assert len(updates) > 1
+    stored = safetensors.numpy.load_file(path)[written.digests[0]].tobytes()
+    assert written.digests[0] == tensor_digest("F32", (1 << 21,), stored)
+    assert stored != bytes(source)  # its first bytes were written before the change
