@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.direct_file import DEFAULT_IN_FLIGHT, DirectFileWriter
+from service.direct_file import DirectFileWriter
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
 from service.format.digest import TensorHasher, tensor_digest
 from service.format.safetensors_header import (
@@ -23,6 +23,10 @@ from service.format.safetensors_header import (
     header_length,
     parse_header,
 )
+
+#: Buffers an upload's staging file keeps on their way to the device with ``write_behind``: a
+#: server takes many uploads at once, each holding this many + 1 buffers of 4 MiB.
+UPLOAD_IN_FLIGHT = 2
 
 
 class ShardReceiver:
@@ -113,7 +117,7 @@ class ShardReceiver:
     def _open(self) -> DirectFileWriter:
         try:
             # Its buffer also turns the many small tensors of an adapter's shard into few writes.
-            in_flight = DEFAULT_IN_FLIGHT if self.write_behind else 0
+            in_flight = UPLOAD_IN_FLIGHT if self.write_behind else 0
             self._handle = DirectFileWriter(self.path, direct=self.direct_writes, in_flight=in_flight)
         except OSError as exc:
             raise staging_error(exc) from exc
