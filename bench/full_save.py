@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,7 +58,21 @@ def ckptstore_save(model: torch.nn.Module, folder: Path, direct: str | None) -> 
         gc.collect()
         started = time.perf_counter()
         ckpt.save("bench", model)
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+    if direct is None:
+        CHOSEN.append(_chosen_mode(folder / "staging" / "write-mode.json"))
+    return seconds
+
+
+#: The write mode the store chose by measuring its disk, for each save that left it to the store.
+CHOSEN: list[str] = []
+
+
+def _chosen_mode(path: Path) -> str:
+    try:
+        return "direct" if json.loads(path.read_text())["direct"] else "buffered"
+    except (OSError, ValueError, KeyError):
+        return "unknown"
 
 
 def fresh(path: Path) -> Path:
@@ -105,6 +121,8 @@ def main() -> None:
         for name in ways:
             wins = sum(s >= c for s, c in zip(times["safetensors"], times[name], strict=True))
             print(f"{name}: at least as fast as safetensors in {wins} of {args.runs} runs")
+        chosen = Counter(CHOSEN[1:])  # the warm-up's choice left out
+        print("write mode the store chose: " + ", ".join(f"{mode} {count}x" for mode, count in chosen.items()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
