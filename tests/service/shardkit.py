@@ -8,15 +8,20 @@ followed by the tensors' bytes in the order the header lists them.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
+from sqlalchemy import select
+
+from service.db.models import Shard, utcnow
 from service.format.digest import shard_id, tensor_digest
 from service.format.dtypes import byte_length, dtype_class
 from service.format.manifest import Chunk, ManifestBody, TensorEntry
 from service.format.safetensors_header import encode_header
 from service.records import ShardReceipt
+from service.store import Store
 
 
 @dataclass(frozen=True)
@@ -110,3 +115,38 @@ def chunked_entry(
 def body(*entries: TensorEntry, step: int | None = None, **fields: object) -> ManifestBody:
     """A manifest body listing ``entries`` (extra fields such as state or metrics pass through)."""
     return ManifestBody(tensors=list(entries), step=step, **fields)  # type: ignore[arg-type]
+
+
+# -- a store's state, for the engine's garbage-collection and compaction tests --
+
+HOUR = 3600
+
+
+def soon() -> datetime:
+    """A moment just ahead of every timestamp the test wrote so far (grace 0 then spares nothing)."""
+    return utcnow() + timedelta(seconds=1)
+
+
+def age(store: Store, shard_ids: Iterable[str], seconds: float) -> None:
+    """Pretend these shards were recorded ``seconds`` earlier than they were."""
+    with store.db.transaction() as session:
+        for row in session.scalars(select(Shard).where(Shard.id.in_(list(shard_ids)))):
+            row.created_at = row.created_at - timedelta(seconds=seconds)
+
+
+def reads_back(store: Store, tensors: Iterable[RawTensor]) -> bool:
+    """Whether every tensor's bytes come back exactly from where the store says they are."""
+    tensors = list(tensors)
+    where = store.locate([t.digest for t in tensors])
+    for tensor in tensors:
+        spot = where[tensor.digest]
+        buffer = bytearray(spot.nbytes)
+        store.read_into(spot.shard_id, spot.offset, memoryview(buffer))
+        if bytes(buffer) != tensor.data:
+            return False
+    return True
+
+
+def shard_rows(store: Store) -> set[str]:
+    with store.db.transaction() as session:
+        return set(session.scalars(select(Shard.id)))

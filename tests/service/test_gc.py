@@ -8,54 +8,35 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from shardkit import BuiltShard, Ingest, RawTensor, body, build_shard, entry, raw
+from shardkit import (
+    HOUR,
+    BuiltShard,
+    Ingest,
+    RawTensor,
+    age,
+    body,
+    build_shard,
+    entry,
+    raw,
+    reads_back,
+    shard_rows,
+    soon,
+)
 from sqlalchemy import select
 
 import service.gc
 from service.blobs import BlobStore
 from service.db import Database
-from service.db.models import Shard, StoreLock, utcnow
+from service.db.models import StoreLock, utcnow
 from service.errors import InvalidInputError, MissingTensorsError
 from service.records import GcReport
 from service.store import Store
-
-HOUR = 3600
-
-
-def soon() -> datetime:
-    """A moment just ahead of every timestamp the test wrote so far (grace 0 then spares nothing)."""
-    return utcnow() + timedelta(seconds=1)
-
-
-def age(store: Store, shard_ids: Iterable[str], seconds: float) -> None:
-    """Pretend these shards were recorded ``seconds`` earlier than they were."""
-    with store.db.transaction() as session:
-        for row in session.scalars(select(Shard).where(Shard.id.in_(list(shard_ids)))):
-            row.created_at = row.created_at - timedelta(seconds=seconds)
-
-
-def reads_back(store: Store, tensors: Iterable[RawTensor]) -> bool:
-    """Whether every tensor's bytes come back exactly from where the store says they are."""
-    tensors = list(tensors)
-    where = store.locate([t.digest for t in tensors])
-    for tensor in tensors:
-        spot = where[tensor.digest]
-        buffer = bytearray(spot.nbytes)
-        store.read_into(spot.shard_id, spot.offset, memoryview(buffer))
-        if bytes(buffer) != tensor.data:
-            return False
-    return True
-
-
-def shard_rows(store: Store) -> set[str]:
-    with store.db.transaction() as session:
-        return set(session.scalars(select(Shard.id)))
 
 
 def swept(report: GcReport) -> tuple[int, int, int]:

@@ -119,3 +119,27 @@ def install_store_hooks(phases: Phases, *, entry_points: bool) -> None:
     service.commit.commit_version = commit_version  # Store.commit imports it when called
     if entry_points:
         Store.commit = _around(phases, "commit", "committed", Store.commit)  # type: ignore[method-assign]
+
+
+#: The steps :func:`install_compaction_hooks` announces, in the order a compaction reaches them.
+COMPACTION_PHASES = (
+    "write-shard",  # the live tensors read back, the new shard's staging file about to be created
+    "write-head",  # its data written, its header not yet
+    "store-blob",  # the complete file about to move into the blob store
+    "record",  # the new shard's rows about to be written
+    "recorded",
+    "repoint",  # the exclusive lock about to be taken to move the live tensors' rows
+    "repointed",  # moved and committed: the old shard is unreferenced, in its grace period
+)
+
+
+def install_compaction_hooks(phases: Phases) -> None:
+    """Announce the steps of a compaction (:data:`COMPACTION_PHASES`)."""
+    import service.compaction
+    from service.direct_file import DirectFileWriter
+
+    service.store.write_shard = _before(phases, "write-shard", service.store.write_shard)  # type: ignore[attr-defined]
+    DirectFileWriter.write_head = _before(phases, "write-head", DirectFileWriter.write_head)  # type: ignore[method-assign]
+    LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
+    Store._record_shard = _around(phases, "record", "recorded", Store._record_shard)  # type: ignore[method-assign]
+    service.compaction._repoint = _around(phases, "repoint", "repointed", service.compaction._repoint)
