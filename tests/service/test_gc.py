@@ -1,5 +1,5 @@
 """Garbage collection on SQLite and PostgreSQL: what is swept, what the grace period spares, and
-that no interleaving of saves, deletes and collections ever loses a committed byte.
+that no interleaving of saves, deletes and collections (compacting ones too) ever loses a committed byte.
 
 Time is injected (``now=``, and shards aged by moving ``created_at`` back), never waited for.
 """
@@ -458,8 +458,14 @@ def run_round(
 ) -> Round:
     rng = random.Random(number)
     game = Round(store, number, rng, base, known, aged, grace=rng.choice([0, HOUR]))
-    # The victim: a version about to be deleted whose shard is old, with a tensor the first save reuses.
-    reused, dropped = game.tensor(1), game.tensor(2)
+    # Half the collections also compact (drawn apart, so the interleavings stay those of each seed).
+    compact_below = random.Random(10_000 + number).choice([None, 0.9])
+    # The victim: a version about to be deleted whose shard is old, with a tensor the first save
+    # reuses; the other one is large, so once the victim is gone its shard is mostly dead and a
+    # compacting collection moves the reused tensor while the first save relies on it.
+    reused = game.tensor(1)
+    dropped = raw("F32", (4096,), number * 100 + 2)
+    known[dropped.digest] = dropped.data
     victim_shard, _ = ingest(reused, dropped)
     victim = store.commit("victims", body(entry("model/r", reused), entry("model/d", dropped))).version
     age(store, [victim_shard.shard_id], 2 * HOUR)
@@ -481,7 +487,7 @@ def run_round(
     game.events = {s: threading.Event() for s in game.order}
 
     def sweep() -> None:
-        game.report = store.gc(grace_seconds=game.grace)
+        game.report = store.gc(grace_seconds=game.grace, compact_below=compact_below)
 
     bodies: dict[str, Callable[[], None]] = {
         "w1": lambda: game.save("w1", "writers", first_save),
@@ -531,7 +537,7 @@ def check_round(store: Store, game: Round) -> None:
         assert game.rows_before - shard_rows(store) <= game.aged, where
 
 
-@pytest.mark.slow  # 60 rounds of interleaved saves, deletes and collections on each database
+@pytest.mark.slow  # 60 rounds of interleaved saves, deletes and collections (some compacting) on each database
 @pytest.mark.parametrize("first", [0, 30], ids=["rounds-0-29", "rounds-30-59"])
 def test_saves_deletes_and_collections_in_random_interleavings_never_lose_a_committed_byte(
     store: Store, ingest: Ingest, first: int
@@ -542,12 +548,15 @@ def test_saves_deletes_and_collections_in_random_interleavings_never_lose_a_comm
         ingest(tensor)
     store.commit("base", body(*(entry(f"model/{i}", t) for i, t in enumerate(base))), tags=["keep"])
     outcomes = {0: 0, HOUR: 0}
+    compacted = 0
     aged: set[str] = set()
     for number in range(first, first + 30):
         game = run_round(store, ingest, number, base, known, aged)
         check_round(store, game)
         outcomes[game.grace] += 1
+        compacted += bool(game.report and game.report.shards_compacted)
     assert min(outcomes.values()) >= 5  # both kinds of collection were exercised
+    assert compacted >= 3, compacted  # and collections that moved live tensors under the saves
     # After everything, a final collection leaves exactly the referenced shards.
     store.gc(grace_seconds=0, now=soon() + timedelta(days=1))
     for run in store.runs():
