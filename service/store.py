@@ -73,6 +73,7 @@ def _check_digests(digests: Iterable[str]) -> list[str]:
 
 
 _TENSORS = table(Tensor)
+_RUNS = table(Run)
 # The write path's statements, built once and run on the session's connection: building them
 # per call and the ORM's handling of their results took about half of Store.missing.
 _ANY_OF_SIZE = select(_TENSORS.c.nbytes).where(_TENSORS.c.nbytes == bindparam("nbytes")).limit(1)
@@ -529,13 +530,20 @@ class Store:
                 )
             }
             result = []
-            for run in session.scalars(select(Run).order_by(Run.updated_at.desc(), Run.id)):
-                count, latest, total, new = totals.get(run.id, (0, None, 0, 0))
+            # Columns, not Run objects: `ckptstore ls` of a thousand runs built a thousand ORM
+            # objects, and its first ORM query imported SQLAlchemy's loading machinery.
+            runs = session.execute(
+                select(_RUNS.c.id, _RUNS.c.created_at, _RUNS.c.updated_at).order_by(
+                    _RUNS.c.updated_at.desc(), _RUNS.c.id
+                )
+            )
+            for run_id, created_at, updated_at in runs:
+                count, latest, total, new = totals.get(run_id, (0, None, 0, 0))
                 result.append(
                     RunInfo(
-                        run_id=run.id,
-                        created_at=run.created_at,
-                        updated_at=run.updated_at,
+                        run_id=run_id,
+                        created_at=created_at,
+                        updated_at=updated_at,
                         versions=count,
                         latest_version=latest,
                         bytes_total=int(total),
