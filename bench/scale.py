@@ -10,7 +10,10 @@ Prints, on an embedded store (SQLite and a folder):
    over 1,000 runs (through the real app).
 3. **Many tensors.** Saving and loading into a model 32,768 tensors through the client against
    ``safetensors`` ``save_file`` (+fsync) and ``load_file`` + ``load_state_dict``, same run.
-4. **CLI.** The wall time of ``ckptstore ls`` as a subprocess.
+4. **First full save.** A 256 MiB fp32 transformer saved into a fresh store against
+   ``safetensors`` ``save_file`` + fsync, alternating, three runs (``bench/full_save.py`` runs
+   more, larger).
+5. **CLI.** The wall time of ``ckptstore ls`` as a subprocess.
 
 Each line shows its floor and whether it holds. ``--quick`` stops the history at version 100.
 
@@ -47,6 +50,8 @@ from service.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_start import compile_bytecode  # noqa: E402
+from compare import Shape, build_model, layers_for  # noqa: E402
+from full_save import ckptstore_save, fresh, safetensors_save  # noqa: E402
 
 KIB = 1024
 
@@ -167,6 +172,24 @@ def many_tensors(home: Path, count: int, width: int) -> dict[str, float]:
     return found
 
 
+def first_full_saves(root: Path, nbytes: int, runs: int) -> list[tuple[float, float]]:
+    """(safetensors s, ckptstore s) of the first save of a transformer of ``nbytes`` fp32 into a
+    fresh store, ``runs`` times, alternating which goes first."""
+    vocab, hidden = 32000, 1024
+    model = build_model(Shape(vocab, hidden, layers_for(nbytes, vocab, hidden, torch.float32), "fp32", False), "random")
+    safetensors_save(model, fresh(root / "warmup"))  # the first pass over fresh memory is slow on VMs
+    found = []
+    for run in range(runs):
+        if run % 2 == 0:
+            theirs = safetensors_save(model, fresh(root / "safetensors"))
+            ours = ckptstore_save(model, fresh(root / "ckptstore"), None, None)
+        else:
+            ours = ckptstore_save(model, fresh(root / "ckptstore"), None, None)
+            theirs = safetensors_save(model, fresh(root / "safetensors"))
+        found.append((theirs, ours))
+    return found
+
+
 def cli_time(home: Path) -> float:
     """Wall time of ``ckptstore ls`` in a fresh process (modules byte-compiled, as installed)."""
     compile_bytecode()
@@ -226,6 +249,13 @@ def main() -> None:
             print(
                 f"{what}: ckptstore {ours:.2f} s, safetensors {theirs:.2f} s,"
                 f" {ratio:.2f}x (floor 1.5x: {verdict(ratio, 1.5)}, goal 1.1x)"
+            )
+        print("\n## First full save, 256 MiB fp32, fresh store, durable (ratio: safetensors s / ckptstore s)")
+        for run, (theirs, ours) in enumerate(first_full_saves(root / "full", 256 << 20, 3), start=1):
+            ratio = theirs / ours
+            print(
+                f"run {run}: ckptstore {ours:.3f} s, safetensors {theirs:.3f} s,"
+                f" {ratio:.2f}x (floor 1.0x: {'ok' if ratio >= 1.0 else 'MISSED'})"
             )
         seconds = cli_time(root / "runs")
         print(f"\n## CLI\nckptstore ls: {seconds:.2f} s wall (floor 0.5 s: {verdict(seconds, 0.5)})")
