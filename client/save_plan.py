@@ -143,18 +143,40 @@ class SeparatePacker(Generic[T]):
     Each kind fills its own open shard; shards close as :class:`ShardPacker` closes them.
     """
 
-    def __init__(self, shard_bytes: int) -> None:
+    def __init__(self, shard_bytes: int, *, fill: bool = False) -> None:
         self.shard_bytes = shard_bytes
+        self.fill = fill  # see ShardPacker
         self._packers: dict[Hashable, ShardPacker[T]] = {}
 
     def add(self, item: T, nbytes: int, kind: Hashable) -> list[T] | None:
         """Add ``item`` of ``kind``; returns the shard of that kind it closed, if it closed one."""
         packer = self._packers.get(kind)
         if packer is None:
-            packer = self._packers[kind] = ShardPacker(self.shard_bytes)
+            packer = self._packers[kind] = ShardPacker(self.shard_bytes, fill=self.fill)
         return packer.add(item, nbytes)
 
     def flush(self) -> list[list[T]]:
         """The open shards, one per kind that has one; the packer starts afresh."""
         closed = [packer.flush() for packer in self._packers.values()]
         return [group for group in closed if group is not None]
+
+
+#: Shards a save splits its bytes into for balance are never smaller than this (a shard file
+#: costs a header, an fsync and a row; a small save is one shard).
+MIN_BALANCED_SHARD_BYTES = 64 << 20
+
+
+def balanced_shard_bytes(total: int, shard_bytes: int, writers: int) -> int:
+    """A shard size for cutting ``total`` bytes, with :class:`ShardPacker`'s ``fill``, into a
+    whole number of rounds of ``writers`` shards of about equal size, none above ``shard_bytes``
+    by more than one tensor, so every writer has a shard until the end.
+
+    Filling shards to ``shard_bytes`` in order left the last one alone at the end: 750 MiB in
+    three shards of 256 MiB, two written at a time, wrote the third on one thread; 256 MiB as one
+    shard of 206 MiB and one of 50 MiB wrote most of it on one thread. Shards stay at least
+    :data:`MIN_BALANCED_SHARD_BYTES` (unless ``shard_bytes`` is smaller).
+    """
+    if total <= 0 or writers <= 1:
+        return shard_bytes
+    shards = writers * -(-total // (writers * shard_bytes))
+    return min(shard_bytes, max(MIN_BALANCED_SHARD_BYTES, -(-total // shards)))

@@ -189,6 +189,7 @@ class SaveRun:
             i: cache.take(self.tensors[i]) if cache is not None and self.cacheable[i] else None
             for i in plan.write_first
         }
+        uploader.balance_unhashed(sum(plan.lengths[i] for i in plan.write_first))
         for index in plan.write_first:
             uploader.add_unhashed(
                 index, self.records[index].key, self.tensors[index], plan.lengths[index], frozen=self.frozen(index)

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from client.save_plan import SeparatePacker
+from client.save_plan import SeparatePacker, balanced_shard_bytes
 from client.shards import build_shard
 from client.tensors import byte_view, dtype_name, host_contiguous
 from client.transport import Transport
@@ -73,6 +73,11 @@ class ShardUploader:
         closed = self._packer.add((digest, key, tensor), nbytes, frozen)
         if closed is not None:
             self._send(closed)
+
+    def balance_unhashed(self, total: int) -> None:
+        """Cut the ``total`` bytes about to be given to :meth:`add_unhashed` into shards of about
+        equal size, a whole number of rounds of ``in_flight`` (:func:`balanced_shard_bytes`)."""
+        self._unhashed = SeparatePacker(balanced_shard_bytes(total, self.shard_bytes, self.in_flight), fill=True)
 
     def add_unhashed(self, index: int, key: str, tensor: torch.Tensor, nbytes: int, *, frozen: bool = False) -> None:
         """Queue one tensor whose digest is not known (the transport must ``takes_unhashed``);

@@ -18,8 +18,11 @@ class ShardPacker(Generic[T]):
     """Packs items, in the order given, into groups of about ``target_bytes`` each.
 
     A group closes when the next item would push it past the target or past ``max_tensors``
-    items; an item larger than the target gets a group of its own. Items of no bytes are
-    dropped unless ``keep_empty`` (then they ride along and weigh nothing).
+    items; an item larger than the target gets a group of its own. With ``fill``, a group
+    instead closes once it holds the target or more (the item reaching it joins it), so
+    items of ``T`` bytes in all, cut with a target of ``T / k``, make at most ``k`` groups and
+    none is a small remainder. Items of no bytes are dropped unless ``keep_empty`` (then they
+    ride along and weigh nothing).
     """
 
     def __init__(
@@ -28,12 +31,14 @@ class ShardPacker(Generic[T]):
         max_tensors: int = MAX_TENSORS_PER_SHARD,
         *,
         keep_empty: bool = False,
+        fill: bool = False,
     ) -> None:
         if target_bytes <= 0 or max_tensors <= 0:
             raise ValueError("target_bytes and max_tensors must be positive")
         self.target_bytes = target_bytes
         self.max_tensors = max_tensors
         self.keep_empty = keep_empty
+        self.fill = fill
         self._current: list[T] = []
         self._current_bytes = 0
 
@@ -43,11 +48,14 @@ class ShardPacker(Generic[T]):
             return None
         closed = None
         if self._current and (
-            self._current_bytes + nbytes > self.target_bytes or len(self._current) >= self.max_tensors
+            (not self.fill and self._current_bytes + nbytes > self.target_bytes)
+            or len(self._current) >= self.max_tensors
         ):
             closed, self._current, self._current_bytes = self._current, [], 0
         self._current.append(item)
         self._current_bytes += max(nbytes, 0)
+        if self.fill and self._current_bytes >= self.target_bytes and closed is None:
+            closed, self._current, self._current_bytes = self._current, [], 0
         return closed
 
     def flush(self) -> list[T] | None:

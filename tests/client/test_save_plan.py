@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.save_plan import SeparatePacker, plan_save
+from client.save_plan import MIN_BALANCED_SHARD_BYTES, SeparatePacker, balanced_shard_bytes, plan_save
+from service.format.sharding import ShardPacker
 
 
 def test_changed_tensors_of_a_store_that_takes_them_go_unhashed() -> None:
@@ -51,9 +52,7 @@ def test_send_each_absent_digest_once_and_count_the_rest_as_skipped() -> None:
 
 
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 300), st.booleans(), st.booleans(), st.integers(1, 3)), min_size=0, max_size=40
-    ),
+    st.lists(st.tuples(st.integers(0, 300), st.booleans(), st.booleans(), st.integers(1, 3)), min_size=0, max_size=40),
     st.integers(1, 500),
     st.booleans(),
 )
@@ -103,3 +102,42 @@ def test_every_shard_holds_one_kind_and_every_item_once(items: list[tuple[int, s
         assert len({items[i][1] for i in shard}) == 1
         assert shard == sorted(shard)  # each kind keeps the order its items came in
         assert len(shard) == 1 or sum(items[i][0] for i in shard) <= target
+
+
+@given(sizes=st.lists(st.integers(0, 1000), min_size=1, max_size=60), groups=st.integers(1, 8))
+def test_filling_to_a_share_of_the_total_makes_at_most_that_many_shards_and_no_small_remainder(
+    sizes: list[int], groups: int
+) -> None:
+    total = sum(sizes)
+    target = max(1, -(-total // groups))
+    packer: ShardPacker[int] = ShardPacker(target, fill=True)
+    shards = [closed for index, nbytes in enumerate(sizes) if (closed := packer.add(index, nbytes)) is not None]
+    if (last := packer.flush()) is not None:
+        shards.append(last)
+    kept = [i for i, nbytes in enumerate(sizes) if nbytes > 0]
+    assert [i for shard in shards for i in shard] == kept  # every item once, in order
+    assert len(shards) <= groups
+    for shard in shards[:-1]:  # every shard but the last holds its share; none by more than one item
+        held = sum(sizes[i] for i in shard)
+        assert target <= held < target + max(sizes[i] for i in shard)
+
+
+@given(total=st.integers(0, 1 << 36), shard_bytes=st.integers(1 << 20, 1 << 31), writers=st.integers(1, 8))
+def test_a_balanced_shard_size_fills_whole_rounds_of_writers(total: int, shard_bytes: int, writers: int) -> None:
+    size = balanced_shard_bytes(total, shard_bytes, writers)
+    assert 0 < size <= shard_bytes
+    if total == 0 or writers == 1:
+        assert size == shard_bytes
+        return
+    rounds = -(-total // (writers * shard_bytes))  # as few rounds as shards of shard_bytes allow
+    assert -(-total // size) <= rounds * writers  # never more shards than those rounds hold
+    if MIN_BALANCED_SHARD_BYTES < size < shard_bytes:
+        assert size == -(-total // (rounds * writers))  # each writer of each round gets an equal share
+
+
+def test_the_first_full_save_of_750_mib_is_four_shards_two_rounds_of_two() -> None:
+    mib = 1 << 20
+    size = balanced_shard_bytes(750 * mib, 256 * mib, 2)
+    assert size == -(-750 * mib // 4)
+    assert balanced_shard_bytes(30 * mib, 256 * mib, 2) == MIN_BALANCED_SHARD_BYTES  # a LoRA save: one shard
+    assert balanced_shard_bytes(256 * mib, 256 * mib, 2) == 128 * mib
