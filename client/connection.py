@@ -36,7 +36,7 @@ def open_transport(
 ) -> Transport:
     """A server at ``url``; else the embedded store in ``home``; else the store the environment
     names, as ``ckptstore serve`` reads it (``CKPTSTORE_DATABASE_URL``, ``CKPTSTORE_BLOBS``,
-    ``CKPTSTORE_HOME``; see :func:`service.factory.local_settings`).
+    ``CKPTSTORE_HOME``; see :func:`service.settings.local_settings`).
 
     With ``create=False`` a store that does not exist yet is refused (NotFoundError naming
     the variables to set) rather than created.
@@ -49,7 +49,8 @@ def open_transport(
         from client.http_transport import HttpTransport
 
         return HttpTransport(url, token, retry_seconds=retry_seconds)
-    from service.factory import local_settings, open_store
+    from service.factory import open_store
+    from service.settings import local_settings
 
     return open_store(local_settings(home), require_current_schema=True, create=create)
 

@@ -1,6 +1,6 @@
 """Building a Store from settings: the database from its URL, the blob store from its URL.
 
-:func:`local_settings` and :func:`open_store` are the one place that decides which store a
+:func:`service.settings.local_settings` and :func:`open_store` are the one place that decides which store a
 process opens when it reaches the store itself rather than through a server: ``ckptstore
 serve``, every ``ckptstore`` command run without ``CKPTSTORE_URL``, and ``Client()`` without
 a URL all read ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` (else the embedded store in
@@ -9,16 +9,13 @@ a URL all read ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` (else the embe
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
-
-from pydantic import ValidationError
 
 from service.blobs import BlobStore, LocalBlobStore
 from service.db import Database
 from service.errors import InvalidInputError, NotFoundError
-from service.settings import DEFAULT_HOME, Settings
+from service.settings import Settings
 from service.store import Store
 
 #: Where a store can be named from; quoted by every refusal to open one that is not there.
@@ -27,29 +24,6 @@ WHERE_TO_POINT = (
     "CKPTSTORE_BLOBS to the server's database and blob store, or CKPTSTORE_HOME to the folder of an "
     "embedded store"
 )
-#: Settings whose empty value means "unset" (``CKPTSTORE_HOME=`` is not the current folder).
-_BLANK_MEANS_UNSET = {"home": "CKPTSTORE_HOME", "database_url": "CKPTSTORE_DATABASE_URL", "blobs": "CKPTSTORE_BLOBS"}
-
-
-def local_settings(home: Path | str | None = None) -> Settings:
-    """The settings of a process that opens the store itself.
-
-    With ``home`` given: the embedded store in that folder alone (SQLite and blobs there;
-    ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` are not read). Without: the environment,
-    as ``ckptstore serve`` reads it; a variable set to the empty string counts as unset.
-
-    Raises:
-        InvalidInputError: a ``CKPTSTORE_*`` variable holds a value the settings refuse.
-    """
-    try:
-        settings = Settings() if home is None else Settings(home=Path(home), database_url=None, blobs=None)
-    except ValidationError as exc:
-        problems = "; ".join(f"CKPTSTORE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
-        raise InvalidInputError(f"a setting is invalid: {problems}") from exc
-    if home is not None:
-        return settings
-    blank = [name for name, variable in _BLANK_MEANS_UNSET.items() if os.environ.get(variable) == ""]
-    return settings.model_copy(update={name: DEFAULT_HOME if name == "home" else None for name in blank})
 
 
 def open_blob_store(url: str, settings: Settings) -> BlobStore:

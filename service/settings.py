@@ -6,10 +6,13 @@ SQLite in ``<home>/metadata.db`` and blobs in ``<home>/blobs``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.errors import InvalidInputError
 
 DEFAULT_HOME = Path("~/.ckptstore")
 
@@ -72,3 +75,28 @@ class Settings(BaseSettings):
     def staging_dir(self) -> Path:
         """Where incoming shards are written before they are verified."""
         return self.home_path / "staging"
+
+
+#: Settings whose empty value means "unset" (``CKPTSTORE_HOME=`` is not the current folder).
+_BLANK_MEANS_UNSET = {"home": "CKPTSTORE_HOME", "database_url": "CKPTSTORE_DATABASE_URL", "blobs": "CKPTSTORE_BLOBS"}
+
+
+def local_settings(home: Path | str | None = None) -> Settings:
+    """The settings of a process that opens the store itself.
+
+    With ``home`` given: the embedded store in that folder alone (SQLite and blobs there;
+    ``CKPTSTORE_DATABASE_URL`` and ``CKPTSTORE_BLOBS`` are not read). Without: the environment,
+    as ``ckptstore serve`` reads it; a variable set to the empty string counts as unset.
+
+    Raises:
+        InvalidInputError: a ``CKPTSTORE_*`` variable holds a value the settings refuse.
+    """
+    try:
+        settings = Settings() if home is None else Settings(home=Path(home), database_url=None, blobs=None)
+    except ValidationError as exc:
+        problems = "; ".join(f"CKPTSTORE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+        raise InvalidInputError(f"a setting is invalid: {problems}") from exc
+    if home is not None:
+        return settings
+    blank = [name for name, variable in _BLANK_MEANS_UNSET.items() if os.environ.get(variable) == ""]
+    return settings.model_copy(update={name: DEFAULT_HOME if name == "home" else None for name in blank})

@@ -124,7 +124,7 @@ def open_client(*, create: bool = False) -> Iterator[Connection]:
     """
     from client.connection import Connection
 
-    with Connection(_url(), token=_token(), create=create) as opened:
+    with Connection(server_url(), token=_token(), create=create) as opened:
         yield opened
 
 
@@ -134,11 +134,11 @@ def open_saving_client() -> Iterator[Client]:
     creating the store if it does not exist yet: for the commands that save tensors."""
     from client.api import Client
 
-    with Client(_url(), token=_token(), create=True) as opened:
+    with Client(server_url(), token=_token(), create=True) as opened:
         yield opened
 
 
-def _url() -> str | None:
+def server_url() -> str | None:
     return os.environ.get("CKPTSTORE_URL") or None
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from client import keys
-from client.cli.common import echo_json, open_client, parse_target, reported, size, table
+from client.cli.common import echo_json, open_client, parse_target, reported, server_url, size, table
 from service.errors import NotFoundError
 from service.format.names import validate_run_id
 from service.records import RunInfo, VersionInfo
@@ -196,6 +196,22 @@ def _print_versions(versions: list[VersionInfo]) -> None:
     table(("VERSION", "STEP", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"), rows, right=(0, 1, 2, 3, 4))
 
 
+def _embedded_runs() -> list[RunInfo] | None:
+    """The runs, read straight from an embedded store's SQLite file without importing SQLAlchemy
+    (:mod:`service.embedded_runs`); None when the settings name a server or another database, or
+    the reader does not apply: the store is then opened as every other command opens it."""
+    if server_url() is not None:
+        return None
+    from service.settings import local_settings
+
+    settings = local_settings()  # an invalid CKPTSTORE_* setting is refused here as everywhere
+    if settings.database_url is not None:
+        return None
+    from service.embedded_runs import read_runs
+
+    return read_runs(settings.home_path)
+
+
 def list_(
     run_id: Annotated[str | None, typer.Argument(metavar="RUN", help="A run: list its versions instead.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
@@ -209,8 +225,12 @@ def list_(
     with reported():
         if run_id is not None:
             validate_run_id(run_id)
-        with open_client() as ckpt:
-            records: list[RunInfo] | list[VersionInfo] = ckpt.runs() if run_id is None else ckpt.versions(run_id)
+        quick = _embedded_runs() if run_id is None else None
+        if quick is not None:
+            records: list[RunInfo] | list[VersionInfo] = quick
+        else:
+            with open_client() as ckpt:
+                records = ckpt.runs() if run_id is None else ckpt.versions(run_id)
     if as_json:
         echo_json([r.model_dump(mode="json") for r in records])
     elif run_id is None:

@@ -6,6 +6,7 @@ whether torch (or numpy) was ever imported; the command must also have done its 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,3 +138,24 @@ def test_the_torch_free_modules_import_without_torch(module: str) -> None:
     probe = f"import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; import {module}"
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_listing_the_runs_of_an_embedded_store_reads_its_file_without_sqlalchemy(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with client.Client(home=home) as ckpt:
+        fill(ckpt)
+        ckpt.save("other", torch.nn.Linear(2, 2))
+        engine = [run.model_dump(mode="json") for run in ckpt.runs()]
+    env = {"CKPTSTORE_HOME": str(home), "CKPTSTORE_URL": ""}
+    code, output, imported = run_cli(env, "ls", "--json", watched=("sqlalchemy",))
+    assert code == 0, output
+    assert imported == []
+    assert json.loads(output[: output.rindex("]") + 1]) == engine  # the engine's answer, to the byte
+    # Where the direct reader does not apply (a server database named), the engine lists the runs.
+    database = {**env, "CKPTSTORE_DATABASE_URL": f"sqlite:///{home / 'metadata.db'}"}
+    code, output, imported = run_cli(database, "ls", "--json", watched=("sqlalchemy",))
+    assert code == 0 and imported == ["sqlalchemy"], output
+    assert json.loads(output[: output.rindex("]") + 1]) == engine
+    # An invalid setting is refused as by every command, not skipped by the quick path.
+    code, output, _ = run_cli({**env, "CKPTSTORE_PORT": "not a port"}, "ls")
+    assert code != 0 and "CKPTSTORE_PORT" in output

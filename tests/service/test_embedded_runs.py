@@ -1,0 +1,66 @@
+"""The runs of an embedded store read with ``sqlite3`` alone (``ckptstore ls``) are exactly what the
+engine's :meth:`Store.runs` returns, whatever the history; where the reader does not know the
+file, it answers None and the engine is used."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shardkit import body, entry, raw
+
+from service.embedded_runs import DATABASE_FILE, read_runs
+from service.shard_writer import UnhashedTensor
+from service.store import Store
+
+RUNS = ["alpha", "beta", "gamma-2"]
+#: A history: commits to a run (with a step), and deletions of a run's oldest remaining version.
+actions = st.lists(
+    st.tuples(st.sampled_from(["commit", "commit", "delete"]), st.sampled_from(RUNS), st.integers(0, 10**12)),
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=actions)
+def test_the_runs_read_directly_are_the_engines_whatever_the_history(
+    tmp_path_factory: pytest.TempPathFactory, history: list[tuple[str, str, int]]
+) -> None:
+    home = tmp_path_factory.mktemp("home")
+    store = Store.open_home(home)
+    try:
+        small, large = raw("F32", (8,), 1), raw("F32", (300,), 2)
+        store.put_tensors([UnhashedTensor(t.dtype, t.shape, memoryview(t.data)) for t in (small, large)])
+        for action, run_id, step in history:
+            if action == "commit":
+                tensors = [entry("model/w", small)] + ([entry("model/big", large)] if step % 2 else [])
+                store.commit(run_id, body(*tensors, step=step))
+            else:
+                versions = store.versions(run_id) if run_id in {r.run_id for r in store.runs()} else []
+                if versions:
+                    store.delete_version(run_id, versions[0].version)
+        assert read_runs(home) == store.runs()
+    finally:
+        store.close()
+
+
+def test_an_empty_store_has_no_runs_and_a_missing_one_is_left_to_the_engine(tmp_path: Path) -> None:
+    assert read_runs(tmp_path / "nowhere") is None
+    Store.open_home(tmp_path / "empty").close()
+    assert read_runs(tmp_path / "empty") == []
+
+
+def test_a_store_at_another_schema_revision_is_left_to_the_engine(tmp_path: Path) -> None:
+    Store.open_home(tmp_path).close()
+    with sqlite3.connect(tmp_path / DATABASE_FILE) as connection:
+        connection.execute("UPDATE alembic_version SET version_num = '0003'")
+    assert read_runs(tmp_path) is None  # the engine migrates it, or refuses it, as it does
+
+
+@pytest.mark.parametrize("content", [b"", b"not a database at all" * 100])
+def test_a_file_that_is_not_a_store_is_left_to_the_engine(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / DATABASE_FILE).write_bytes(content)
+    assert read_runs(tmp_path) is None
