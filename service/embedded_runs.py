@@ -1,22 +1,28 @@
-"""The runs of an embedded store, read with the standard library's ``sqlite3``: ``ckptstore ls``.
+"""The runs and versions of an embedded store, read with the standard library's ``sqlite3``:
+``ckptstore ls`` and ``ckptstore ls RUN``.
 
-Listing the runs is what the command line does most, and opening a store through SQLAlchemy
-costs its import (about 0.2 s of a half-second command) before a single row is read. An
-embedded store is one SQLite file, so the listing reads it directly, read-only, with the one
-statement :meth:`service.store.Store.runs` amounts to. It does so only where it knows the file:
-a store at the schema revision this ckptstore's migrations end at. Anything else (no store yet,
-another revision, a database that is locked, damaged or not SQLite) answers None, and the caller
-opens the store the usual way, which migrates, refuses or explains. A test holds the two ways to
-the same answer on stores built through the engine.
+Listing is what the command line does most, and opening a store through SQLAlchemy costs its
+import (about 0.2 s of a half-second command) before a single row is read. An embedded store is
+one SQLite file, so the listings read it directly, read-only, with the statements
+:meth:`service.store.Store.runs` and :meth:`~service.store.Store.versions` amount to. They do so
+only where they know the file: a store at the schema revision this ckptstore's migrations end
+at. Anything else (no store yet, another revision, a run that does not exist, a database that is
+locked, damaged or not SQLite) answers None, and the caller opens the store the usual way, which
+migrates, refuses or explains. Tests hold the two ways to the same answer on stores built
+through the engine.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
-from service.records import RunInfo
+from service.records import RunInfo, VersionInfo
 from service.revisions import head_revision
 
 #: The embedded store's database file in its home folder (:meth:`service.store.Store.open_home`).
@@ -29,42 +35,94 @@ FROM runs LEFT JOIN versions ON versions.run_id = runs.id
 GROUP BY runs.id
 ORDER BY runs.updated_at DESC, runs.id
 """
+_RUN_EXISTS = "SELECT 1 FROM runs WHERE id = ?"
+_VERSIONS = """
+SELECT run_id, version, parent, created_at, step, metrics, tensors_total, tensors_new, bytes_total,
+       bytes_new, bytes_trainable
+FROM versions WHERE run_id = ? ORDER BY version
+"""
+_TAGS = "SELECT version, name FROM tags WHERE run_id = ?"
+
+T = TypeVar("T")
 
 
 def read_runs(home: Path) -> list[RunInfo] | None:
     """Every run of the embedded store in ``home`` with its totals, most recently updated first,
     as :meth:`Store.runs` returns them; None where this reader does not apply (see above)."""
-    path = Path(home).expanduser() / DATABASE_FILE
+    return _read(home, _runs)
+
+
+def read_versions(home: Path, run_id: str) -> list[VersionInfo] | None:
+    """Every version of ``run_id`` in the embedded store in ``home``, oldest first, as
+    :meth:`Store.versions` returns them; None where this reader does not apply, or the run does
+    not exist (the engine then says so)."""
+    return _read(home, lambda connection: _versions(connection, run_id))
+
+
+def _read(home: Path, read: Callable[[sqlite3.Connection], T | None]) -> T | None:
+    try:
+        with _opened(Path(home).expanduser() / DATABASE_FILE) as connection:
+            if connection is None:
+                return None
+            return read(connection)
+    except (sqlite3.Error, TypeError, ValueError, KeyError):
+        return None  # a file or value this reader does not know how to read: the engine will
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[sqlite3.Connection | None]:
+    """A read-only connection to ``path`` at the newest schema revision, or None."""
     if not path.is_file():
-        return None
+        yield None
+        return
+    connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
     try:
-        connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
-    except sqlite3.Error:
-        return None
-    try:
-        (revision,) = connection.execute("SELECT version_num FROM alembic_version").fetchone() or (None,)
-        if revision != head_revision():
-            return None
-        rows = connection.execute(_RUNS).fetchall()
-    except (sqlite3.Error, TypeError, ValueError):
-        return None
+        row = connection.execute("SELECT version_num FROM alembic_version").fetchone()
+        yield connection if row is not None and row[0] == head_revision() else None
     finally:
         connection.close()
-    try:
-        return [
-            RunInfo(
-                run_id=run_id,
-                created_at=_timestamp(created_at),
-                updated_at=_timestamp(updated_at),
-                versions=count,
-                latest_version=latest,
-                bytes_total=int(total),
-                bytes_new=int(new),
-            )
-            for run_id, created_at, updated_at, count, latest, total, new in rows
-        ]
-    except (TypeError, ValueError):
-        return None  # a value this reader does not know how to read: the engine will
+
+
+def _runs(connection: sqlite3.Connection) -> list[RunInfo]:
+    return [
+        RunInfo(
+            run_id=run_id,
+            created_at=_timestamp(created_at),
+            updated_at=_timestamp(updated_at),
+            versions=count,
+            latest_version=latest,
+            bytes_total=int(total),
+            bytes_new=int(new),
+        )
+        for run_id, created_at, updated_at, count, latest, total, new in connection.execute(_RUNS)
+    ]
+
+
+def _versions(connection: sqlite3.Connection, run_id: str) -> list[VersionInfo] | None:
+    if connection.execute(_RUN_EXISTS, (run_id,)).fetchone() is None:
+        return None
+    tags: dict[int, list[str]] = {}
+    for version, name in connection.execute(_TAGS, (run_id,)):
+        tags.setdefault(version, []).append(name)
+    return [
+        VersionInfo(
+            run_id=run,
+            version=version,
+            parent=parent,
+            created_at=_timestamp(created_at),
+            tags=sorted(tags.get(version, [])),
+            step=step,
+            metrics=(json.loads(metrics) if metrics is not None else None) or {},
+            tensors_total=total,
+            tensors_new=new,
+            bytes_total=nbytes,
+            bytes_new=bytes_new,
+            bytes_trainable=trainable,
+        )
+        for run, version, parent, created_at, step, metrics, total, new, nbytes, bytes_new, trainable in (
+            connection.execute(_VERSIONS, (run_id,))
+        )
+    ]
 
 
 def _timestamp(stored: str) -> datetime:

@@ -196,10 +196,11 @@ def _print_versions(versions: list[VersionInfo]) -> None:
     table(("VERSION", "STEP", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"), rows, right=(0, 1, 2, 3, 4))
 
 
-def _embedded_runs() -> list[RunInfo] | None:
-    """The runs, read straight from an embedded store's SQLite file without importing SQLAlchemy
-    (:mod:`service.embedded_runs`); None when the settings name a server or another database, or
-    the reader does not apply: the store is then opened as every other command opens it."""
+def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] | None:
+    """The runs (or ``run_id``'s versions), read straight from an embedded store's SQLite file
+    without importing SQLAlchemy (:mod:`service.embedded_runs`); None when the settings name a
+    server or another database, or the reader does not apply: the store is then opened as every
+    other command opens it."""
     if server_url() is not None:
         return None
     from service.settings import local_settings
@@ -207,9 +208,9 @@ def _embedded_runs() -> list[RunInfo] | None:
     settings = local_settings()  # an invalid CKPTSTORE_* setting is refused here as everywhere
     if settings.database_url is not None:
         return None
-    from service.embedded_runs import read_runs
+    from service.embedded_runs import read_runs, read_versions
 
-    return read_runs(settings.home_path)
+    return read_runs(settings.home_path) if run_id is None else read_versions(settings.home_path, run_id)
 
 
 def list_(
@@ -225,7 +226,7 @@ def list_(
     with reported():
         if run_id is not None:
             validate_run_id(run_id)
-        quick = _embedded_runs() if run_id is None else None
+        quick = _embedded_listing(run_id)
         if quick is not None:
             records: list[RunInfo] | list[VersionInfo] = quick
         else:

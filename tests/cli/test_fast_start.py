@@ -140,7 +140,7 @@ def test_the_torch_free_modules_import_without_torch(module: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_listing_the_runs_of_an_embedded_store_reads_its_file_without_sqlalchemy(tmp_path: Path) -> None:
+def test_listing_an_embedded_store_reads_its_file_without_sqlalchemy(tmp_path: Path) -> None:
     home = tmp_path / "home"
     with client.Client(home=home) as ckpt:
         fill(ckpt)
@@ -151,6 +151,13 @@ def test_listing_the_runs_of_an_embedded_store_reads_its_file_without_sqlalchemy
     assert code == 0, output
     assert imported == []
     assert json.loads(output[: output.rindex("]") + 1]) == engine  # the engine's answer, to the byte
+    with client.Connection(home=home) as connection:
+        engine_versions = [v.model_dump(mode="json") for v in connection.versions("demo")]
+    code, output, imported = run_cli(env, "ls", "demo", "--json", watched=("sqlalchemy",))
+    assert code == 0 and imported == [], output
+    assert json.loads(output[: output.rindex("]") + 1]) == engine_versions
+    code, output, imported = run_cli(env, "ls", "missing", watched=("sqlalchemy",))
+    assert code != 0 and "missing" in output and imported == ["sqlalchemy"]  # the engine says so
     # Where the direct reader does not apply (a server database named), the engine lists the runs.
     database = {**env, "CKPTSTORE_DATABASE_URL": f"sqlite:///{home / 'metadata.db'}"}
     code, output, imported = run_cli(database, "ls", "--json", watched=("sqlalchemy",))
