@@ -242,19 +242,15 @@ class DirectFileWriter:
             raise self._failed
 
     def _wait_all(self) -> None:
-        """Wait for every background write; raise the first error any of them met."""
+        """Wait for every background write (none runs on past the close); raise the first error."""
+        first: BaseException | None = None
         for index in range(len(self._writing)):
             try:
                 self._wait(index)
-            except BaseException:
-                for rest in range(len(self._writing)):  # let no write run on past the close
-                    writing, self._writing[rest] = self._writing[rest], None
-                    if writing is not None:
-                        try:
-                            writing.result()
-                        except BaseException:  # noqa: BLE001,S110 - the first error is the one raised
-                            pass
-                raise
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _release(self) -> None:
         self._closed = True
