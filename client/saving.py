@@ -104,9 +104,7 @@ class SaveRun:
         self.cacheable: list[bool] = []
         self.known: list[str | None] = []
         devices = snapshot.device_types if snapshot is not None else None
-        self.body = (
-            manifest_body(flat, self.tensors, self.digests, step, metrics, devices) if check_manifest else None
-        )
+        self.body = manifest_body(flat, self.tensors, self.digests, step, metrics, devices) if check_manifest else None
         self.stored_bytes = 0
         self.shards = 0
 

@@ -22,11 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
 
-from service.records import RunInfo, VersionInfo
+from service.records import RunInfo, VersionInfo, tags_by_version
 from service.revisions import head_revision
-
-#: The embedded store's database file in its home folder (:meth:`service.store.Store.open_home`).
-DATABASE_FILE = "metadata.db"
 
 _RUNS = """
 SELECT runs.id, runs.created_at, runs.updated_at, count(versions.version), max(versions.version),
@@ -46,22 +43,24 @@ _TAGS = "SELECT version, name FROM tags WHERE run_id = ?"
 T = TypeVar("T")
 
 
-def read_runs(home: Path) -> list[RunInfo] | None:
-    """Every run of the embedded store in ``home`` with its totals, most recently updated first,
-    as :meth:`Store.runs` returns them; None where this reader does not apply (see above)."""
-    return _read(home, _runs)
+def read_runs(database: Path) -> list[RunInfo] | None:
+    """Every run of the embedded store whose SQLite file is ``database`` (its
+    :attr:`Settings.embedded_database <service.settings.Settings.embedded_database>`), with its
+    totals, most recently updated first, as :meth:`Store.runs` returns them; None where this
+    reader does not apply (see above)."""
+    return _read(database, _runs)
 
 
-def read_versions(home: Path, run_id: str) -> list[VersionInfo] | None:
-    """Every version of ``run_id`` in the embedded store in ``home``, oldest first, as
-    :meth:`Store.versions` returns them; None where this reader does not apply, or the run does
-    not exist (the engine then says so)."""
-    return _read(home, lambda connection: _versions(connection, run_id))
+def read_versions(database: Path, run_id: str) -> list[VersionInfo] | None:
+    """Every version of ``run_id`` in the embedded store whose SQLite file is ``database``, oldest
+    first, as :meth:`Store.versions` returns them; None where this reader does not apply, or the
+    run does not exist (the engine then says so)."""
+    return _read(database, lambda connection: _versions(connection, run_id))
 
 
-def _read(home: Path, read: Callable[[sqlite3.Connection], T | None]) -> T | None:
+def _read(database: Path, read: Callable[[sqlite3.Connection], T | None]) -> T | None:
     try:
-        with _opened(Path(home).expanduser() / DATABASE_FILE) as connection:
+        with _opened(database) as connection:
             if connection is None:
                 return None
             return read(connection)
@@ -101,28 +100,14 @@ def _runs(connection: sqlite3.Connection) -> list[RunInfo]:
 def _versions(connection: sqlite3.Connection, run_id: str) -> list[VersionInfo] | None:
     if connection.execute(_RUN_EXISTS, (run_id,)).fetchone() is None:
         return None
-    tags: dict[int, list[str]] = {}
-    for version, name in connection.execute(_TAGS, (run_id,)):
-        tags.setdefault(version, []).append(name)
-    return [
-        VersionInfo(
-            run_id=run,
-            version=version,
-            parent=parent,
-            created_at=_timestamp(created_at),
-            tags=sorted(tags.get(version, [])),
-            step=step,
-            metrics=(json.loads(metrics) if metrics is not None else None) or {},
-            tensors_total=total,
-            tensors_new=new,
-            bytes_total=nbytes,
-            bytes_new=bytes_new,
-            bytes_trainable=trainable,
-        )
-        for run, version, parent, created_at, step, metrics, total, new, nbytes, bytes_new, trainable in (
-            connection.execute(_VERSIONS, (run_id,))
-        )
-    ]
+    tags = tags_by_version(connection.execute(_TAGS, (run_id,)))
+    versions = []
+    for row in connection.execute(_VERSIONS, (run_id,)):
+        run, version, parent, created_at, step, metrics, *figures = row
+        metrics = json.loads(metrics) if metrics else None
+        stored = (run, version, parent, _timestamp(created_at), step, metrics, *figures)
+        versions.append(VersionInfo.from_summary(stored, tags.get(version, [])))
+    return versions
 
 
 def _timestamp(stored: str) -> datetime:

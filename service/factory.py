@@ -50,10 +50,8 @@ def check_store_exists(settings: Settings) -> None:
     (``CKPTSTORE_DATABASE_URL``) is checked when it is opened: :func:`open_store` with
     ``create=False`` requires its schema to be current, so an empty database is refused too.
     """
-    if settings.database_url is not None:
-        return
-    metadata = settings.home_path / "metadata.db"
-    if not metadata.is_file():
+    metadata = settings.embedded_database
+    if metadata is not None and not metadata.is_file():
         raise NotFoundError(
             f"no checkpoint store here: CKPTSTORE_URL and CKPTSTORE_DATABASE_URL are unset and the embedded "
             f"store folder {settings.home_path} holds none (no metadata.db); {WHERE_TO_POINT}. Nothing was created"
@@ -75,10 +73,10 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
     if not create:
         check_store_exists(settings)
         require_current_schema = True
-    if settings.database_url is None:
-        database = Database.sqlite_file(settings.home_path / "metadata.db")
+    if settings.embedded_database is not None:
+        database = Database.sqlite_file(settings.embedded_database)
     else:
-        database = Database(settings.database_url)
+        database = Database(settings.resolved_database_url)
         if require_current_schema:
             from service.db.schema import require_current
 

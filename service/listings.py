@@ -7,14 +7,11 @@ a thousand short rows. Statements are Core selects built once and read as plain 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import Tag, Version, table
-from service.records import VersionInfo
+from service.records import VersionInfo, tags_by_version
 
 _VERSIONS = table(Version)
 _TAGS = table(Tag)
@@ -47,39 +44,12 @@ _LATEST_OF_EVERY_RUN = select(*SUMMARY_COLUMNS).join(
 _EVERY_TAG = select(_TAGS.c.run_id, _TAGS.c.version, _TAGS.c.name)
 
 
-def _info(row: Any, tags: list[str]) -> VersionInfo:
-    run_id, version, parent, created_at, step, metrics, total, new, nbytes, bytes_new, trainable = row
-    return VersionInfo(
-        run_id=run_id,
-        version=version,
-        parent=parent,
-        created_at=created_at,
-        tags=tags,
-        step=step,
-        metrics=metrics or {},
-        tensors_total=total,
-        tensors_new=new,
-        bytes_total=nbytes,
-        bytes_new=bytes_new,
-        bytes_trainable=trainable,
-    )
-
-
-def _tags_by_version(rows: Iterable[Any]) -> dict[int, list[str]]:
-    tags: dict[int, list[str]] = {}
-    for version, name in rows:
-        tags.setdefault(version, []).append(name)
-    for names in tags.values():
-        names.sort()
-    return tags
-
-
 def run_versions(session: Session, run_id: str) -> list[VersionInfo]:
     """Every version of ``run_id`` (which the caller checked exists), oldest first."""
     connection = session.connection()
-    tags = _tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id}))
+    tags = tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id}))
     rows = connection.execute(_OF_RUN, {"run_id": run_id})
-    return [_info(row, tags.get(row[1], [])) for row in rows]
+    return [VersionInfo.from_summary(row, tags.get(row[1], [])) for row in rows]
 
 
 def one_version(session: Session, run_id: str, version: int) -> VersionInfo | None:
@@ -88,8 +58,8 @@ def one_version(session: Session, run_id: str, version: int) -> VersionInfo | No
     row = connection.execute(_ONE, {"run_id": run_id, "version": version}).first()
     if row is None:
         return None
-    tags = _tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id}))
-    return _info(row, tags.get(version, []))
+    tags = tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id}))
+    return VersionInfo.from_summary(row, tags.get(version, []))
 
 
 def latest_versions(session: Session) -> tuple[dict[str, VersionInfo], dict[str, list[tuple[str, int]]]]:
@@ -103,7 +73,7 @@ def latest_versions(session: Session) -> tuple[dict[str, VersionInfo], dict[str,
     latest = {}
     for row in connection.execute(_LATEST_OF_EVERY_RUN):
         names = sorted(name for name, version in tags.get(row[0], []) if version == row[1])
-        latest[row[0]] = _info(row, names)
+        latest[row[0]] = VersionInfo.from_summary(row, names)
     return latest, tags
 
 

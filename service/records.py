@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -59,6 +60,37 @@ class VersionInfo(_Record):
     def dedup_ratio(self) -> float:
         """Share of the version's logical bytes that were already stored (0.0 to 1.0)."""
         return 1.0 - self.bytes_new / self.bytes_total if self.bytes_total else 0.0
+
+    @classmethod
+    def from_summary(cls, row: Sequence[Any], tags: list[str]) -> VersionInfo:
+        """The version a row of the ``versions`` table's summary columns describes, in the order
+        ``run_id, version, parent, created_at, step, metrics, tensors_total, tensors_new,
+        bytes_total, bytes_new, bytes_trainable`` (:data:`service.listings.SUMMARY_COLUMNS`)."""
+        run_id, version, parent, created_at, step, metrics, total, new, nbytes, bytes_new, trainable = row
+        return cls(
+            run_id=run_id,
+            version=version,
+            parent=parent,
+            created_at=created_at,
+            tags=tags,
+            step=step,
+            metrics=metrics or {},
+            tensors_total=total,
+            tensors_new=new,
+            bytes_total=nbytes,
+            bytes_new=bytes_new,
+            bytes_trainable=trainable,
+        )
+
+
+def tags_by_version(rows: Iterable[Any]) -> dict[int, list[str]]:
+    """``(version, tag)`` rows as each version's tags, sorted by name."""
+    tags: dict[int, list[str]] = {}
+    for version, name in rows:
+        tags.setdefault(version, []).append(name)
+    for names in tags.values():
+        names.sort()
+    return tags
 
 
 class RunInfo(_Record):

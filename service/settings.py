@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.errors import InvalidInputError
 
 DEFAULT_HOME = Path("~/.ckptstore")
+#: The embedded store's SQLite file in its home folder.
+METADATA_FILE = "metadata.db"
 
 
 class Settings(BaseSettings):
@@ -62,9 +64,14 @@ class Settings(BaseSettings):
         return self.home.expanduser().absolute()
 
     @property
+    def embedded_database(self) -> Path | None:
+        """The embedded store's SQLite file when no ``database_url`` names a server database, else None."""
+        return self.home_path / METADATA_FILE if self.database_url is None else None
+
+    @property
     def resolved_database_url(self) -> str:
         """The database URL to use."""
-        return self.database_url or f"sqlite:///{self.home_path / 'metadata.db'}"
+        return self.database_url or f"sqlite:///{self.home_path / METADATA_FILE}"
 
     @property
     def resolved_blobs(self) -> str:

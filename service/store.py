@@ -40,7 +40,7 @@ from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_policy, describe_policy, lock_run, read_policy, write_policy
 from service.retention_rules import check_policy
-from service.settings import Settings
+from service.settings import METADATA_FILE, Settings
 from service.shard_writer import UnhashedTensor, WrittenShard, write_shard
 from service.write_probe import choose_direct_writes
 
@@ -156,7 +156,7 @@ class Store:
         home.mkdir(parents=True, exist_ok=True)
         if direct_writes is None:
             direct_writes = Settings().direct_writes
-        database = Database.sqlite_file(home / "metadata.db")
+        database = Database.sqlite_file(home / METADATA_FILE)
         return cls(database, LocalBlobStore(home / "blobs"), home / "staging", direct_writes=direct_writes)
 
     def close(self) -> None:

@@ -205,12 +205,12 @@ def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] |
         return None
     from service.settings import local_settings
 
-    settings = local_settings()  # an invalid CKPTSTORE_* setting is refused here as everywhere
-    if settings.database_url is not None:
+    database = local_settings().embedded_database  # an invalid CKPTSTORE_* setting is refused here too
+    if database is None:
         return None
     from service.embedded_runs import read_runs, read_versions
 
-    return read_runs(settings.home_path) if run_id is None else read_versions(settings.home_path, run_id)
+    return read_runs(database) if run_id is None else read_versions(database, run_id)
 
 
 def list_(

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardkit import body, entry, raw
 
-from service.embedded_runs import DATABASE_FILE, read_runs, read_versions
+from service.embedded_runs import read_runs, read_versions
+from service.settings import METADATA_FILE
 from service.shard_writer import UnhashedTensor
 from service.store import Store
 
@@ -47,35 +48,35 @@ def test_the_runs_read_directly_are_the_engines_whatever_the_history(
                 store.delete_version(run_id, versions[0].version)
             elif versions:
                 store.tag(run_id, versions[-1].version, f"t{step % 4}")
-        assert read_runs(home) == store.runs()
+        assert read_runs(home / METADATA_FILE) == store.runs()
         for run_id in RUNS:
             if run_id in {r.run_id for r in store.runs()}:
-                assert read_versions(home, run_id) == store.versions(run_id)
+                assert read_versions(home / METADATA_FILE, run_id) == store.versions(run_id)
             else:
-                assert read_versions(home, run_id) is None  # the engine names the missing run
+                assert read_versions(home / METADATA_FILE, run_id) is None  # the engine names the missing run
     finally:
         store.close()
 
 
 def test_an_empty_store_has_no_runs_and_a_missing_one_is_left_to_the_engine(tmp_path: Path) -> None:
-    assert read_runs(tmp_path / "nowhere") is None
+    assert read_runs(tmp_path / "nowhere" / METADATA_FILE) is None
     Store.open_home(tmp_path / "empty").close()
-    assert read_runs(tmp_path / "empty") == []
-    assert read_versions(tmp_path / "empty", "nope") is None
+    assert read_runs(tmp_path / "empty" / METADATA_FILE) == []
+    assert read_versions(tmp_path / "empty" / METADATA_FILE, "nope") is None
 
 
 def test_a_store_at_another_schema_revision_is_left_to_the_engine(tmp_path: Path) -> None:
     Store.open_home(tmp_path).close()
-    with sqlite3.connect(tmp_path / DATABASE_FILE) as connection:
+    with sqlite3.connect(tmp_path / METADATA_FILE) as connection:
         connection.execute("UPDATE alembic_version SET version_num = '0003'")
-    assert read_runs(tmp_path) is None  # the engine migrates it, or refuses it, as it does
-    assert read_versions(tmp_path, "any") is None
+    assert read_runs(tmp_path / METADATA_FILE) is None  # the engine migrates it, or refuses it, as it does
+    assert read_versions(tmp_path / METADATA_FILE, "any") is None
 
 
 @pytest.mark.parametrize("content", [b"", b"not a database at all" * 100])
 def test_a_file_that_is_not_a_store_is_left_to_the_engine(tmp_path: Path, content: bytes) -> None:
-    (tmp_path / DATABASE_FILE).write_bytes(content)
-    assert read_runs(tmp_path) is None
+    (tmp_path / METADATA_FILE).write_bytes(content)
+    assert read_runs(tmp_path / METADATA_FILE) is None
 
 
 def test_a_version_with_several_tags_and_metrics_reads_as_the_engine_has_it(tmp_path: Path) -> None:
@@ -87,7 +88,7 @@ def test_a_version_with_several_tags_and_metrics_reads_as_the_engine_has_it(tmp_
         store.commit("run", body(entry("model/w", tensor)))
         for name in ("zeta", "best", "mid"):  # added out of order
             store.tag("run", 1, name)
-        (first, second) = read_versions(tmp_path, "run") or []
+        (first, second) = read_versions(tmp_path / METADATA_FILE, "run") or []
         assert first.tags == ["best", "mid", "zeta"] and first.metrics == {"loss": 0.25, "acc": 0.5}
         assert second.tags == [] and second.metrics == {} and second.step is None
         assert [first, second] == store.versions("run")
