@@ -4,13 +4,14 @@ The files are memory-mapped, not read into memory: each tensor is a view of the 
 until the normal save path hashes it and, if the store lacks it, writes it into a shard. So a
 base model is seeded once and every fine-tune saved later dedups against it.
 
-Headers are checked before anything is mapped: size caps, no duplicate names, known dtypes,
-offsets in bounds, not overlapping and consistent with dtype × shape.
+Headers are checked before any tensor is made: size caps (the header's bytes, and its entry
+count before the JSON is parsed), no duplicate names, known dtypes, offsets in bounds, not
+overlapping and consistent with dtype × shape. Every file a folder names is resolved inside the
+folder and must be a regular file (:mod:`client.formats.confined`).
 """
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,12 @@ import torch
 
 from client import sources
 from client.api import Client
+from client.formats import confined
+from client.formats.json_text import parse_json
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
 from service.errors import InvalidInputError
 from service.format.dtypes import itemsize
-from service.format.jsondoc import strict_decoder
 from service.format.safetensors_header import entry_fields
 
 SINGLE_FILE = "model.safetensors"
@@ -32,19 +34,8 @@ INDEX_FILE = "model.safetensors.index.json"
 #: The reference library's own cap on a header.
 MAX_HEADER_BYTES = 100 << 20
 MAX_INDEX_BYTES = 100 << 20
-
-
-def _decoder(what: str, floats: bool) -> json.JSONDecoder:
-    return strict_decoder(InvalidInputError, what, floats=floats)
-
-
-def _parse_json(text: bytes, what: str, floats: bool) -> Any:
-    try:
-        return _decoder(what, floats).decode(text.decode("utf-8"))
-    except InvalidInputError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidInputError(f"{what} is not valid JSON: {exc}") from exc
+#: Most tensors one safetensors file may hold (counted in the header's bytes before parsing).
+MAX_FILE_TENSORS = 1 << 18
 
 
 def _entries(path: Path, header: Any, data_length: int) -> list[tuple[str, str, tuple[int, ...], int, int]]:
@@ -79,19 +70,21 @@ def _entries(path: Path, header: Any, data_length: int) -> list[tuple[str, str, 
 
 def open_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file at ``path``, as views of the memory-mapped file."""
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise InvalidInputError(f"{path}: {size} bytes is too short for a safetensors file")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise InvalidInputError(f"{path}: header length {length} does not fit the file ({size} bytes)")
-        header = _parse_json(handle.read(length), f"{path} header", floats=False)
+    mapped = confined.map_file(path)
+    size = len(mapped) if mapped is not None else 0
+    if mapped is None or size < 8:
+        raise InvalidInputError(f"{path}: {size} bytes is too short for a safetensors file")
+    (length,) = struct.unpack("<Q", mapped[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise InvalidInputError(f"{path}: header length {length} does not fit the file ({size} bytes)")
+    text = mapped[8 : 8 + length]
+    if text.count(b'"data_offsets"') > MAX_FILE_TENSORS:
+        raise InvalidInputError(f"{path}: the header lists more than {MAX_FILE_TENSORS} tensors, past the limit")
+    header = parse_json(text, f"{path} header", floats=False)
     data_start = 8 + length
     entries = _entries(path, header, size - data_start)
     # A private (copy-on-write) mapping: pages come lazily from the page cache, nothing is written back.
-    data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    data = torch.frombuffer(mapped, dtype=torch.uint8)
     tensors: dict[str, torch.Tensor] = {}
     for name, dtype, shape, begin, end in entries:
         offset = data_start + begin
@@ -105,16 +98,15 @@ def open_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _index_files(directory: Path) -> dict[str, list[str]]:
     """``file -> names`` from a Hugging Face index, checking every file is a plain name inside ``directory``."""
     path = directory / INDEX_FILE
-    if path.stat().st_size > MAX_INDEX_BYTES:
-        raise InvalidInputError(f"{path} is larger than {MAX_INDEX_BYTES} bytes")
-    index = _parse_json(path.read_bytes(), str(path), floats=True)
+    index = parse_json(confined.read_small(path, MAX_INDEX_BYTES), str(path), floats=True)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise InvalidInputError(f"{path} has no weight_map object of tensor name -> file name")
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():
-        if Path(file).name != file or file in ("", ".", "..") or "\\" in file:
-            raise InvalidInputError(f"{path}: {file[:80]!r} is not a file name in {directory}")
+        if Path(file).name != file or file in ("", ".", ".."):
+            raise InvalidInputError(f"{path}: {file[:80]!r} points outside {directory}: name a file in the folder")
+        confined.inside(directory, file, named_in=str(path))
         files.setdefault(file, []).append(name)
     return files
 
@@ -122,14 +114,12 @@ def _index_files(directory: Path) -> dict[str, list[str]]:
 def read_source(source: Path) -> dict[str, torch.Tensor]:
     """The tensors of a ``.safetensors`` file or of a Hugging Face folder (index + shards, or
     ``model.safetensors``), memory-mapped."""
-    if source.is_file():
-        return open_safetensors(source)
     if not source.is_dir():
-        raise InvalidInputError(f"{source} is neither a file nor a folder")
-    if not (source / INDEX_FILE).is_file():
-        if (source / SINGLE_FILE).is_file():
+        return open_safetensors(source)
+    if not sources.exists(source / INDEX_FILE):
+        if sources.exists(source / SINGLE_FILE):
             return open_safetensors(source / SINGLE_FILE)
-        if (source / BIN_FILE).is_file():
+        if sources.exists(source / BIN_FILE):
             return sources.read_pickled_file(source / BIN_FILE).model
         raise InvalidInputError(f"{source} holds neither {INDEX_FILE}, {SINGLE_FILE} nor {BIN_FILE}")
     tensors: dict[str, torch.Tensor] = {}
@@ -145,24 +135,55 @@ def read_source(source: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_checkpoint(source: Path) -> sources.Imported:
-    """Everything an import stores from ``source``, whatever its format (:mod:`client.sources`)."""
-    if source.is_file():
+def read_checkpoint(source: Path, *, expand_limit: int = 0) -> sources.Imported:
+    """Everything an import stores from ``source``, whatever its format (:mod:`client.sources`).
+
+    ``source`` itself is the user's choice and may be a link; every file it names is confined
+    to it. ``expand_limit`` lets expanded (stride-0) tensors of ``.pt`` files through up to
+    that many bytes each. Every tensor read is checked against its bytes (:func:`sources.check_tensors`).
+    """
+    source = source.resolve()
+    if not source.is_dir():
         if source.suffix in sources.PICKLED_SUFFIXES:
-            return sources.read_pickled_file(source)
-        return sources.Imported(open_safetensors(source))
-    if (source / sources.DCP_METADATA).is_file():
-        return sources.read_dcp(source)
-    if (source / sources.TRAINER_STATE).is_file():
-        return sources.read_trainer_folder(source, read_source(source))
-    return sources.Imported(read_source(source))
+            imported = sources.read_pickled_file(source, expand_limit=expand_limit)
+        else:
+            imported = sources.Imported(open_safetensors(source))
+    elif sources.exists(source / sources.DCP_METADATA):
+        imported = sources.read_dcp(source)
+    elif sources.exists(source / sources.TRAINER_STATE):
+        imported = sources.read_trainer_folder(source, read_source(source), expand_limit=expand_limit)
+    else:
+        imported = sources.Imported(read_source(source))
+    for part, value in (("optimizer", imported.optim), ("scheduler", imported.scheduler), ("extra", imported.extra)):
+        sources.check_tensors(value, f"{source} ({part})")
+    return imported
 
 
-def import_weights(client: Client, source: Path, run_id: str, *, tags: list[str] | tuple[str, ...] = ()) -> SaveResult:
+def import_weights(
+    client: Client,
+    source: Path,
+    run_id: str,
+    *,
+    tags: list[str] | tuple[str, ...] = (),
+    expand_limit: int = 0,
+) -> SaveResult:
     """Store the checkpoint at ``source`` as the next version of ``run_id``: model tensors (not
     trainable unless the source has optimizer state for them), optimizer and scheduler state,
-    extras, and the step where the source records one."""
-    imported = read_checkpoint(source)
+    extras, and the step where the source records one.
+
+    Everything is read and checked before anything is stored: a refused source stores nothing.
+
+    Raises:
+        InvalidInputError: the source, or a file it names, is refused (the message names the
+            file and what is wrong).
+    """
+    return save_imported(client, read_checkpoint(source, expand_limit=expand_limit), source, run_id, tags=tags)
+
+
+def save_imported(
+    client: Client, imported: sources.Imported, source: Path, run_id: str, *, tags: list[str] | tuple[str, ...] = ()
+) -> SaveResult:
+    """Store what :func:`read_checkpoint` read from ``source`` as the next version of ``run_id``."""
     if not imported.model:
         raise InvalidInputError(f"{source} holds no tensors")
     return client.save_state_dict(

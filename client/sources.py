@@ -11,21 +11,27 @@
   ``get_state_dict``'s layout (state keyed by parameter name), its ``optim``, plus
   ``scheduler`` and ``extra`` if present.
 
-Pickled files are read by :mod:`client.pickled` only (``weights_only``; never a full unpickler).
-Optimizer state is always stored keyed by parameter name, so ``client.load(..., optim=...)``
-resumes an imported run with the usual placement rules.
+Every file is untrusted input, read by :mod:`client.formats` only: pickles by its allow-list
+reader (never a general unpickler, never ``torch.load``), paths confined to the source folder,
+every tensor checked against the bytes behind it (:func:`check_tensors`), and configs turned
+into models without running code (:func:`meta_model`). Optimizer state is always stored
+keyed by parameter name, so ``client.load(..., optim=...)`` resumes an imported run with the
+usual placement rules.
 """
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from client.pickled import load_weights_only, read_dcp_folder
+from client.formats import confined
+from client.formats.dcp_folder import read_dcp_folder
+from client.formats.json_text import parse_json
+from client.formats.torch_files import RefusedTensor, read_torch_file
 from service.errors import InvalidInputError
 
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -33,6 +39,9 @@ TRAINER_STATE = "trainer_state.json"
 DCP_METADATA = ".metadata"
 _STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
 MAX_TRAINER_STATE_BYTES = 100 << 20
+MAX_CONFIG_BYTES = 10 << 20
+#: Most layers a config may ask for: the model is built (on the meta device) to learn its names.
+MAX_CONFIG_LAYERS = 1024
 
 
 @dataclass
@@ -46,9 +55,17 @@ class Imported:
     step: int | None = None
 
 
+def exists(path: Path) -> bool:
+    """Whether anything is at ``path``, a dangling link or a FIFO included (the reader then refuses it by name)."""
+    return os.path.lexists(path)
+
+
 def _tensor_dict(value: Any, where: str) -> dict[str, torch.Tensor]:
     if not isinstance(value, dict) or not value:
         raise InvalidInputError(f"{where} is not a non-empty dict of tensors")
+    for key, tensor in value.items():
+        if isinstance(tensor, RefusedTensor):
+            raise InvalidInputError(f"{where}: tensor {str(key)[:80]!r} {tensor.reason}")
     bad = [str(k)[:80] for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise InvalidInputError(f"{where} holds entries that are not tensors under names: {bad[:5]}")
@@ -70,9 +87,25 @@ def _state_dict_in(loaded: Any, path: Path) -> dict[str, torch.Tensor]:
     raise InvalidInputError(f"{path} holds a {type(loaded).__name__}, not a state_dict")
 
 
-def read_pickled_file(path: Path) -> Imported:
+def check_tensors(value: Any, where: str) -> None:
+    """Refuse a tensor anywhere in ``value`` that could not be made over its bytes, naming its path.
+
+    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too.
+    """
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, RefusedTensor):
+            raise InvalidInputError(f"{path}: {node.reason}")
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}[{str(k)[:40]!r}]") for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+
+
+def read_pickled_file(path: Path, *, expand_limit: int = 0) -> Imported:
     """A ``.pt``/``.pth``/``.bin`` state_dict or a Lightning ``.ckpt``."""
-    loaded = load_weights_only(path)
+    loaded = read_torch_file(path, expand_limit=expand_limit)
     step = loaded.get("global_step") if isinstance(loaded, dict) else None
     return Imported(_state_dict_in(loaded, path), step=step if isinstance(step, int) else None)
 
@@ -93,37 +126,84 @@ def plain_values(value: Any) -> Any:
 
 
 def _named_optimizer(state: Any, names: list[list[str]], where: str) -> dict[str, Any]:
-    """An index-keyed optimizer state_dict re-keyed by parameter name, checking every state tensor's shape."""
+    """An index-keyed optimizer state_dict re-keyed by parameter name, its structure checked."""
     groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(names):
+    by_index_state = state.get("state") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not isinstance(by_index_state, dict):
+        raise InvalidInputError(f"{where}: not an optimizer state_dict (a dict with 'state' and a 'param_groups' list)")
+    if len(groups) != len(names):
         raise InvalidInputError(
-            f"{where} has {len(groups or [])} param groups; the model's Trainer grouping has {len(names)}"
+            f"{where} has {len(groups)} param groups; the model's Trainer grouping has {len(names)}"
         )
     by_index: dict[int, str] = {}
     named_groups = []
     for group, group_names in zip(groups, names, strict=True):
-        if len(group["params"]) != len(group_names):
+        params = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(params, list) or not all(type(i) is int for i in params):
+            raise InvalidInputError(f"{where}: a param group is not a dict with a 'params' list of indices")
+        if len(params) != len(group_names):
             raise InvalidInputError(
-                f"{where}: a param group holds {len(group['params'])} parameters, the model's Trainer grouping "
+                f"{where}: a param group holds {len(params)} parameters, the model's Trainer grouping "
                 f"{len(group_names)}"
             )
-        by_index.update(zip(group["params"], group_names, strict=True))
+        by_index.update(zip(params, group_names, strict=True))
         named_groups.append({**group, "params": group_names})
-    return {"state": {by_index[i]: s for i, s in state["state"].items()}, "param_groups": named_groups}
+    unknown = [i for i in by_index_state if i not in by_index]
+    if unknown:
+        raise InvalidInputError(
+            f"{where}: state for parameter index {str(unknown[0])[:40]}, which no param group holds"
+        )
+    if not all(isinstance(s, dict) for s in by_index_state.values()):
+        raise InvalidInputError(f"{where}: a parameter's state is not a dict")
+    return {"state": {by_index[i]: s for i, s in by_index_state.items()}, "param_groups": named_groups}
 
 
 def meta_model(directory: Path) -> torch.nn.Module:
     """The transformers model ``config.json`` in ``directory`` describes, on the meta device
-    (no memory, no download)."""
+    (no memory, no download, no code from the folder).
+
+    The config is read as JSON here and built with ``AutoConfig.for_model`` from its
+    ``model_type``; a config that asks for remote code (``auto_map``) is refused, and the class
+    is ``architectures[0]`` only when that names a transformers model class built for the
+    config's type.
+    """
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(directory)
-    architectures = getattr(config, "architectures", None) or []
-    model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if model_class is None:
-        raise InvalidInputError(f"{directory}/config.json names no transformers architecture ({architectures})")
-    with torch.device("meta"):
-        return model_class(config)
+    path = directory / "config.json"
+    config_dict = parse_json(confined.read_small(path, MAX_CONFIG_BYTES), str(path), floats=True)
+    if not isinstance(config_dict, dict):
+        raise InvalidInputError(f"{path}: not a JSON object")
+    if "auto_map" in config_dict:
+        raise InvalidInputError(
+            f"{path}: names its own model code (auto_map); ckptstore never runs remote code from a checkpoint"
+        )
+    model_type = config_dict.pop("model_type", None)
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        raise InvalidInputError(f"{path}: model_type {str(model_type)[:40]!r} is not one transformers knows")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        raise InvalidInputError(f"{path}: transformers refuses the config: {str(exc)[:200]}") from exc
+    layers = getattr(config, "num_hidden_layers", 0)
+    if not isinstance(layers, int) or layers > MAX_CONFIG_LAYERS:
+        raise InvalidInputError(f"{path}: {layers} layers is past the limit of {MAX_CONFIG_LAYERS}")
+    architectures = config_dict.get("architectures") or []
+    name = architectures[0] if isinstance(architectures, list) and architectures else None
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    if not (
+        isinstance(model_class, type)
+        and issubclass(model_class, transformers.PreTrainedModel)
+        and model_class.config_class is not None
+        and isinstance(config, model_class.config_class)
+    ):
+        raise InvalidInputError(
+            f"{path}: architectures names {str(name)[:80]!r}, not a transformers model class for a {model_type} config"
+        )
+    try:
+        with torch.device("meta"):
+            return model_class(config)
+    except (TypeError, ValueError, AttributeError, KeyError, RuntimeError, IndexError) as exc:
+        raise InvalidInputError(f"{path}: {name} cannot be built from this config: {str(exc)[:200]}") from exc
 
 
 def trainer_param_names(model: torch.nn.Module) -> list[list[str]]:
@@ -152,35 +232,34 @@ def add_tied(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[s
     return completed
 
 
-def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor]) -> Imported:
+def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor], *, expand_limit: int = 0) -> Imported:
     """A Trainer checkpoint folder: ``model_tensors`` (its weights, read by the caller) and the rest."""
     state_path = directory / TRAINER_STATE
-    if state_path.stat().st_size > MAX_TRAINER_STATE_BYTES:
-        raise InvalidInputError(f"{state_path} is larger than {MAX_TRAINER_STATE_BYTES} bytes")
-    try:
-        trainer_state = json.loads(state_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InvalidInputError(f"{state_path} is not JSON: {exc}") from exc
+    trainer_state = parse_json(
+        confined.read_small(state_path, MAX_TRAINER_STATE_BYTES), str(state_path), floats=True, constants=True
+    )
     model = meta_model(directory)
     imported = Imported(add_tied(model_tensors, model), extra={"trainer_state": trainer_state})
     step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
     imported.step = step if isinstance(step, int) else None
-    if (directory / "optimizer.pt").is_file():
+    optimizer_path = directory / "optimizer.pt"
+    if exists(optimizer_path):
         names = trainer_param_names(model)
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        optim = _named_optimizer(load_weights_only(directory / "optimizer.pt"), names, str(directory / "optimizer.pt"))
+        optim = _named_optimizer(read_torch_file(optimizer_path, expand_limit=expand_limit), names, str(optimizer_path))
         for name, param_state in optim["state"].items():
             for key, value in param_state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shapes[name]:
                     raise InvalidInputError(
-                        f"optimizer.pt: {key} of {name!r} has shape {list(value.shape)}, the parameter "
+                        f"{optimizer_path}: {key} of {name!r} has shape {list(value.shape)}, the parameter "
                         f"{list(shapes[name])}; the optimizer was not built with the Trainer's grouping"
                     )
         imported.optim = optim
-    if (directory / "scheduler.pt").is_file():
-        imported.scheduler = plain_values(load_weights_only(directory / "scheduler.pt"))
+    if exists(directory / "scheduler.pt"):
+        imported.scheduler = plain_values(read_torch_file(directory / "scheduler.pt", expand_limit=expand_limit))
     rng = {
-        p.stem: plain_values(load_weights_only(p, numpy_arrays=True)) for p in sorted(directory.glob("rng_state*.pth"))
+        p.stem: plain_values(read_torch_file(p, numpy_arrays=True, expand_limit=expand_limit))
+        for p in sorted(directory.glob("rng_state*.pth"))
     }
     if rng:
         imported.extra["rng_state"] = rng
@@ -194,6 +273,7 @@ def _by_name(optim: Any) -> bool:
         and isinstance(optim.get("state"), dict)
         and isinstance(optim.get("param_groups"), list)
         and all(isinstance(k, str) for k in optim["state"])
+        and all(isinstance(g, dict) and isinstance(g.get("params", []), list) for g in optim["param_groups"])
         and all(isinstance(n, str) for g in optim["param_groups"] for n in g.get("params", []))
     )
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from service.errors import CheckpointError, InvalidNameError
+from service.errors import CheckpointError, InvalidInputError, InvalidNameError
 from service.format.names import LATEST, parse_ref, validate_run_id
 
 if TYPE_CHECKING:
@@ -91,11 +91,12 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
 
 
 @contextmanager
-def reported() -> Iterator[None]:
+def reported(*, invalid_input: int = EXIT_FAILED) -> Iterator[None]:
     """Turn expected errors into ``error: …`` and an exit code, never a traceback.
 
-    Malformed names are usage errors (2); every other CheckpointError and file-system error
-    means the operation failed (1).
+    Malformed names are usage errors (2); a refused input is ``invalid_input`` (2 for a
+    command whose input is a file the user named, such as ``import``); every other
+    CheckpointError and file-system error means the operation failed (1).
     """
     try:
         yield
@@ -103,6 +104,8 @@ def reported() -> Iterator[None]:
         fail(str(exc), EXIT_USAGE)
     except InvalidNameError as exc:
         fail(str(exc), EXIT_USAGE)
+    except InvalidInputError as exc:
+        fail(str(exc), invalid_input)
     except CheckpointError as exc:
         fail(str(exc))
     except OSError as exc:

@@ -13,6 +13,7 @@ import typer
 
 from client.cli.common import (
     EXIT_FAILED,
+    EXIT_USAGE,
     UsageProblem,
     echo_json,
     open_client,
@@ -144,22 +145,32 @@ def import_(
     ],
     run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run to add the version to (created if new).")],
     tag: Annotated[list[str] | None, typer.Option("--tag", help="Tag the new version (repeatable).")] = None,
+    allow_expanded: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Store expanded (stride-0) tensors of .pt files as full tensors, each up to SIZE (e.g. 1GiB).",
+        ),
+    ] = None,
 ) -> None:
     """Store a checkpoint from disk as a new version: weights (frozen unless the source has
     optimizer state for them), and optimizer, scheduler and trainer state where the source has them.
 
-    Pickled files are read with torch's weights_only loader on this machine only; a file that
-    needs full unpickling is refused. Seed a base model once; every fine-tune saved later stores
-    only what differs from it.
+    The source is untrusted input: pickled files are read by ckptstore's own allow-list reader
+    (tensors, dicts, lists, numbers, strings; nothing is ever called), every file it names must
+    be a regular file inside it, every tensor must fit the bytes behind it, and configs never
+    run code. A refused source stores nothing and exits with 2. Seed a base model once; every
+    fine-tune saved later stores only what differs from it.
     """
-    from client.importing import import_weights
+    from client.importing import read_checkpoint, save_imported
 
-    with reported():
+    with reported(invalid_input=EXIT_USAGE):
         if "@" in run_id:
             raise UsageProblem(f"{run_id!r}: import adds the next version of a run; give RUN without @REF")
         validate_run_id(run_id)
+        imported = read_checkpoint(source, expand_limit=parse_size(allow_expanded) if allow_expanded else 0)
         with open_saving_client() as ckpt:
-            result = import_weights(ckpt, source, run_id, tags=tag or ())
+            result = save_imported(ckpt, imported, source, run_id, tags=tag or ())
     typer.echo(
         f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "
         f"{result.run_id}@{result.version}: {size(result.bytes_new)} new, {result.dedup_ratio:.1%} already stored, "

@@ -1,0 +1,338 @@
+"""DCP checkpoint folders (``.metadata`` + ``*.distcp``), read by this code from the metadata's offsets.
+
+The ``.metadata`` pickle is read by :mod:`client.formats.pickle_reader` with DCP's metadata
+classes as plain :class:`Record` s (never the classes themselves). Everything it claims is
+checked before a byte of data is read:
+
+- each tensor's chunks lie inside it and cover it exactly once (no gap, no overlap), so every
+  stored byte comes from the source and none is left as whatever memory held;
+- each item's ``relative_path`` names a regular file inside the folder, and its offset and
+  length lie inside that file;
+- each nested key path (``planner_data``) is a short tuple of names and indices.
+
+Then each item's bytes, a ``torch.save`` archive, are read by :mod:`client.formats.torch_files`:
+a chunk must hold a tensor of exactly the chunk's shape and the tensor's dtype; a byte item
+(any other value DCP pickled) is read under the same allow-list as any ``.pt`` file.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client.formats import confined
+from client.formats.pickle_reader import Global, GlobalTable, PickleLimits, Record, read_pickle
+from client.formats.torch_files import RefusedTensor, read_torch_bytes
+from service.errors import InvalidInputError
+
+METADATA = ".metadata"
+#: The largest ``.metadata`` read (it lists every chunk of every tensor).
+MAX_METADATA_BYTES = 256 << 20
+#: Most chunks of one tensor, and most entries of a checkpoint.
+MAX_CHUNKS = 1 << 16
+MAX_ENTRIES = 1 << 20
+#: Longest nested key path and largest list index a path may hold.
+MAX_PATH_DEPTH = 64
+MAX_LIST_INDEX = 1 << 20
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_RECORDS = (
+    {
+        (_DCP, name): name
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "_StorageInfo"}
+    | {("pathlib", name): "path" for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")}
+)
+
+
+def _record(kind: str) -> Global:
+    """DCP's class ``kind`` as a :class:`Record` maker, whether the pickle calls or instantiates it."""
+
+    def make(args: tuple[Any, ...]) -> Record:
+        return Record(kind, args)
+
+    return Global(kind, call=make, new=make)
+
+
+def _metadata_globals() -> GlobalTable:
+    table: dict[tuple[str, str], Any] = {key: _record(kind) for key, kind in _RECORDS.items()}
+    table[("torch.serialization", "_get_layout")] = Global("layout", call=lambda args: str(args))
+    table[("torch", "Size")] = Global("torch.Size", call=lambda args: tuple(args[0]) if args else ())
+    table[("collections", "OrderedDict")] = Global("OrderedDict", call=lambda args: {})
+    table.update({("torch", n): d for n in dir(torch) if isinstance(d := getattr(torch, n, None), torch.dtype)})
+    return table
+
+
+def read_metadata(path: Path) -> Record:
+    """The ``Metadata`` record of a ``.metadata`` file (fields as read; see :func:`read_dcp_folder`)."""
+    data = confined.read_small(path, MAX_METADATA_BYTES)
+    value, _ = read_pickle(
+        data, where=str(path), globals_=_metadata_globals(), limits=PickleLimits(max_bytes=MAX_METADATA_BYTES)
+    )
+    if not isinstance(value, Record) or value.kind != "Metadata":
+        raise InvalidInputError(f"{path}: holds a {type(value).__name__}, not DCP metadata")
+    return value
+
+
+def _field(record: Any, kind: str, name: str, index: int | None, where: str) -> Any:
+    if not isinstance(record, Record) or record.kind != kind:
+        raise InvalidInputError(f"{where}: expected DCP's {kind}, found a {type(record).__name__}")
+    try:
+        return record.field(name, index)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{where}: {exc}") from None
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(type(v) is int and v >= 0 for v in value):
+        raise InvalidInputError(f"{what} is not a list of at most 64 non-negative integers")
+    return tuple(value)
+
+
+def _volume(sizes: tuple[int, ...]) -> int:
+    volume = 1
+    for size in sizes:
+        volume *= size
+    return volume
+
+
+def check_cover(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], what: str) -> None:
+    """Refuse chunks that leave part of a tensor of ``size`` uncovered, overlap, or lie outside it.
+
+    Raises:
+        InvalidInputError: naming ``what`` and the first chunk at fault.
+    """
+    for offsets, sizes in chunks:
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise InvalidInputError(f"{what}: a chunk has {len(offsets)} dimensions, the tensor {len(size)}")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
+            raise InvalidInputError(f"{what}: chunk at {list(offsets)} of {list(sizes)} reaches outside {list(size)}")
+    total = _volume(size)
+    if total == 0:
+        return
+    live = [c for c in chunks if _volume(c[1])]
+    # Sweep along the dimension the chunks are cut on most: a chunk can only overlap the ones
+    # that start before it ends there.
+    dim = max(range(len(size)), key=lambda d: len({c[0][d] for c in live}), default=None)
+    if dim is not None:
+        live.sort(key=lambda c: c[0][dim])
+    for i, (offsets, sizes) in enumerate(live):
+        for other_offsets, other_sizes in live[i + 1 :]:
+            if dim is not None and other_offsets[dim] >= offsets[dim] + sizes[dim]:
+                break
+            if all(
+                a < b + bs and b < a + as_
+                for a, as_, b, bs in zip(offsets, sizes, other_offsets, other_sizes, strict=True)
+            ):
+                raise InvalidInputError(
+                    f"{what}: chunks at {list(offsets)} and {list(other_offsets)} overlap; each element must be "
+                    "stored once"
+                )
+    covered = sum(_volume(c[1]) for c in live)
+    if covered != total:
+        raise InvalidInputError(
+            f"{what}: its chunks cover {covered} of its {total} elements, leaving the rest uncovered; the "
+            "checkpoint is incomplete"
+        )
+
+
+class _Folder:
+    """The folder's files, each checked and mapped once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mapped: dict[Path, mmap.mmap | bytes] = {}
+
+    def region(self, info: Any, where: str) -> tuple[Path, mmap.mmap | bytes, int, int]:
+        """The file, its mapping and ``(offset, length)`` a ``_StorageInfo`` names, all checked."""
+        name = _field(info, "_StorageInfo", "relative_path", 0, where)
+        if isinstance(info.state, dict) and info.state.get("transform_descriptors"):
+            raise InvalidInputError(
+                f"{where}: the item is stored transformed (compressed), which ckptstore does not read"
+            )
+        path = confined.inside(self.root, name, named_in=f"{self.root / METADATA} ({where})")
+        if path not in self.mapped:
+            self.mapped[path] = confined.map_file(path) or b""
+        mapped = self.mapped[path]
+        offset, length = confined.check_region(
+            path,
+            _field(info, "_StorageInfo", "offset", 1, where),
+            _field(info, "_StorageInfo", "length", 2, where),
+            len(mapped),
+            where,
+        )
+        return path, mapped, offset, length
+
+
+def _storage_index(metadata: Record, where: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    storage_data = metadata.field("storage_data", None) if isinstance(metadata.state, dict) else None
+    if not isinstance(storage_data, dict) or len(storage_data) > MAX_ENTRIES:
+        raise InvalidInputError(f"{where}: storage_data is not a dict of at most {MAX_ENTRIES} entries")
+    index: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for key, info in storage_data.items():
+        fqn = _field(key, "MetadataIndex", "fqn", 0, where)
+        offset = key.state.get("offset") if isinstance(key.state, dict) else None
+        if not isinstance(fqn, str):
+            raise InvalidInputError(f"{where}: an item's name is not a string")
+        index[(fqn, None if offset is None else _ints(offset, f"{where}: {fqn!r}'s offset"))] = info
+    return index
+
+
+def read_dcp_folder(directory: Path) -> dict[str, Any]:
+    """Every item of the DCP checkpoint in ``directory``, as the nested state_dict it was saved from, on the CPU.
+
+    Raises:
+        InvalidInputError: a file, path, region, chunk layout or value the checks above refuse.
+    """
+    meta_path = directory / METADATA
+    metadata = read_metadata(meta_path)
+    where = str(meta_path)
+    entries = _field(metadata, "Metadata", "state_dict_metadata", 0, where)
+    if not isinstance(entries, dict) or len(entries) > MAX_ENTRIES:
+        raise InvalidInputError(f"{where}: state_dict_metadata is not a dict of at most {MAX_ENTRIES} entries")
+    storage = _storage_index(metadata, where)
+    planner = metadata.state.get("planner_data") if isinstance(metadata.state, dict) else None
+    plans = {fqn: _plan_tensor(fqn, entry, where) for fqn, entry in entries.items()}  # every claim, before any read
+    folder = _Folder(directory)
+    flat: dict[str, Any] = {}
+    for fqn, plan in plans.items():
+        if plan is None:
+            info = storage.get((fqn, None))
+            if info is None:
+                raise InvalidInputError(f"{where}: item {fqn[:80]!r} has no bytes recorded")
+            path, mapped, offset, length = folder.region(info, f"item {fqn[:80]!r}")
+            flat[fqn] = read_torch_bytes(mapped, offset, length, where=f"{path} (item {fqn[:80]!r})")
+        else:
+            flat[fqn] = _read_tensor(fqn, plan, storage, folder, where)
+    return _nested(flat, planner, where)
+
+
+def _plan_tensor(fqn: Any, entry: Any, where: str) -> tuple[torch.dtype, tuple[int, ...], list[Any]] | None:
+    """A tensor's dtype, size and chunks, checked to cover it exactly; None for a byte item."""
+    if not isinstance(fqn, str):
+        raise InvalidInputError(f"{where}: an entry's name is not a string")
+    if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
+        return None
+    what = f"{where}: tensor {fqn[:80]!r}"
+    properties = _field(entry, "TensorStorageMetadata", "properties", 0, what)
+    dtype = _field(properties, "TensorProperties", "dtype", 0, what)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidInputError(f"{what}: its dtype is not a torch dtype")
+    size = _ints(_field(entry, "TensorStorageMetadata", "size", 1, what), f"{what}: its size")
+    chunks = _field(entry, "TensorStorageMetadata", "chunks", 2, what)
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS:
+        raise InvalidInputError(f"{what}: its chunks are not a list of at most {MAX_CHUNKS}")
+    boxes = [
+        (
+            _ints(_field(c, "ChunkStorageMetadata", "offsets", 0, what), f"{what}: a chunk's offsets"),
+            _ints(_field(c, "ChunkStorageMetadata", "sizes", 1, what), f"{what}: a chunk's sizes"),
+        )
+        for c in chunks
+    ]
+    check_cover(size, boxes, what)
+    return dtype, size, boxes
+
+
+def _read_tensor(
+    fqn: str, plan: tuple[torch.dtype, tuple[int, ...], list[Any]], storage: dict[Any, Any], folder: _Folder, where: str
+) -> Any:
+    dtype, size, boxes = plan
+    pieces = []
+    for offsets, sizes in boxes:
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise InvalidInputError(f"{where}: chunk {list(offsets)} of tensor {fqn[:80]!r} has no bytes recorded")
+        path, mapped, offset, length = folder.region(info, f"tensor {fqn[:80]!r}")
+        piece = read_torch_bytes(mapped, offset, length, where=f"{path} (tensor {fqn[:80]!r})")
+        if isinstance(piece, RefusedTensor):
+            raise InvalidInputError(f"{path}: tensor {fqn[:80]!r} {piece.reason}")
+        if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or tuple(piece.shape) != sizes:
+            shown = f"a {piece.dtype} tensor of {list(piece.shape)}" if isinstance(piece, torch.Tensor) else "no tensor"
+            raise InvalidInputError(
+                f"{path}: chunk {list(offsets)} of tensor {fqn[:80]!r} holds {shown} ({_nbytes(piece)} bytes), where "
+                f"{where} claims a {dtype} chunk of {list(sizes)} ({_volume(sizes) * dtype.itemsize} bytes)"
+            )
+        pieces.append((offsets, piece))
+    if len(pieces) == 1 and tuple(pieces[0][1].shape) == size:
+        return pieces[0][1]
+    whole = torch.empty(size, dtype=dtype)
+    for offsets, piece in pieces:
+        target = whole
+        for dim, (start, length) in enumerate(zip(offsets, piece.shape, strict=True)):
+            target = target.narrow(dim, start, length)
+        target.copy_(piece)
+    return whole
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _nested(flat: dict[str, Any], planner: Any, where: str) -> dict[str, Any]:
+    """``flat`` (by DCP's flattened name) placed at each name's key path, as DCP's own loader does."""
+    if planner is None:
+        return flat
+    if not isinstance(planner, dict):
+        raise InvalidInputError(f"{where}: planner_data is not a dict")
+    root: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        path = planner.get(fqn, (fqn,))
+        if not isinstance(path, (tuple, list)) or not path:
+            raise InvalidInputError(f"{where}: the key path of {fqn[:80]!r} is not a list of keys")
+        if len(path) > MAX_PATH_DEPTH:
+            raise InvalidInputError(
+                f"{where}: the key path of {fqn[:80]!r} is {len(path)} deep, past the limit of {MAX_PATH_DEPTH}"
+            )
+        _place(root, list(path), value, f"{where}: the key path of {fqn[:80]!r}")
+    return root
+
+
+def _place(root: dict[str, Any], path: list[Any], value: Any, what: str) -> None:
+    for key in path:
+        if not (isinstance(key, str) or (type(key) is int and 0 <= key < MAX_LIST_INDEX)):
+            raise InvalidInputError(f"{what} holds {str(key)[:40]!r}, neither a name nor a list index below the limit")
+    if not isinstance(path[0], str):
+        raise InvalidInputError(f"{what} starts with an index, not a name")
+    container: Any = root
+    for key, following in zip(path, path[1:], strict=False):
+        fresh: Any = {} if isinstance(following, str) else []
+        container = _child(container, key, fresh, what)
+    _set(container, path[-1], value, what)
+
+
+def _child(container: Any, key: Any, fresh: Any, what: str) -> Any:
+    if isinstance(container, dict) and isinstance(key, str):
+        existing = container.setdefault(key, fresh)
+    elif isinstance(container, list) and isinstance(key, int):
+        container.extend([None] * (key + 1 - len(container)))
+        if container[key] is None:
+            container[key] = fresh
+        existing = container[key]
+    else:
+        raise InvalidInputError(f"{what} indexes a {type(container).__name__} with {str(key)[:40]!r}")
+    if type(existing) is not type(fresh):
+        raise InvalidInputError(f"{what} conflicts with another item's path")
+    return existing
+
+
+def _set(container: Any, key: Any, value: Any, what: str) -> None:
+    if isinstance(container, dict) and isinstance(key, str):
+        container[key] = value
+    elif isinstance(container, list) and isinstance(key, int):
+        container.extend([None] * (key + 1 - len(container)))
+        container[key] = value
+    else:
+        raise InvalidInputError(f"{what} indexes a {type(container).__name__} with {str(key)[:40]!r}")

@@ -1,0 +1,513 @@
+"""The one reader of pickled bytes: an allow-list interpreter, bounded while it reads.
+
+A pickle is a program: its ``GLOBAL`` opcodes name any callable and ``REDUCE`` calls it.
+Python's unpickler runs that program; this module interprets the same opcodes (protocols 0-5)
+without ever importing or calling what a pickle names. Each global is looked up in a table the
+caller hands in (:class:`Global` entries it may call, or constants such as dtypes); any other
+is refused, naming it. ``APPEND`` and ``SETITEM`` work on lists and dicts only, ``BUILD`` on
+the caller's own builders (:class:`Built`) and dicts (whose attribute state is dropped),
+copyreg extension codes and out-of-band buffers are refused.
+
+Bounds, checked as it reads: the pickle's size, the objects it makes and the references it
+takes (``max_items``), the memo's entries, the digits of an int. When the program stops, one
+linear pass (never recursive) measures the value as a tree — shared parts counted at every
+place they appear, so ``x = [x, x]`` forty times counts 2**40 — and its depth, refusing
+cycles, before any code walks it; the same pass swaps each finished builder for its result.
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class PickleLimits:
+    """What one pickle may hold; anything past a limit is refused while it is read."""
+
+    #: The pickle's own bytes.
+    max_bytes: int = 1 << 30
+    #: Objects made plus references taken (each list item, dict entry, memo fetch counts one).
+    max_items: int = 1 << 24
+    #: Memo entries.
+    max_memo: int = 1 << 22
+    #: Nodes of the value as a tree, shared parts counted wherever they appear.
+    max_tree: int = 1 << 23
+    #: Nesting of containers.
+    max_depth: int = 100
+    #: Bytes of one integer.
+    max_int_bytes: int = 32
+
+
+@dataclass(frozen=True)
+class Global:
+    """A callable a pickle may name: ``call`` for ``REDUCE``, ``new`` for ``NEWOBJ``.
+
+    Both receive the pickle's argument tuple and return a value (or a :class:`Built`);
+    neither is the object the pickle names, only the caller's stand-in for it.
+    """
+
+    name: str
+    call: Callable[[tuple[Any, ...]], Any] | None = None
+    new: Callable[[tuple[Any, ...]], Any] | None = None
+
+
+class Built:
+    """A value a pickle finishes with ``BUILD``; the reader swaps it for :meth:`result` at the end."""
+
+    def build(self, state: Any) -> None:
+        """Take the ``BUILD`` state (once)."""
+        raise InvalidInputError(f"{type(self).__name__} takes no state")
+
+    def result(self) -> Any:
+        """The finished value."""
+        return self
+
+
+class Record(Built):
+    """An instance of an allowed class as plain data: its name, its arguments and its state.
+
+    Never the class itself: the reader of a format (DCP's metadata) reads the fields it needs.
+    """
+
+    __slots__ = ("kind", "args", "state")
+
+    def __init__(self, kind: str, args: tuple[Any, ...]) -> None:
+        self.kind = kind
+        self.args = args
+        self.state: Any = None
+
+    def build(self, state: Any) -> None:
+        """Keep the state, which may be given once."""
+        if self.state is not None:
+            raise InvalidInputError(f"{self.kind} is given its state twice")
+        self.state = state
+
+    def field(self, name: str, index: int | None = None) -> Any:
+        """A field of the state: ``state[name]`` for a dict state, ``state[index]`` for a tuple."""
+        if isinstance(self.state, dict) and name in self.state:
+            return self.state[name]
+        if isinstance(self.state, tuple) and index is not None and index < len(self.state):
+            return self.state[index]
+        raise InvalidInputError(f"{self.kind} has no {name}")
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.args!r}"
+
+
+GlobalTable = Mapping[tuple[str, str], Any]
+
+
+class _Mark:
+    """The stack marker ``MARK`` pushes."""
+
+
+_MARK = _Mark()
+
+
+def read_pickle(
+    data: bytes | memoryview,
+    *,
+    where: str,
+    globals_: GlobalTable,
+    persistent_load: Callable[[Any], Any] | None = None,
+    limits: PickleLimits = PickleLimits(),
+    start: int = 0,
+    finish: bool = True,
+) -> tuple[Any, int]:
+    """The value the pickle at ``data[start:]`` describes, and the offset just past its ``STOP``.
+
+    ``globals_`` maps ``(module, name)`` to a :class:`Global` or a constant; ``persistent_load``
+    turns a persistent id into a value (without it, persistent ids are refused). With
+    ``finish=False`` the value is returned as read, builders not yet swapped for their results
+    (see :func:`finish_value`), for a format whose builders need data that follows the pickle.
+
+    Raises:
+        InvalidInputError: ``where`` and what is wrong: a global not in the table, a limit
+            passed, or bytes that are not a pickle this reader follows.
+    """
+    machine = _Machine(memoryview(data), start, where, globals_, persistent_load, limits)
+    try:
+        value = machine.run()
+    except InvalidInputError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, struct.error, OverflowError) as exc:
+        raise InvalidInputError(
+            f"{where}: not a pickle ckptstore reads ({type(exc).__name__} at byte {machine.opcode_at}: "
+            f"{str(exc)[:120]})"
+        ) from exc
+    return (finish_value(value, where=where, limits=limits) if finish else value), machine.pos
+
+
+class _Machine:
+    """The interpreter's state: the bytes, the stack, the marks and the memo."""
+
+    def __init__(
+        self,
+        data: memoryview,
+        start: int,
+        where: str,
+        globals_: GlobalTable,
+        persistent_load: Callable[[Any], Any] | None,
+        limits: PickleLimits,
+    ) -> None:
+        self.data, self.pos, self.opcode_at = data, start, start
+        self.end = min(len(data), start + limits.max_bytes)
+        self.where, self.globals, self.persistent_load, self.limits = where, globals_, persistent_load, limits
+        self.stack: list[Any] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Any] = {}
+        self.items = 0
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > self.end:
+            if self.end < len(self.data):
+                raise InvalidInputError(
+                    f"{self.where}: the pickle runs past the limit of {self.limits.max_bytes} bytes"
+                )
+            raise InvalidInputError(f"{self.where}: the pickle ends inside an opcode at byte {self.opcode_at}")
+        piece = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return piece
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def line(self) -> bytes:
+        end = bytes(self.data[self.pos : min(self.pos + 4096, self.end)]).find(b"\n")
+        if end < 0:
+            raise InvalidInputError(f"{self.where}: a text opcode at byte {self.opcode_at} has no end of line")
+        text = bytes(self.take(end + 1))[:-1]
+        return text[:-1] if text.endswith(b"\r") else text
+
+    def count(self, n: int = 1) -> None:
+        self.items += n
+        if self.items > self.limits.max_items:
+            raise InvalidInputError(
+                f"{self.where}: the pickle makes more than {self.limits.max_items} objects, past the limit"
+            )
+
+    def push(self, value: Any) -> None:
+        self.count()
+        self.stack.append(value)
+
+    def pop_mark(self) -> list[Any]:
+        if not self.marks:
+            raise InvalidInputError(f"{self.where}: an opcode at byte {self.opcode_at} needs a MARK that is not there")
+        mark = self.marks.pop()
+        items = self.stack[mark:]
+        del self.stack[mark:]
+        if any(item is _MARK for item in items):
+            raise InvalidInputError(f"{self.where}: a MARK is left inside a group at byte {self.opcode_at}")
+        return items
+
+    def pop(self) -> Any:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise InvalidInputError(f"{self.where}: the stack runs empty at byte {self.opcode_at}")
+        return self.stack.pop()
+
+    def top(self) -> Any:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise InvalidInputError(f"{self.where}: the stack runs empty at byte {self.opcode_at}")
+        return self.stack[-1]
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> Any:
+        while True:
+            self.opcode_at = self.pos
+            code = self.take(1)[0]
+            if code == 0x2E:  # STOP
+                if len(self.stack) != 1 or self.marks:
+                    raise InvalidInputError(
+                        f"{self.where}: the pickle stops with {len(self.stack)} values on its stack"
+                    )
+                return self.stack[0]
+            handler = _OPCODES.get(code)
+            if handler is None:
+                raise InvalidInputError(
+                    f"{self.where}: not a pickle ckptstore reads (opcode {code:#04x} at byte {self.opcode_at})"
+                )
+            handler(self)
+
+    def int_from_text(self, text: bytes) -> int:
+        if len(text) > 40:
+            raise InvalidInputError(f"{self.where}: an integer of {len(text)} digits is past the limit")
+        return int(text)
+
+    def long(self, n: int) -> None:
+        if n > self.limits.max_int_bytes:
+            raise InvalidInputError(
+                f"{self.where}: an integer of {n} bytes is past the limit of {self.limits.max_int_bytes}"
+            )
+        self.push(int.from_bytes(self.take(n), "little", signed=True))
+
+    def memo_put(self, index: int) -> None:
+        if index not in self.memo and len(self.memo) >= self.limits.max_memo:
+            raise InvalidInputError(
+                f"{self.where}: the pickle's memo passes the limit of {self.limits.max_memo} entries"
+            )
+        self.memo[index] = self.top()
+
+    def memo_get(self, index: int) -> None:
+        if index not in self.memo:
+            raise InvalidInputError(f"{self.where}: memo entry {index} is read before it is written")
+        self.push(self.memo[index])
+
+    def find_global(self, module: str, name: str) -> None:
+        if not isinstance(module, str) or not isinstance(name, str):
+            raise InvalidInputError(f"{self.where}: a global is named by something that is not a string")
+        if (module, name) not in self.globals:
+            shown = f"{module}.{name}"[:200]
+            raise InvalidInputError(
+                f"{self.where} needs full unpickling to load: it names the global {shown}, which ckptstore never "
+                "calls. ckptstore imports only tensors, dicts, lists, numbers and strings (what torch's "
+                "weights_only loader reads); save the state_dict alone (model.state_dict() with torch.save) and "
+                "import that"
+            )
+        self.push(self.globals[(module, name)])
+
+    def reduce(self, new: bool = False) -> None:
+        func, args = self.pop_n(2)
+        if not isinstance(func, Global) or not isinstance(args, tuple):
+            raise InvalidInputError(f"{self.where}: the pickle calls something that is not a callable it may call")
+        call = func.new if new else func.call
+        if call is None:
+            raise InvalidInputError(f"{self.where}: {func.name} cannot be {'made' if new else 'called'} that way")
+        self.count()
+        self.stack.append(call(args))
+
+    def build(self) -> None:
+        state = self.pop()
+        target = self.top()
+        if isinstance(target, Built):
+            target.build(state)
+        elif not isinstance(target, dict):  # a dict's attributes (torch's _metadata) are dropped
+            raise InvalidInputError(f"{self.where}: BUILD on a {type(target).__name__}, which takes no state")
+
+    def pop_n(self, n: int) -> list[Any]:
+        """The top ``n`` values, deepest first."""
+        values = [self.pop() for _ in range(n)]
+        values.reverse()
+        return values
+
+    def discard(self, _: Any) -> None:
+        """Drop a value (the opcodes that pop without using what they pop)."""
+
+    def int_or_bool(self, text: bytes) -> int | bool:
+        """Protocol 0's ``INT``: ``00`` and ``01`` are False and True."""
+        return {b"00": False, b"01": True}[text] if text in (b"00", b"01") else self.int_from_text(text)
+
+    def new_dict(self, items: list[Any]) -> None:
+        made: dict[Any, Any] = {}
+        self.stack.append(made)
+        self.set_items(items)
+
+    def set_items(self, items: list[Any]) -> None:
+        target = self.top()
+        if not isinstance(target, dict) or len(items) % 2:
+            raise InvalidInputError(f"{self.where}: SETITEM on a {type(target).__name__}, not a dict")
+        self.count(len(items) // 2)
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def append(self, items: list[Any]) -> None:
+        target = self.top()
+        if not isinstance(target, list):
+            raise InvalidInputError(f"{self.where}: APPEND to a {type(target).__name__}, not a list")
+        self.count(len(items))
+        target.extend(items)
+
+    def add_items(self, items: list[Any]) -> None:
+        target = self.top()
+        if not isinstance(target, set):
+            raise InvalidInputError(f"{self.where}: ADDITEMS to a {type(target).__name__}, not a set")
+        self.count(len(items))
+        target.update(items)
+
+    def persistent(self, pid: Any) -> None:
+        if self.persistent_load is None:
+            raise InvalidInputError(f"{self.where}: the pickle refers to outside data, which this file may not")
+        self.push(self.persistent_load(pid))
+
+    def refuse(self, what: str) -> None:
+        raise InvalidInputError(
+            f"{self.where}: the pickle uses {what} (byte {self.opcode_at}), which ckptstore never reads"
+        )
+
+
+def _string_literal(machine: _Machine, text: bytes) -> str:
+    if len(text) < 2 or text[0] != text[-1] or text[:1] not in (b"'", b'"'):
+        raise InvalidInputError(f"{machine.where}: a STRING opcode without quotes at byte {machine.opcode_at}")
+    return codecs.escape_decode(text[1:-1])[0].decode("ascii")
+
+
+def _utf8(piece: memoryview) -> str:
+    return str(piece, "utf-8", "surrogatepass")
+
+
+def _ascii(piece: memoryview) -> str:
+    return str(piece, "ascii")
+
+
+_OPCODES: dict[int, Callable[[_Machine], None]] = {
+    0x80: lambda m: None if m.take(1)[0] <= 5 else m.refuse("an unknown protocol"),  # PROTO
+    0x95: lambda m: m.discard(m.take(8)),  # FRAME: framing only
+    # numbers
+    ord("I"): lambda m: m.push(m.int_or_bool(m.line())),
+    ord("J"): lambda m: m.push(m.unpack("<i")),
+    ord("K"): lambda m: m.push(m.take(1)[0]),
+    ord("M"): lambda m: m.push(m.unpack("<H")),
+    ord("L"): lambda m: m.push(m.int_from_text(m.line().rstrip(b"L"))),
+    0x8A: lambda m: m.long(m.take(1)[0]),  # LONG1
+    0x8B: lambda m: m.long(m.unpack("<i")),  # LONG4
+    ord("F"): lambda m: m.push(float(m.line())),
+    ord("G"): lambda m: m.push(m.unpack(">d")),
+    # strings and bytes
+    ord("S"): lambda m: m.push(_string_literal(m, m.line())),
+    ord("T"): lambda m: m.push(_ascii(m.take(m.unpack("<i")))),
+    ord("U"): lambda m: m.push(_ascii(m.take(m.take(1)[0]))),
+    ord("B"): lambda m: m.push(bytes(m.take(m.unpack("<I")))),
+    ord("C"): lambda m: m.push(bytes(m.take(m.take(1)[0]))),
+    0x8E: lambda m: m.push(bytes(m.take(m.unpack("<Q")))),  # BINBYTES8
+    0x96: lambda m: m.push(bytearray(m.take(m.unpack("<Q")))),  # BYTEARRAY8
+    ord("V"): lambda m: m.push(m.line().decode("raw-unicode-escape")),
+    ord("X"): lambda m: m.push(_utf8(m.take(m.unpack("<I")))),
+    0x8C: lambda m: m.push(_utf8(m.take(m.take(1)[0]))),  # SHORT_BINUNICODE
+    0x8D: lambda m: m.push(_utf8(m.take(m.unpack("<Q")))),  # BINUNICODE8
+    # constants
+    ord("N"): lambda m: m.push(None),
+    0x88: lambda m: m.push(True),
+    0x89: lambda m: m.push(False),
+    # containers
+    ord("]"): lambda m: m.push([]),
+    ord("a"): lambda m: m.append([m.pop()]),
+    ord("e"): lambda m: m.append(m.pop_mark()),
+    ord("l"): lambda m: m.push(m.pop_mark()),
+    ord(")"): lambda m: m.push(()),
+    ord("t"): lambda m: m.push(tuple(m.pop_mark())),
+    0x85: lambda m: m.push(tuple(m.pop_n(1))),  # TUPLE1
+    0x86: lambda m: m.push(tuple(m.pop_n(2))),  # TUPLE2
+    0x87: lambda m: m.push(tuple(m.pop_n(3))),  # TUPLE3
+    ord("}"): lambda m: m.push({}),
+    ord("d"): lambda m: m.new_dict(m.pop_mark()),
+    ord("s"): lambda m: m.set_items(m.pop_n(2)),
+    ord("u"): lambda m: m.set_items(m.pop_mark()),
+    0x8F: lambda m: m.push(set()),  # EMPTY_SET
+    0x90: lambda m: m.add_items(m.pop_mark()),  # ADDITEMS
+    0x91: lambda m: m.push(frozenset(m.pop_mark())),  # FROZENSET
+    # the stack and the memo
+    ord("("): lambda m: m.marks.append(len(m.stack)),
+    ord("0"): lambda m: m.discard(m.pop()),
+    ord("1"): lambda m: m.discard(m.pop_mark()),
+    ord("2"): lambda m: m.push(m.top()),
+    ord("g"): lambda m: m.memo_get(m.int_from_text(m.line())),
+    ord("h"): lambda m: m.memo_get(m.take(1)[0]),
+    ord("j"): lambda m: m.memo_get(m.unpack("<I")),
+    ord("p"): lambda m: m.memo_put(m.int_from_text(m.line())),
+    ord("q"): lambda m: m.memo_put(m.take(1)[0]),
+    ord("r"): lambda m: m.memo_put(m.unpack("<I")),
+    0x94: lambda m: m.memo_put(len(m.memo)),  # MEMOIZE
+    # globals and calls
+    ord("c"): lambda m: m.find_global(m.line().decode("utf-8"), m.line().decode("utf-8")),
+    0x93: lambda m: m.find_global(*m.pop_n(2)),  # STACK_GLOBAL
+    ord("R"): lambda m: m.reduce(),
+    0x81: lambda m: m.reduce(new=True),  # NEWOBJ
+    ord("b"): lambda m: m.build(),
+    0x92: lambda m: m.refuse("NEWOBJ_EX (keyword arguments)"),
+    ord("i"): lambda m: m.refuse("INST"),
+    ord("o"): lambda m: m.refuse("OBJ"),
+    0x82: lambda m: m.refuse("a copyreg extension code"),
+    0x83: lambda m: m.refuse("a copyreg extension code"),
+    0x84: lambda m: m.refuse("a copyreg extension code"),
+    0x97: lambda m: m.refuse("an out-of-band buffer"),
+    0x98: lambda m: m.refuse("an out-of-band buffer"),
+    # outside data
+    ord("P"): lambda m: m.persistent(m.line().decode("ascii")),
+    ord("Q"): lambda m: m.persistent(m.pop()),
+}
+
+
+def _children(node: Any) -> Iterator[Any] | None:
+    """The values ``node`` holds, or None for a leaf."""
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return iter(node)
+    if isinstance(node, dict):
+        return (x for pair in node.items() for x in pair)
+    if isinstance(node, Record):
+        return iter((node.args, node.state))
+    return None
+
+
+def finish_value(root: Any, *, where: str, limits: PickleLimits = PickleLimits()) -> Any:
+    """``root`` measured as a tree and rebuilt with every :class:`Built` swapped for its result.
+
+    One iterative post-order pass, shared parts visited once (so the pass is linear in what was
+    read) but counted wherever they appear. Lists, dicts and sets are rebuilt, so a part the
+    pickle shares stays shared; records keep their fields as read.
+
+    Raises:
+        InvalidInputError: a cycle, more than ``max_tree`` nodes, or deeper than ``max_depth``.
+    """
+    done: dict[int, tuple[Any, int, int]] = {}  # id -> (result, tree size, depth)
+    keep: list[Any] = []  # what done's ids belong to, alive until the pass ends
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        key = id(node)
+        if key in done and not expanded:
+            continue
+        children = _children(node)
+        if children is None:
+            done[key] = (node.result() if isinstance(node, Built) else node, 1, 0)
+            keep.append(node)
+            continue
+        if not expanded:
+            on_path.add(key)
+            stack.append((node, True))
+            for child in children:
+                if id(child) in on_path:
+                    raise InvalidInputError(f"{where}: the pickle's value contains itself (a reference cycle)")
+                if id(child) not in done:
+                    stack.append((child, False))
+            continue
+        on_path.discard(key)
+        parts = [done[id(child)] for child in _children(node) or ()]
+        size = 1 + sum(part[1] for part in parts)
+        depth = 1 + max((part[2] for part in parts), default=0)
+        if size > limits.max_tree:
+            raise InvalidInputError(
+                f"{where}: the pickle's value expands to more than {limits.max_tree} parts when its shared "
+                "references are followed, past the limit"
+            )
+        if depth > limits.max_depth:
+            raise InvalidInputError(f"{where}: the pickle nests deeper than the limit of {limits.max_depth} levels")
+        done[key] = (_rebuilt(node, [part[0] for part in parts]), size, depth)
+        keep.append(node)
+    return done[id(root)][0]
+
+
+def _rebuilt(node: Any, values: list[Any]) -> Any:
+    """A container like ``node`` holding ``values`` (its children's results, in order)."""
+    if isinstance(node, list):
+        return values
+    if isinstance(node, tuple):
+        return tuple(values)
+    if isinstance(node, (set, frozenset)):
+        return type(node)(values)
+    if isinstance(node, dict):
+        return dict(zip(values[0::2], values[1::2], strict=True))
+    record: Record = node
+    record.args, record.state = values[0], values[1]
+    return record.result()
+
+
+__all__ = ["Built", "Global", "GlobalTable", "PickleLimits", "Record", "finish_value", "read_pickle"]
