@@ -282,6 +282,7 @@ class TorchFile:
             table[(module, "frozenset")] = Global(
                 "frozenset", call=lambda args: frozenset(_check_args(args, 1, "set")[0])
             )
+            table[(module, "bytes")] = Global("bytes", call=_empty_bytes)
         if self.numpy_arrays:
             for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
                 table[(module, "_reconstruct")] = Global("numpy array", call=lambda args: _NumpyArray())
@@ -304,6 +305,13 @@ def _parameter(args: tuple[Any, ...]) -> Any:
     if not isinstance(data, _TensorRecord):
         raise InvalidInputError("a parameter that holds no tensor")
     return data
+
+
+def _empty_bytes(args: tuple[Any, ...]) -> bytes:
+    """``bytes()``: how protocols 0-2 write an empty bytes object."""
+    if args:
+        raise InvalidInputError("bytes is made with arguments")
+    return b""
 
 
 def _codecs_encode(args: tuple[Any, ...]) -> bytes:
