@@ -31,7 +31,8 @@ import torch
 from client.formats import confined
 from client.formats.dcp_folder import read_dcp_folder
 from client.formats.json_text import parse_json
-from client.formats.torch_files import RefusedTensor, read_torch_file
+from client.formats.torch_files import read_torch_file
+from client.formats.torch_globals import RefusedTensor
 from service.errors import InvalidInputError
 
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

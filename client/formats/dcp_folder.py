@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from client.formats import confined
-from client.formats.pickle_reader import Global, GlobalTable, PickleLimits, Record, read_pickle
-from client.formats.torch_files import RefusedTensor, read_torch_bytes
+from client.formats.pickle_reader import read_pickle
+from client.formats.pickle_types import Global, GlobalTable, PickleLimits, Record
+from client.formats.torch_files import read_torch_bytes
+from client.formats.torch_globals import RefusedTensor
 from service.errors import InvalidInputError
 
 METADATA = ".metadata"

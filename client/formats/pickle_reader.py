@@ -19,88 +19,12 @@ from __future__ import annotations
 
 import codecs
 import struct
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from client.formats.pickle_tree import finish_value
+from client.formats.pickle_types import Built, Global, GlobalTable, PickleLimits
 from service.errors import InvalidInputError
-
-
-@dataclass(frozen=True)
-class PickleLimits:
-    """What one pickle may hold; anything past a limit is refused while it is read."""
-
-    #: The pickle's own bytes.
-    max_bytes: int = 1 << 30
-    #: Objects made plus references taken (each list item, dict entry, memo fetch counts one).
-    max_items: int = 1 << 24
-    #: Memo entries.
-    max_memo: int = 1 << 22
-    #: Nodes of the value as a tree, shared parts counted wherever they appear.
-    max_tree: int = 1 << 23
-    #: Nesting of containers.
-    max_depth: int = 100
-    #: Bytes of one integer.
-    max_int_bytes: int = 32
-
-
-@dataclass(frozen=True)
-class Global:
-    """A callable a pickle may name: ``call`` for ``REDUCE``, ``new`` for ``NEWOBJ``.
-
-    Both receive the pickle's argument tuple and return a value (or a :class:`Built`);
-    neither is the object the pickle names, only the caller's stand-in for it.
-    """
-
-    name: str
-    call: Callable[[tuple[Any, ...]], Any] | None = None
-    new: Callable[[tuple[Any, ...]], Any] | None = None
-
-
-class Built:
-    """A value a pickle finishes with ``BUILD``; the reader swaps it for :meth:`result` at the end."""
-
-    def build(self, state: Any) -> None:
-        """Take the ``BUILD`` state (once)."""
-        raise InvalidInputError(f"{type(self).__name__} takes no state")
-
-    def result(self) -> Any:
-        """The finished value."""
-        return self
-
-
-class Record(Built):
-    """An instance of an allowed class as plain data: its name, its arguments and its state.
-
-    Never the class itself: the reader of a format (DCP's metadata) reads the fields it needs.
-    """
-
-    __slots__ = ("kind", "args", "state")
-
-    def __init__(self, kind: str, args: tuple[Any, ...]) -> None:
-        self.kind = kind
-        self.args = args
-        self.state: Any = None
-
-    def build(self, state: Any) -> None:
-        """Keep the state, which may be given once."""
-        if self.state is not None:
-            raise InvalidInputError(f"{self.kind} is given its state twice")
-        self.state = state
-
-    def field(self, name: str, index: int | None = None) -> Any:
-        """A field of the state: ``state[name]`` for a dict state, ``state[index]`` for a tuple."""
-        if isinstance(self.state, dict) and name in self.state:
-            return self.state[name]
-        if isinstance(self.state, tuple) and index is not None and index < len(self.state):
-            return self.state[index]
-        raise InvalidInputError(f"{self.kind} has no {name}")
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.args!r}"
-
-
-GlobalTable = Mapping[tuple[str, str], Any]
 
 
 class _Mark:
@@ -435,79 +359,4 @@ _OPCODES: dict[int, Callable[[_Machine], None]] = {
 }
 
 
-def _children(node: Any) -> Iterator[Any] | None:
-    """The values ``node`` holds, or None for a leaf."""
-    if isinstance(node, (list, tuple, set, frozenset)):
-        return iter(node)
-    if isinstance(node, dict):
-        return (x for pair in node.items() for x in pair)
-    if isinstance(node, Record):
-        return iter((node.args, node.state))
-    return None
-
-
-def finish_value(root: Any, *, where: str, limits: PickleLimits = PickleLimits()) -> Any:
-    """``root`` measured as a tree and rebuilt with every :class:`Built` swapped for its result.
-
-    One iterative post-order pass, shared parts visited once (so the pass is linear in what was
-    read) but counted wherever they appear. Lists, dicts and sets are rebuilt, so a part the
-    pickle shares stays shared; records keep their fields as read.
-
-    Raises:
-        InvalidInputError: a cycle, more than ``max_tree`` nodes, or deeper than ``max_depth``.
-    """
-    done: dict[int, tuple[Any, int, int]] = {}  # id -> (result, tree size, depth)
-    keep: list[Any] = []  # what done's ids belong to, alive until the pass ends
-    on_path: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        node, expanded = stack.pop()
-        key = id(node)
-        if key in done and not expanded:
-            continue
-        children = _children(node)
-        if children is None:
-            done[key] = (node.result() if isinstance(node, Built) else node, 1, 0)
-            keep.append(node)
-            continue
-        if not expanded:
-            on_path.add(key)
-            stack.append((node, True))
-            for child in children:
-                if id(child) in on_path:
-                    raise InvalidInputError(f"{where}: the pickle's value contains itself (a reference cycle)")
-                if id(child) not in done:
-                    stack.append((child, False))
-            continue
-        on_path.discard(key)
-        parts = [done[id(child)] for child in _children(node) or ()]
-        size = 1 + sum(part[1] for part in parts)
-        depth = 1 + max((part[2] for part in parts), default=0)
-        if size > limits.max_tree:
-            raise InvalidInputError(
-                f"{where}: the pickle's value expands to more than {limits.max_tree} parts when its shared "
-                "references are followed, past the limit"
-            )
-        if depth > limits.max_depth:
-            raise InvalidInputError(f"{where}: the pickle nests deeper than the limit of {limits.max_depth} levels")
-        done[key] = (_rebuilt(node, [part[0] for part in parts]), size, depth)
-        keep.append(node)
-    return done[id(root)][0]
-
-
-def _rebuilt(node: Any, values: list[Any]) -> Any:
-    """A container like ``node`` holding ``values`` (its children's results, in order)."""
-    if isinstance(node, list):
-        return values
-    if isinstance(node, tuple):
-        return tuple(values)
-    if isinstance(node, (set, frozenset)):
-        return type(node)(values)
-    if isinstance(node, dict):
-        return dict(zip(values[0::2], values[1::2], strict=True))
-    record: Record = node
-    record.args, record.state = values[0], values[1]
-    return record.result()
-
-
-__all__ = ["Built", "Global", "GlobalTable", "PickleLimits", "Record", "finish_value", "read_pickle"]
+__all__ = ["read_pickle"]

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.formats.pickle_reader import PickleLimits, read_pickle
-from client.formats.torch_files import TorchFile
+from client.formats.pickle_reader import read_pickle
+from client.formats.pickle_types import PickleLimits
+from client.formats.torch_globals import TorchFile
 from service.errors import InvalidInputError
 
 TABLE = TorchFile("test.pt").globals_table()
