@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints,
 from service.errors import InvalidManifestError
 from service.format.bounds import INT64_MAX
 from service.format.digest import DIGEST_PATTERN
-from service.format.dtypes import DTYPES, byte_length, element_count
+from service.format.dtypes import DTYPES, byte_length, element_count, shape_problem
 from service.format.names import MetricName, RunId
 
 FORMAT_VERSION = "ckptstore.manifest/1"
@@ -32,6 +32,16 @@ MAX_UNKNOWN_FIELDS = 8
 Digest = Annotated[str, StringConstraints(pattern=DIGEST_PATTERN)]
 Dim = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Shape = Annotated[list[Dim], Field(max_length=64)]
+#: A tensor's own shape: its dims are bounded together, by the entry (``shape_problem``), so a
+#: refusal names the tensor; the schema states the bound on each dim that this implies.
+TensorShape = Annotated[
+    list[Annotated[int, Field(ge=0, json_schema_extra={"maximum": INT64_MAX})]],
+    Field(
+        max_length=64,
+        description="The product of the dims (a 0 counted as 1) times the dtype's item size is below 2**63: "
+        "the tensor's size in elements and bytes and each of its strides fit 64-bit integers.",
+    ),
+]
 TensorKey = Annotated[str, StringConstraints(pattern=r"^(model|optim|scheduler|extra)/[^\x00-\x1f\x7f]{1,1000}$")]
 ParamName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,1000}$")]
 DeviceType = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
@@ -84,7 +94,7 @@ class TensorEntry(_Strict):
 
     key: TensorKey
     dtype: DTypeName
-    shape: Shape
+    shape: TensorShape
     dtype_class: Literal["floating", "integer", "bool", "complex"]
     digest: Digest | None = None
     chunks: Annotated[list[Chunk], Field(min_length=1, max_length=MAX_CHUNKS)] | None = None
@@ -95,13 +105,14 @@ class TensorEntry(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> TensorEntry:
-        width, kind = DTYPES[self.dtype]
+        kind = DTYPES[self.dtype][1]
         if self.dtype_class != kind:
             raise ValueError(f"{self.key}: dtype_class {self.dtype_class} does not match dtype {self.dtype}")
         if (self.digest is None) == (self.chunks is None):
             raise ValueError(f"{self.key}: give exactly one of digest and chunks")
-        if width * element_count(self.shape) > INT64_MAX:
-            raise ValueError(f"{self.key}: shape {self.shape} is too large")
+        problem = shape_problem(self.dtype, self.shape)
+        if problem is not None:
+            raise ValueError(f"{self.key}: {problem}")
         if (self.placement == "param") != (self.param is not None):
             raise ValueError(f"{self.key}: 'param' is required with placement 'param' and only then")
         if self.key.startswith("model/") != (self.trainable is not None):

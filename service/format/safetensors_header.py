@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 from service.errors import InvalidInputError, InvalidShardError
 from service.format.digest import is_digest, shard_id
-from service.format.dtypes import DTYPES, byte_length, itemsize
+from service.format.dtypes import DTYPES, byte_length, itemsize, shape_problem
 from service.format.jsondoc import strict_decoder
 
 PREFIX_BYTES = 8
@@ -130,9 +130,10 @@ def entry_fields(
     """``(dtype, shape, begin, end)`` of one tensor entry of a safetensors header, checked on its own.
 
     The entry must hold exactly ``dtype`` (a known name), ``shape`` (at most ``MAX_DIMS``
-    non-negative integers) and ``data_offsets`` (``[begin, end]``, non-negative integers)
-    spanning exactly itemsize × elements bytes. Where the entry lies in the file is the
-    caller's to check.
+    non-negative integers whose size and strides fit 64 bits:
+    :func:`~service.format.dtypes.shape_problem`) and ``data_offsets`` (``[begin, end]``,
+    non-negative integers) spanning exactly itemsize × elements bytes. Where the entry lies in
+    the file is the caller's to check.
 
     Raises:
         error: naming ``subject`` (e.g. "shard tensor 3fa2…") and the first rule broken.
@@ -145,6 +146,9 @@ def entry_fields(
         raise error(f"{subject} has unknown dtype {str(dtype)[:20]!r}, which ckptstore cannot store")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
         raise error(f"{subject} has an invalid shape {str(shape)[:80]}")
+    problem = shape_problem(dtype, shape)
+    if problem is not None:
+        raise error(f"{subject}: {problem}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
         raise error(f"{subject} has invalid data_offsets {str(offsets)[:80]}")
     begin, end = offsets
