@@ -23,6 +23,9 @@ from client.hashing import DigestCache, Taken
 from client.results import SaveResult
 from client.saving import Snapshot
 from client.state import FlatState
+from client.tensors import dtype_name
+from service.errors import InvalidManifestError
+from service.format.dtypes import shape_problem
 
 
 class SaveHandle:
@@ -131,6 +134,11 @@ class Staging:
         """This key's staging buffer, shaped for ``tensor`` (on the host, pinned for a CUDA tensor)."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            # A zero-size view can have a shape no contiguous tensor can (its strides overflow
+            # 64 bits): refuse it as the manifest check will, where torch.empty would fail bare.
+            problem = shape_problem(dtype_name(tensor, key), tensor.shape)
+            if problem is not None:
+                raise InvalidManifestError(f"{key}: {problem}")
             pinned = device not in ("cpu", "meta") and torch.cuda.is_available()
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self._buffers[key] = buffer

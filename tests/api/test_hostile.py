@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from service.format.digest import tensor_digest
 from service.store import Store
 from tests.api.kit import (
     Served,
@@ -576,6 +577,44 @@ def test_a_commit_with_the_same_key_twice_is_422(client: TestClient, seeded: Sto
     assert_error(response, 422)
     assert "twice" in response.json()["message"]
     assert seeded.runs() == []
+
+
+#: Shapes with no element whose strides or size overflow 64 bits (torch cannot make them), and
+#: the largest F32 shapes that fit (4 × 2**61 is 2**63).
+OVERFLOWING_SHAPES = [[0, 2**62, 2**62], [0, 2**63], [2**62, 2**62, 0], [0, 2**61], [0, 0, 2**61, 1]]
+FITTING_SHAPES = [[0, 2**61 - 1], [2**61 - 1, 0, 0]]
+
+
+def _empty_entry(shape: list[int]) -> dict[str, Any]:
+    return {
+        "key": "extra/huge",
+        "dtype": "F32",
+        "shape": shape,
+        "dtype_class": "floating",
+        "digest": tensor_digest("F32", shape, b""),
+        "placement": "host",
+        "device_type": "cpu",
+    }
+
+
+@pytest.mark.parametrize("shape", OVERFLOWING_SHAPES, ids=str)
+def test_a_commit_of_a_shape_whose_strides_overflow_is_422_naming_it(
+    client: TestClient, seeded: Store, shape: list[int]
+) -> None:
+    response = client.post("/v1/runs/run-a/versions", json=commit_body(GOOD_ENTRY, _empty_entry(shape)), headers=WRITE)
+    assert_error(response, 422)  # refused by the request's model, as every malformed manifest is
+    message = response.json()["message"]
+    assert f"extra/huge: shape {shape}" in message and "overflow 64-bit integers" in message, message
+    assert seeded.runs() == []
+
+
+@pytest.mark.parametrize("shape", FITTING_SHAPES, ids=str)
+def test_a_commit_of_an_empty_shape_just_inside_the_bound_is_stored(
+    client: TestClient, seeded: Store, shape: list[int]
+) -> None:
+    response = client.post("/v1/runs/run-a/versions", json=commit_body(GOOD_ENTRY, _empty_entry(shape)), headers=WRITE)
+    assert response.status_code == 201, response.text
+    assert seeded.manifest("run-a").tensors[1].shape == shape
 
 
 # -- fuzz -------------------------------------------------------------------------------------

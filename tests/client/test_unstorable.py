@@ -59,7 +59,7 @@ KEYS = {
 }
 
 
-def _save_with(ckpt: client.Client, place: str, odd: torch.Tensor) -> None:
+def _save_with(ckpt: client.Client, place: str, odd: torch.Tensor, *, blocking: bool = True) -> None:
     # Large, ordinary tensors sit beside the odd one: a save that wrote before checking would store them.
     ordinary = [torch.randn(64, 1024), torch.randn(1 << 16).to(torch.bfloat16)]
     model = Holder(ordinary)
@@ -76,7 +76,9 @@ def _save_with(ckpt: client.Client, place: str, odd: torch.Tensor) -> None:
         scheduler.state_dict = lambda: {"odd": odd}  # type: ignore[method-assign]
     if place == "extra":
         extra["odd"] = odd
-    ckpt.save("run", model, optim, scheduler=scheduler, extra=extra)
+    saved = ckpt.save("run", model, optim, scheduler=scheduler, extra=extra, blocking=blocking)
+    if isinstance(saved, client.SaveHandle):
+        saved.result()
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -96,3 +98,19 @@ def test_unstorable_tensors_are_refused_by_key_before_anything_is_stored(
 def test_the_same_save_succeeds_once_the_odd_tensor_is_dense(backend: Backend) -> None:
     _save_with(backend.client, "extra", torch.eye(3).to_sparse().to_dense())
     assert [run.run_id for run in backend.client.runs()] == ["run"]
+
+
+def test_a_shape_whose_strides_overflow_is_refused_by_key_before_anything_is_stored(backend: Backend) -> None:
+    """No element, yet laid out contiguously its shape needs strides of 2**124: a load could not
+    make it, so the manifest check refuses it, in a background save too (whose snapshot would
+    otherwise fail in torch.empty)."""
+    odd = torch.empty(0).as_strided([0, 2**62, 2**62], [0, 0, 0])
+    for place in ("model", "extra"):
+        for blocking in (True, False):
+            with pytest.raises(client.InvalidManifestError) as raised:
+                _save_with(backend.client, place, odd, blocking=blocking)
+            message = str(raised.value)
+            assert f"{KEYS[place]}: shape {list(odd.shape)} is too large" in message, message
+            assert "size or strides overflow 64-bit integers" in message
+    assert backend.client.runs() == []
+    assert list(backend.blobs.list_ids()) == [], "a refused save stored shards"
