@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlparse
 from service.blobs import BlobStore, LocalBlobStore
 from service.db import Database
 from service.errors import InvalidInputError, NotFoundError
+from service.secrets_mask import mask_url
 from service.settings import Settings
 from service.store import Store
 
@@ -40,7 +41,7 @@ def open_blob_store(url: str, settings: Settings) -> BlobStore:
             part_bytes=settings.s3_part_bytes,
             checksum=settings.s3_checksum,
         )
-    raise InvalidInputError(f"CKPTSTORE_BLOBS must be file:///path or s3://bucket/prefix, not {url!r}")
+    raise InvalidInputError(f"CKPTSTORE_BLOBS must be file:///path or s3://bucket/prefix, not {mask_url(url)!r}")
 
 
 def check_store_exists(settings: Settings) -> None:

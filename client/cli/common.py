@@ -19,6 +19,7 @@ import typer
 
 from service.errors import CheckpointError, InvalidInputError, InvalidNameError
 from service.format.names import LATEST, parse_ref, validate_run_id
+from service.secrets_mask import mask_url, mask_urls
 
 if TYPE_CHECKING:
     from client.api import Client
@@ -85,8 +86,11 @@ def parse_size(text: str) -> int:
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    """Print ``error: message`` on stderr and exit with ``code``."""
-    typer.echo(f"error: {message}", err=True)
+    """Print ``error: message`` on stderr, any URL in it with its secrets masked, and exit with ``code``.
+
+    Messages quote foreign text (S3's names its endpoint URL, credentials and all).
+    """
+    typer.echo(f"error: {mask_urls(message)}", err=True)
     raise typer.Exit(code)
 
 
@@ -150,18 +154,15 @@ def _token() -> str | None:
 
 
 def store_location(transport: object) -> str:
-    """Which store a command worked on, for people: a server's URL, or the database (without its
-    password) and blob store a process opened itself."""
+    """Which store a command worked on, for people: a server's URL, or the database and blob
+    store a process opened itself, each with its secrets masked (:func:`service.secrets_mask.mask_url`)."""
     from client.http_transport import HttpTransport
     from service.store import Store
 
     if isinstance(transport, HttpTransport):
-        return transport.url
+        return mask_url(transport.url)
     if isinstance(transport, Store):
-        from sqlalchemy.engine import make_url
-
-        database = make_url(transport.db.url).render_as_string(hide_password=True)
-        return f"{database} with blobs in {transport.blobs.location}"
+        return f"{mask_url(transport.db.url)} with blobs in {mask_url(transport.blobs.location)}"
     return type(transport).__name__
 
 

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from service.secrets_mask import mask_url, mask_urls
+
 
 def serve(
     host: Annotated[str | None, typer.Option(help="Address to bind [env CKPTSTORE_HOST; default 127.0.0.1].")] = None,
@@ -39,10 +41,10 @@ def serve(
 
             application = app_from_env()
     except CheckpointError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {mask_urls(str(exc))}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(
-        f"ckptstore serving {settings.resolved_database_url.split('@')[-1]} on http://{settings.host}:{settings.port}"
+        f"ckptstore serving {mask_url(settings.resolved_database_url)} on http://{settings.host}:{settings.port}"
     )
     from service.api.server import run, server_config
 
@@ -71,9 +73,9 @@ def db_upgrade() -> None:
         after = current_revision(database)
         database.dispose()
     except CheckpointError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {mask_urls(str(exc))}", err=True)
         raise typer.Exit(1) from exc
-    where = url.split("@")[-1]
+    where = mask_url(url)
     if before == after:
         typer.echo(f"{where}: already at revision {after} (head {head_revision()})")
     else:
@@ -93,6 +95,6 @@ def db_current() -> None:
         current = current_revision(database)
         database.dispose()
     except CheckpointError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {mask_urls(str(exc))}", err=True)
         raise typer.Exit(1) from exc
     typer.echo(f"current: {current or 'none'}  head: {head_revision()}")

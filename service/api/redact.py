@@ -9,7 +9,9 @@ access log records the request before anyone looks at it. So what reaches a log 
   word, as long as a token can be, is masked too);
 - every other log line (:func:`redact`) has the values of token-like parameters masked, the
   names matched after percent-decoding, in any case;
-- anywhere, a token this server accepts is replaced by ``***``, plain or percent-encoded.
+- anywhere, a token this server accepts is replaced by ``***``, plain or percent-encoded;
+- in every URL a line quotes (a database's, an S3 endpoint's), its password and secret-named
+  query values (:func:`service.secrets_mask.mask_urls`).
 
 The pages' ``/login?next=`` redirect carries :func:`safe_target`: no token-like parameter.
 """
@@ -20,6 +22,8 @@ import logging
 import re
 from collections.abc import Iterable
 from urllib.parse import parse_qsl, quote, unquote, urlencode
+
+from service.secrets_mask import mask_urls
 
 MASK = "***"
 #: A query parameter name this long or longer may be a token (tokens have at least 16 characters).
@@ -95,11 +99,17 @@ def loggable_target(target: str) -> str:
     return f"{shown}?{'&'.join(f'{name}={MASK}' if name != '…' else name for name in names)}"
 
 
-def redact(text: str) -> str:
-    """``text`` with the values of token-like parameters and every accepted token masked.
+def redact(text: str, *, urls: bool = True) -> str:
+    """``text`` with the values of token-like parameters, every accepted token and (with ``urls``)
+    the secrets of every URL in it (a database's or S3 endpoint's password:
+    :func:`service.secrets_mask.mask_urls`) masked.
 
     Parameter names are matched after percent-decoding, so ``to%6ben=`` counts as ``token=``.
+    Without ``urls`` (a %-format template such as ``"%s://%s:%d"``, which is no URL) the
+    URL rule is left out.
     """
+    if urls:
+        text = mask_urls(text)
     plain = decoded(text)
     masked = _mask_secrets(_SECRET_PARAM.sub(rf"\1{MASK}", plain))
     return text if masked == plain else masked
@@ -119,7 +129,7 @@ class RedactTokens(logging.Filter):
                 args = (*args[:2], loggable_target(args[2]), *args[3:])
             record.args = tuple(redact(a) if isinstance(a, str) else a for a in args)
         if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
+            record.msg = redact(record.msg, urls=not record.args)  # a template's URLs are in its args
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
