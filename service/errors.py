@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from service.secrets_mask import mask_urls
+
 
 class CheckpointError(Exception):
     """Root of every error ckptstore raises on purpose."""
@@ -165,10 +167,18 @@ class PermissionDeniedError(AuthenticationError):
 
 
 class StorageError(CheckpointError, OSError):
-    """The metadata database or blob store failed; the operation left no partial state."""
+    """The metadata database or blob store failed; the operation left no partial state.
+
+    The message often quotes a driver's or S3 client's own text, which may hold a URL with its
+    credentials (botocore names the endpoint it could not reach): every URL in it is shown with
+    its secrets masked (:func:`service.secrets_mask.mask_urls`).
+    """
 
     code = "storage"
     http_status = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(mask_urls(message))
 
 
 def _all_subclasses(cls: type[CheckpointError]) -> list[type[CheckpointError]]:
