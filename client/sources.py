@@ -75,7 +75,11 @@ def _tensor_dict(value: Any, where: str) -> dict[str, torch.Tensor]:
 
 def _state_dict_in(loaded: Any, path: Path) -> dict[str, torch.Tensor]:
     """The model state_dict inside an object read from a pickled file."""
-    if isinstance(loaded, dict) and loaded and all(isinstance(v, torch.Tensor) for v in loaded.values()):
+    if (
+        isinstance(loaded, dict)
+        and loaded
+        and all(isinstance(v, (torch.Tensor, RefusedTensor)) for v in loaded.values())
+    ):
         return _tensor_dict(loaded, str(path))
     if isinstance(loaded, dict):
         for key in _STATE_DICT_KEYS:

@@ -27,7 +27,10 @@ def inside(root: Path, name: object, *, named_in: str) -> Path:
             resolves outside ``root``.
     """
     if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
-        raise InvalidInputError(f"{named_in}: {str(name)[:120]!r} is not a file name inside {root}")
+        raise InvalidInputError(
+            f"{named_in}: {str(name)[:120]!r} is not a plain file name; a source names only its own files, "
+            f"never a place outside {root}"
+        )
     relative = PurePosixPath(name)
     if relative.is_absolute() or ".." in relative.parts:
         raise InvalidInputError(f"{named_in}: {name[:120]!r} points outside {root}: a source names only its own files")

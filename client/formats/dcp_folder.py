@@ -91,7 +91,9 @@ def read_metadata(path: Path) -> Record:
 
 def _field(record: Any, kind: str, name: str, index: int | None, where: str) -> Any:
     if not isinstance(record, Record) or record.kind != kind:
-        raise InvalidInputError(f"{where}: expected DCP's {kind}, found a {type(record).__name__}")
+        raise InvalidInputError(
+            f"{where}: not a DCP metadata record: expected DCP's {kind}, found a {type(record).__name__}"
+        )
     try:
         return record.field(name, index)
     except InvalidInputError as exc:
@@ -165,7 +167,7 @@ class _Folder:
             raise InvalidInputError(
                 f"{where}: the item is stored transformed (compressed), which ckptstore does not read"
             )
-        path = confined.inside(self.root, name, named_in=f"{self.root / METADATA} ({where})")
+        path = confined.inside(self.root, name, named_in=where)
         if path not in self.mapped:
             self.mapped[path] = confined.map_file(path) or b""
         mapped = self.mapped[path]
@@ -215,7 +217,7 @@ def read_dcp_folder(directory: Path) -> dict[str, Any]:
             info = storage.get((fqn, None))
             if info is None:
                 raise InvalidInputError(f"{where}: item {fqn[:80]!r} has no bytes recorded")
-            path, mapped, offset, length = folder.region(info, f"item {fqn[:80]!r}")
+            path, mapped, offset, length = folder.region(info, f"{where} (item {fqn[:80]!r})")
             flat[fqn] = read_torch_bytes(mapped, offset, length, where=f"{path} (item {fqn[:80]!r})")
         else:
             flat[fqn] = _read_tensor(fqn, plan, storage, folder, where)
@@ -257,7 +259,7 @@ def _read_tensor(
         info = storage.get((fqn, offsets))
         if info is None:
             raise InvalidInputError(f"{where}: chunk {list(offsets)} of tensor {fqn[:80]!r} has no bytes recorded")
-        path, mapped, offset, length = folder.region(info, f"tensor {fqn[:80]!r}")
+        path, mapped, offset, length = folder.region(info, f"{where} (tensor {fqn[:80]!r})")
         piece = read_torch_bytes(mapped, offset, length, where=f"{path} (tensor {fqn[:80]!r})")
         if isinstance(piece, RefusedTensor):
             raise InvalidInputError(f"{path}: tensor {fqn[:80]!r} {piece.reason}")

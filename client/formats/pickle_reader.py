@@ -96,7 +96,9 @@ class _Machine:
                 raise InvalidInputError(
                     f"{self.where}: the pickle runs past the limit of {self.limits.max_bytes} bytes"
                 )
-            raise InvalidInputError(f"{self.where}: the pickle ends inside an opcode at byte {self.opcode_at}")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: the pickle ends inside an opcode at byte {self.opcode_at}"
+            )
         piece = self.data[self.pos : self.pos + n]
         self.pos += n
         return piece
@@ -107,7 +109,9 @@ class _Machine:
     def line(self) -> bytes:
         end = bytes(self.data[self.pos : min(self.pos + 4096, self.end)]).find(b"\n")
         if end < 0:
-            raise InvalidInputError(f"{self.where}: a text opcode at byte {self.opcode_at} has no end of line")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: a text opcode at byte {self.opcode_at} has no end of line"
+            )
         text = bytes(self.take(end + 1))[:-1]
         return text[:-1] if text.endswith(b"\r") else text
 
@@ -124,22 +128,30 @@ class _Machine:
 
     def pop_mark(self) -> list[Any]:
         if not self.marks:
-            raise InvalidInputError(f"{self.where}: an opcode at byte {self.opcode_at} needs a MARK that is not there")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: opcode at byte {self.opcode_at} needs a MARK"
+            )
         mark = self.marks.pop()
         items = self.stack[mark:]
         del self.stack[mark:]
         if any(item is _MARK for item in items):
-            raise InvalidInputError(f"{self.where}: a MARK is left inside a group at byte {self.opcode_at}")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: a MARK is left inside a group at byte {self.opcode_at}"
+            )
         return items
 
     def pop(self) -> Any:
         if len(self.stack) <= (self.marks[-1] if self.marks else 0):
-            raise InvalidInputError(f"{self.where}: the stack runs empty at byte {self.opcode_at}")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: the stack runs empty at byte {self.opcode_at}"
+            )
         return self.stack.pop()
 
     def top(self) -> Any:
         if len(self.stack) <= (self.marks[-1] if self.marks else 0):
-            raise InvalidInputError(f"{self.where}: the stack runs empty at byte {self.opcode_at}")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: the stack runs empty at byte {self.opcode_at}"
+            )
         return self.stack[-1]
 
     # -- running ---------------------------------------------------------------------------
@@ -151,7 +163,7 @@ class _Machine:
             if code == 0x2E:  # STOP
                 if len(self.stack) != 1 or self.marks:
                     raise InvalidInputError(
-                        f"{self.where}: the pickle stops with {len(self.stack)} values on its stack"
+                        f"{self.where}: not a pickle ckptstore reads: it stops with {len(self.stack)} values"
                     )
                 return self.stack[0]
             handler = _OPCODES.get(code)
@@ -182,12 +194,16 @@ class _Machine:
 
     def memo_get(self, index: int) -> None:
         if index not in self.memo:
-            raise InvalidInputError(f"{self.where}: memo entry {index} is read before it is written")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: memo entry {index} is read before it is written"
+            )
         self.push(self.memo[index])
 
     def find_global(self, module: str, name: str) -> None:
         if not isinstance(module, str) or not isinstance(name, str):
-            raise InvalidInputError(f"{self.where}: a global is named by something that is not a string")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: a global is named by something that is not a string"
+            )
         if (module, name) not in self.globals:
             shown = f"{module}.{name}"[:200]
             raise InvalidInputError(
@@ -201,10 +217,12 @@ class _Machine:
     def reduce(self, new: bool = False) -> None:
         func, args = self.pop_n(2)
         if not isinstance(func, Global) or not isinstance(args, tuple):
-            raise InvalidInputError(f"{self.where}: the pickle calls something that is not a callable it may call")
+            raise InvalidInputError(f"{self.where}: not a pickle ckptstore reads: it calls what it may not call")
         call = func.new if new else func.call
         if call is None:
-            raise InvalidInputError(f"{self.where}: {func.name} cannot be {'made' if new else 'called'} that way")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: {func.name} is not {'made' if new else 'called'} so"
+            )
         self.count()
         self.stack.append(call(args))
 
@@ -214,7 +232,9 @@ class _Machine:
         if isinstance(target, Built):
             target.build(state)
         elif not isinstance(target, dict):  # a dict's attributes (torch's _metadata) are dropped
-            raise InvalidInputError(f"{self.where}: BUILD on a {type(target).__name__}, which takes no state")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: BUILD on a {type(target).__name__}, which takes no state"
+            )
 
     def pop_n(self, n: int) -> list[Any]:
         """The top ``n`` values, deepest first."""
@@ -237,7 +257,9 @@ class _Machine:
     def set_items(self, items: list[Any]) -> None:
         target = self.top()
         if not isinstance(target, dict) or len(items) % 2:
-            raise InvalidInputError(f"{self.where}: SETITEM on a {type(target).__name__}, not a dict")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: SETITEM on a {type(target).__name__}, not a dict"
+            )
         self.count(len(items) // 2)
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
@@ -245,20 +267,24 @@ class _Machine:
     def append(self, items: list[Any]) -> None:
         target = self.top()
         if not isinstance(target, list):
-            raise InvalidInputError(f"{self.where}: APPEND to a {type(target).__name__}, not a list")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: APPEND to a {type(target).__name__}, not a list"
+            )
         self.count(len(items))
         target.extend(items)
 
     def add_items(self, items: list[Any]) -> None:
         target = self.top()
         if not isinstance(target, set):
-            raise InvalidInputError(f"{self.where}: ADDITEMS to a {type(target).__name__}, not a set")
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: ADDITEMS to a {type(target).__name__}, not a set"
+            )
         self.count(len(items))
         target.update(items)
 
     def persistent(self, pid: Any) -> None:
         if self.persistent_load is None:
-            raise InvalidInputError(f"{self.where}: the pickle refers to outside data, which this file may not")
+            raise InvalidInputError(f"{self.where}: not a pickle ckptstore reads: it refers to outside data")
         self.push(self.persistent_load(pid))
 
     def refuse(self, what: str) -> None:

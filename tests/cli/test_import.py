@@ -147,7 +147,7 @@ def test_hostile_or_broken_sources_are_refused_without_a_version(cli: Cli, tmp_p
     escape = tmp_path / "escape"
     escape.mkdir()
     (escape / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
-    cases["index"] = (escape, "is not a file name")
+    cases["index"] = (escape, "points outside")
     lacking = tmp_path / "lacking"
     lacking.mkdir()
     save_file({"b": torch.ones(2)}, lacking / "model-00001-of-00001.safetensors")
@@ -158,7 +158,7 @@ def test_hostile_or_broken_sources_are_refused_without_a_version(cli: Cli, tmp_p
     cases["folder"] = (tmp_path / "escape" / "..", "holds neither")
     for name, (source, message) in cases.items():
         result = cli("import", source, "victim")
-        assert result.exit_code == 1, (name, result.output)
+        assert result.exit_code == 2, (name, result.output)
         assert result.stderr.startswith("error: ") and message in result.stderr, (name, result.stderr)
     assert json.loads(cli.ok("ls", "--json")) == []
 
@@ -172,3 +172,17 @@ def test_import_usage_errors(cli: Cli, tmp_path: Path) -> None:
     assert cli("import", source, "bad run").exit_code == 2
     assert cli("import", source, "run", "--tag", "latest").exit_code == 2
     assert json.loads(cli.ok("ls", "--json")) == []
+
+
+def test_expanded_tensors_are_refused_by_key_unless_allowed_up_to_a_size(cli: Cli, tmp_path: Path) -> None:
+    source = tmp_path / "expanded.pt"
+    expanded = torch.arange(4.0).expand(3, 4)  # 16 bytes behind a tensor of 48
+    torch.save({"row": expanded, "w": torch.ones(2)}, source)  # noqa: TID251 - making the user's file under test
+    refused = cli("import", source, "run")
+    assert refused.exit_code == 2 and "'row' claims 48 bytes" in refused.stderr and "16 bytes" in refused.stderr
+    assert cli("import", source, "run", "--allow-expanded", "47B").exit_code == 2
+    assert cli.client.runs() == []
+    cli.ok("import", source, "run", "--allow-expanded", "48B")
+    out = tmp_path / "out"
+    cli.ok("export", "run", out)
+    assert_same_tensors(load_file(out / "model.safetensors"), {"row": expanded.contiguous(), "w": torch.ones(2)})
