@@ -23,7 +23,7 @@ MAX_RANGES = 4096
 MAX_BATCH_BYTES = 256 << 20
 #: Shard sizes looked up at once.
 SIZE_LOOKUPS = 16
-#: The body goes out in pieces of about this size: small ranges are joined, large ones cut.
+#: The body goes out in pieces of at most this size: small ranges are joined, large ones cut.
 CHUNK_BYTES = 1 << 20
 
 
@@ -74,20 +74,36 @@ def shard_sizes(store: Store, shard_ids: set[str]) -> dict[str, int]:
     return {shard_id: size for shard_id, size in zip(ordered, sizes, strict=True) if size is not None}
 
 
-def stream_batch(store: Store, ranges: Sequence[ByteRange]) -> Iterator[bytes | memoryview]:
-    """The ranges' bytes back to back, in pieces of about ``CHUNK_BYTES`` (small ranges joined)."""
+def stream_batch(
+    store: Store, ranges: Sequence[ByteRange], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes | memoryview]:
+    """The ranges' bytes back to back, in pieces of at most ``chunk_bytes`` (small ranges joined).
+
+    Between two pieces the generator holds no bytes: what is joined goes out before the next
+    piece is read, and a piece is yielded as ``out.pop()``, its only reference. So the bytes a
+    server holds for a batch are the pieces it was handed and has not sent, nothing hidden here.
+    """
     pending: list[bytes | memoryview] = []
     pending_bytes = 0
+    out: list[bytes | memoryview] = []
     for r in ranges:
-        for piece in store.iter_shard(r.shard_id, r.offset, r.length):
-            if pending_bytes + len(piece) >= CHUNK_BYTES:
-                if pending:
-                    yield b"".join(pending)
-                    pending, pending_bytes = [], 0
-                if len(piece) >= CHUNK_BYTES:
-                    yield piece
-                    continue
-            pending.append(piece)
-            pending_bytes += len(piece)
+        pieces = store.iter_shard(r.shard_id, r.offset, r.length, chunk_bytes)
+        left = r.length
+        while left:
+            size = min(chunk_bytes, left)  # the size of the piece iter_shard yields next
+            left -= size
+            if pending and pending_bytes + size >= chunk_bytes:
+                out.append(b"".join(pending))
+                pending.clear()
+                pending_bytes = 0
+                yield out.pop()
+            if size == chunk_bytes:
+                out.append(next(pieces))
+                yield out.pop()
+            else:
+                pending.append(next(pieces))
+                pending_bytes += size
     if pending:
-        yield b"".join(pending)
+        out.append(b"".join(pending))
+        pending.clear()
+        yield out.pop()

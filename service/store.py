@@ -20,6 +20,7 @@ from sqlalchemy import Text, bindparam, func, select, type_coerce, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore, LocalBlobStore
+from service.blobs.base import READ_CHUNK_BYTES
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.db import Database
 from service.db.models import Run, Shard, Tag, Tensor, Version, table, utcnow
@@ -503,11 +504,13 @@ class Store:
             raise NotFoundError(f"shard {shard_id} is not in the store")
         return size
 
-    def iter_shard(self, shard_id: str, offset: int, length: int) -> Iterator[bytes | memoryview]:
-        """Stream ``length`` bytes of a shard from ``offset``."""
+    def iter_shard(
+        self, shard_id: str, offset: int, length: int, chunk_bytes: int = READ_CHUNK_BYTES
+    ) -> Iterator[bytes | memoryview]:
+        """Stream ``length`` bytes of a shard from ``offset``, in pieces of ``chunk_bytes`` (the last shorter)."""
         if not is_digest(shard_id):
             raise InvalidInputError(f"{shard_id[:80]!r} is not a shard id")
-        return self.blobs.iter_range(shard_id, offset, length)
+        return self.blobs.iter_range(shard_id, offset, length, chunk_bytes)
 
     def ping(self) -> None:
         """Raise StorageError unless the metadata database answers."""

@@ -101,14 +101,20 @@ class BlobStore(ABC):
 
         Pieces are yielded as read, without a copy to ``bytes``. Each is a fresh buffer, never
         reused: an ASGI server may still hold one after asking for the next (uvloop keeps the
-        unsent part of a write as a view of the caller's buffer).
+        unsent part of a write as a view of the caller's buffer). The generator keeps no reference
+        to a piece it has yielded, so one a client has taken is freed while the next waits.
         """
         end = offset + length
         while offset < end:
-            piece = memoryview(bytearray(min(chunk_bytes, end - offset)))
-            self.read_into(blob_id, offset, piece)
-            offset += len(piece)
-            yield piece
+            size = min(chunk_bytes, end - offset)
+            yield self._read_new(blob_id, offset, size)
+            offset += size
+
+    def _read_new(self, blob_id: str, offset: int, size: int) -> memoryview:
+        """``size`` bytes of the blob from ``offset`` in a buffer of their own."""
+        piece = memoryview(bytearray(size))
+        self.read_into(blob_id, offset, piece)
+        return piece
 
 
 def flat_bytes(buffer: memoryview) -> memoryview:

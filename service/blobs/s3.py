@@ -309,7 +309,7 @@ class S3BlobStore(BlobStore):
         """Yield ``length`` bytes from ``offset`` in pieces of ``chunk_bytes``, from a single ranged GET.
 
         The request is made when the first piece is asked for; closing the iterator early
-        closes the response.
+        closes the response. No reference to a piece is kept once it is yielded.
 
         Raises:
             NotFoundError: the blob is absent.
@@ -328,9 +328,9 @@ class S3BlobStore(BlobStore):
         try:
             remaining = length
             while remaining:
-                piece = self._read_exactly(body, min(chunk_bytes, remaining), blob_id, key)
-                remaining -= len(piece)
-                yield piece
+                size = min(chunk_bytes, remaining)
+                remaining -= size
+                yield self._read_exactly(body, size, blob_id, key)
         finally:
             body.close()
 

@@ -3,6 +3,8 @@ and a clear 4xx for every bad batch, decided before any byte is sent."""
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,8 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.range_batch import MAX_BATCH_BYTES, MAX_RANGES
+from service.blobs import MemoryBlobStore
+from service.range_batch import MAX_BATCH_BYTES, MAX_RANGES, ByteRange, stream_batch
 from service.settings import Settings
 from service.store import Store
 from tests.api.kit import TOKENS, Shard, bearer, build_shard, is_json_error, tensor
@@ -116,3 +119,28 @@ def test_a_body_that_is_not_json_is_refused(server: str) -> None:
     with httpx.Client(base_url=server, timeout=60, headers=bearer("read")) as http:
         answer = http.post(ROUTE, content=b"\x00\x01", headers={"Content-Type": "application/json"})
     assert 400 <= answer.status_code < 500 and is_json_error(answer)
+
+
+class BlobsOnly:
+    """The one method of a Store that stream_batch uses, over a MemoryBlobStore."""
+
+    def __init__(self, blobs: MemoryBlobStore) -> None:
+        self.blobs = blobs
+
+    def iter_shard(self, shard_id: str, offset: int, length: int, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        return self.blobs.iter_range(shard_id, offset, length, chunk_bytes)
+
+
+def test_a_batch_streams_in_pieces_of_at_most_the_chunk_and_keeps_none_it_has_yielded(tmp_path: Path) -> None:
+    blobs, shard = MemoryBlobStore(), SHARDS[0]
+    (tmp_path / "shard").write_bytes(shard.data)
+    blobs.put_file(shard.shard_id, tmp_path / "shard")
+    rng = random.Random(5)
+    ranges = [ByteRange(shard.shard_id, rng.randrange(100), rng.choice([1, 5, 30, 64, 65, 150])) for _ in range(40)]
+    received = []
+    for piece in stream_batch(BlobsOnly(blobs), ranges, 64):  # type: ignore[arg-type]
+        # A server counts the pieces of an answer it holds: once it lets one go, nothing may keep it.
+        assert sys.getrefcount(piece) == 2  # ``piece`` and getrefcount's argument
+        assert 0 < len(piece) <= 64
+        received.append(bytes(piece))
+    assert b"".join(received) == b"".join(shard.data[r.offset : r.offset + r.length] for r in ranges)

@@ -6,6 +6,7 @@ import array
 import errno
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,13 @@ class BlobStoreContract:
         assert all(len(piece) <= chunk_bytes for piece in pieces)
         assert len(pieces) == -(-300 // chunk_bytes)
         assert list(blobs.iter_range(blob_id(1), 0, 0)) == []
+
+    def test_iter_range_keeps_no_piece_it_has_yielded(self, blobs: BlobStore, source: Path) -> None:
+        # A server counts the pieces of a download it holds: once it lets one go, nothing may keep it.
+        blobs.put_file(blob_id(1), source)
+        pieces = blobs.iter_range(blob_id(1), 0, 300, chunk_bytes=64)
+        for piece in pieces:
+            assert sys.getrefcount(piece) == 2  # ``piece`` and getrefcount's argument
 
     def test_iter_range_past_end_raises(self, blobs: BlobStore, source: Path) -> None:
         size = len(source.read_bytes())
