@@ -57,6 +57,13 @@ class Settings(BaseSettings):
     keep_alive_timeout: float = Field(default=5.0, gt=0, le=3600)
     #: Connections served at once (per worker); past it new requests get 503.
     max_connections: int = Field(default=512, ge=2, le=1_000_000)
+    #: Seconds a client has to take what it was sent, counted from when it last had taken all (or
+    #: from the status line); a download waiting for room in ``max_unsent_bytes`` waits on the same
+    #: clock. Past it the connection is reset (:mod:`service.api.protocol`).
+    write_timeout: float = Field(default=30.0, gt=0, le=3600)
+    #: Bytes of downloads (shards, range batches, tensors) read from blob storage and not yet taken
+    #: by the clients' sockets, per worker; a piece waits for room (:mod:`service.api.streaming`).
+    max_unsent_bytes: int = Field(default=256 << 20, ge=1 << 20)
 
     @property
     def home_path(self) -> Path:

@@ -11,7 +11,7 @@ Everything else (flow control, ``Expect: 100-continue``, disconnects, pipelining
 is uvicorn's own: only the request cycle's body buffer and ``receive`` are replaced, on the
 cycle object uvicorn has just built for each request.
 
-Three more things uvicorn lacks are added per connection (:class:`PiecewiseBodyProtocol`):
+Four more things uvicorn lacks are added per connection (:class:`PiecewiseBodyProtocol`):
 
 - **read timeouts.** A request's line and headers must arrive within ``header_timeout``
   seconds (counted from the connection's start, or from a request's first byte on a kept-alive
@@ -20,6 +20,15 @@ Three more things uvicorn lacks are added per connection (:class:`PiecewiseBodyP
   was reading it (a window in which the server paused reading, being busy with what it had, does
   not count), else the connection is closed. A client trickling a byte a second is dropped at
   the end of its first window; other connections never wait on it.
+- **a write timeout.** From a response's status line until its last byte is taken, the client
+  must take everything the server has written within ``write_timeout`` seconds of last having
+  taken all (:class:`WriteDeadline`; the time the app spends reading its next piece, or waiting
+  for memory to read it into, counts too). Past it the connection is reset: the bytes the
+  transport and the kernel still hold for it are dropped, and the app sees a disconnect. uvicorn
+  has no such limit: a client that stopped reading kept its connection, and the answer's
+  unsent bytes, for good (a plain close waits for them to be sent). The transport pauses at its
+  first unsent byte (high-water mark 0), so ``send`` returns once everything sent before has
+  been taken: an app holds what it is sending and at most one piece before it.
 - **a connection cap** (uvicorn's ``limit_concurrency``): past ``max_connections`` open
   connections a request is answered 503, in JSON.
 - **JSON errors.** uvicorn answers a request it cannot parse with a plain-text 400; here the
@@ -30,11 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import sys
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from uvicorn._types import ASGIReceiveEvent
+from uvicorn._types import ASGIReceiveEvent, ASGISendEvent
 from uvicorn.config import Config
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -46,6 +58,7 @@ from uvicorn.server import ServerState
 HEADER_TIMEOUT = 20.0
 BODY_TIMEOUT = 20.0
 MIN_BODY_RATE = 1024
+WRITE_TIMEOUT = 30.0
 
 
 class BodyPieces:
@@ -78,10 +91,66 @@ class BodyPieces:
         return piece
 
 
+class WriteDeadline:
+    """A connection's write clock: while it owes the client bytes, the client must take all it was
+    sent within ``seconds`` of last having taken everything.
+
+    It runs from a response's status line (:meth:`response_started`) and starts over each time the
+    transport's buffer is empty again (:meth:`taken`: a write went out whole, or the client caught
+    up). Between two pieces it keeps running while the app reads the next one or waits for memory
+    to read it into, so an answer that cannot go on for ``seconds``, whatever the reason, ends.
+    It stops once no response is under way and nothing is left unsent (:meth:`response_ended`,
+    :meth:`taken`). When it runs out, ``expired`` is called.
+    """
+
+    __slots__ = ("_expired", "_loop", "_timer", "responding", "seconds")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, expired: Callable[[], None]) -> None:
+        self._loop = loop
+        self.seconds = seconds
+        self._expired = expired
+        self._timer: asyncio.TimerHandle | None = None
+        self.responding = False
+
+    def response_started(self) -> None:
+        """A status line went out: the rest of the answer is owed."""
+        self.responding = True
+        self._restart()
+
+    def taken(self) -> None:
+        """The client has taken everything written so far: the clock starts over, or stops."""
+        if self.responding:
+            self._restart()
+        else:
+            self.stop()
+
+    def response_ended(self, unsent: bool) -> None:
+        """The app sent the last of its answer; the clock runs on while ``unsent`` bytes are left."""
+        self.responding = False
+        if not unsent:
+            self.stop()
+
+    def stop(self) -> None:
+        """Nothing is owed to the client any more (or the connection is gone)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _restart(self) -> None:
+        self.stop()
+        self._timer = self._loop.call_later(self.seconds, self._run_out)
+
+    def _run_out(self) -> None:
+        self._timer = None
+        self._expired()
+
+
 class PiecewiseRequestCycle(RequestResponseCycle):
-    """uvicorn's request cycle whose ``receive`` returns one queued body piece per call."""
+    """uvicorn's request cycle whose ``receive`` returns one queued body piece per call and whose
+    ``send`` tells the connection's :class:`WriteDeadline` how the answer goes."""
 
     body: BodyPieces  # type: ignore[assignment]
+    write_deadline: WriteDeadline | None = None
 
     async def receive(self) -> ASGIReceiveEvent:
         """The next ASGI message: a body piece, the end of the body, or a disconnect."""
@@ -99,6 +168,20 @@ class PiecewiseRequestCycle(RequestResponseCycle):
         if len(self.body) <= httptools_impl.HIGH_WATER_LIMIT // 2:
             self.flow.resume_reading()  # refill while the app works through what is queued
         return {"type": "http.request", "body": piece, "more_body": bool(self.body) or self.more_body}
+
+    async def send(self, message: ASGISendEvent) -> None:
+        """uvicorn's send (it first waits until everything sent before is taken, then writes), then
+        the write deadline learns whether the answer started, ended, or went out whole."""
+        await super().send(message)
+        deadline = self.write_deadline
+        if deadline is None or self.disconnected:
+            return
+        if message["type"] == "http.response.start":
+            deadline.response_started()
+        if self.response_complete:
+            deadline.response_ended(unsent=self.flow.write_paused)
+        elif not self.flow.write_paused:
+            deadline.taken()
 
 
 class WatchedFlow(FlowControl):
@@ -155,12 +238,18 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         self.body_timer: asyncio.TimerHandle | None = None
         self.request_begun = False
         self.window_bytes = 0
+        self.write_timeout = float(getattr(config, "write_timeout", WRITE_TIMEOUT))
+        self.write_deadline = WriteDeadline(self.loop, self.write_timeout, self.write_timed_out)
 
     # -- connection ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start serving a connection; its first request's headers are due within header_timeout."""
         super().connection_made(transport)
+        # Pause writing at the first byte the socket does not take, resume once all are taken: a
+        # send then returns once the client has taken the piece before, and the write deadline
+        # starts over when the client has caught up.
+        transport.set_write_buffer_limits(high=0)
         self.flow = WatchedFlow(transport)
         self.header_timer = self.loop.call_later(self.header_timeout, self.headers_timed_out)
 
@@ -170,11 +259,12 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def cancel_timers(self) -> None:
-        """Stop both read timers."""
+        """Stop both read timers and the write deadline."""
         for timer in (self.header_timer, self.body_timer):
             if timer is not None:
                 timer.cancel()
         self.header_timer = self.body_timer = None
+        self.write_deadline.stop()
 
     def refuse(self, status: int, phrase: str, code: str, message: str) -> None:
         """Answer with a JSON error and close, unless a response is under way (then only close)."""
@@ -229,7 +319,7 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
             super().on_headers_complete()
         finally:
             self.app = app
-        adopt(self.cycle)
+        adopt(self.cycle, self.write_deadline)
         self.start_body_window()
 
     async def over_capacity(self, scope: Any, receive: Any, send: Any) -> None:
@@ -293,6 +383,23 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         )
         self.refuse(408, "Request Timeout", "request_timeout", message)
 
+    # -- write timeout -----------------------------------------------------------------------
+
+    def resume_writing(self) -> None:
+        """The client has taken everything written: resume the app's sends, start the clock over."""
+        super().resume_writing()
+        self.write_deadline.taken()
+
+    def write_timed_out(self) -> None:
+        """Reset a connection whose answer made no progress for write_timeout seconds."""
+        unsent = self.transport.get_write_buffer_size()
+        if unsent:
+            reason = f"it did not take the {unsent} bytes it was sent"
+        else:  # the app had nothing to send: it waited for memory (max_unsent_bytes) or for storage
+            reason = "its answer had nothing new to send"
+        self.logger.warning("closed a connection from %s: %s within %g s", self.peer(), reason, self.write_timeout)
+        reset(self.transport)
+
     def peer(self) -> str:
         """The client's address, for log lines."""
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
@@ -310,8 +417,9 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def adopt(cycle: RequestResponseCycle | None) -> None:
-    """Make a request cycle uvicorn has just built (no body received yet) piecewise.
+def adopt(cycle: RequestResponseCycle | None, write_deadline: WriteDeadline) -> None:
+    """Make a request cycle uvicorn has just built (no body received yet) piecewise, its
+    response under the connection's ``write_deadline``.
 
     The cycle's ASGI task may be created already but has not run: this is called from the
     parser's callback, before the event loop gets control back.
@@ -319,3 +427,17 @@ def adopt(cycle: RequestResponseCycle | None) -> None:
     if type(cycle) is RequestResponseCycle and isinstance(cycle.body, bytearray) and not cycle.body:
         cycle.__class__ = PiecewiseRequestCycle
         cycle.body = BodyPieces()  # type: ignore[assignment]
+        cycle.write_deadline = write_deadline  # type: ignore[attr-defined]
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Close a connection at once with a TCP reset: what the transport buffers is dropped, and so is
+    what the kernel holds for the peer (a plain close would keep both until a client that reads
+    nothing took them, which is never)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass  # already closed underneath: abort alone will do
+    transport.abort()

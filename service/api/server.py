@@ -80,17 +80,28 @@ def http_protocol() -> str:
 
 
 class ServerConfig(uvicorn.Config):
-    """uvicorn's Config plus the read timeouts :class:`service.api.protocol.PiecewiseBodyProtocol` applies.
+    """uvicorn's Config plus the read and write timeouts :class:`service.api.protocol.PiecewiseBodyProtocol`
+    applies.
 
     A plain attribute travels with the Config to each worker process, which uvicorn spawns with
     the Config pickled.
     """
 
-    def __init__(self, app: Any, *, header_timeout: float, body_timeout: float, min_body_rate: int, **kwargs: Any):
+    def __init__(
+        self,
+        app: Any,
+        *,
+        header_timeout: float,
+        body_timeout: float,
+        min_body_rate: int,
+        write_timeout: float,
+        **kwargs: Any,
+    ):
         super().__init__(app, **kwargs)
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self.min_body_rate = min_body_rate
+        self.write_timeout = write_timeout
 
 
 def log_config() -> dict[str, Any]:
@@ -126,6 +137,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> ServerConfi
         "header_timeout": settings.header_timeout,
         "body_timeout": settings.body_timeout,
         "min_body_rate": settings.min_body_rate,
+        "write_timeout": settings.write_timeout,
     }
     options.update(overrides)
     return ServerConfig(app, **options)
