@@ -14,6 +14,7 @@
     ├── IntegrityError                   integrity         400 on upload, 500 on read
     ├── StateMismatchError               state_mismatch    (client side only)
     ├── PayloadTooLargeError             payload_too_large 413
+    ├── ServerBusyError                  unavailable       503 (with Retry-After)
     ├── AuthenticationError              unauthorized      401
     │   └── PermissionDeniedError        forbidden         403
     └── StorageError (OSError)           storage           503
@@ -150,6 +151,13 @@ class PayloadTooLargeError(CheckpointError):
 
     code = "payload_too_large"
     http_status = 413
+
+
+class ServerBusyError(CheckpointError):
+    """The server is at one of its limits (connections, memory for answers); retry shortly."""
+
+    code = "unavailable"
+    http_status = 503
 
 
 class AuthenticationError(CheckpointError):

@@ -9,6 +9,7 @@ from service.api import docs, pages, redact, routes_admin, routes_data, routes_o
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
+from service.api.streaming import Streamer
 from service.auth import TokenSet, is_loopback
 from service.errors import AuthenticationError
 from service.settings import Settings
@@ -55,6 +56,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.tokens = tokens
     app.state.metrics = Metrics()
+    app.state.streamer = Streamer(settings.max_unsent_bytes, settings.write_timeout)
     install_error_handlers(app)
     app.include_router(routes_data.router)
     app.include_router(routes_runs.router)

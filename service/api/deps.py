@@ -1,4 +1,4 @@
-"""Dependencies shared by routes: the store, the settings, and scope checks."""
+"""Dependencies shared by routes: the store, the settings, the streamer of blob bytes, and scope checks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from service.api.metrics import Metrics
+from service.api.streaming import Streamer
 from service.auth import Scope, TokenSet
 from service.errors import InvalidInputError
 from service.settings import Settings
@@ -28,6 +29,11 @@ def get_settings(request: Request) -> Settings:
 def get_metrics(request: Request) -> Metrics:
     """The application's counters."""
     return request.app.state.metrics
+
+
+def get_streamer(request: Request) -> Streamer:
+    """What opens the application's streamed answers of blob bytes under its memory budget."""
+    return request.app.state.streamer
 
 
 class ScopeCheck:
@@ -55,6 +61,7 @@ def _require(scope: Scope) -> Any:
 StoreDep = Annotated[Store, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+StreamerDep = Annotated[Streamer, Depends(get_streamer)]
 CanRead = _require("read")
 CanWrite = _require("write")
 CanAdmin = _require("admin")

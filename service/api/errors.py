@@ -19,6 +19,7 @@ from service.errors import (
     CheckpointError,
     MissingTensorsError,
     RangeNotSatisfiableError,
+    ServerBusyError,
     StorageError,
     UnsupportedMediaTypeError,
 )
@@ -135,6 +136,8 @@ def install_error_handlers(app: FastAPI) -> None:
         response = error_response(exc.http_status, exc.code, public_message(request, exc), digests=digests)
         if isinstance(exc, RangeNotSatisfiableError) and exc.size is not None:
             response.headers["Content-Range"] = f"bytes */{exc.size}"  # RFC 9110 §15.5.17
+        if isinstance(exc, ServerBusyError):
+            response.headers["Retry-After"] = "1"
         return response
 
     @app.exception_handler(RequestValidationError)

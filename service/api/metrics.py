@@ -27,8 +27,9 @@ class Metrics:
         with self._lock:
             self.bytes[direction] += amount
 
-    def render(self) -> str:
-        """The counters in Prometheus exposition format."""
+    def render(self, unsent_bytes: int = 0) -> str:
+        """The counters, and the gauge of ``unsent_bytes`` (:class:`service.api.streaming.ByteBudget`),
+        in Prometheus exposition format."""
         lines = [
             "# HELP ckptstore_requests_total HTTP requests by method, route and status.",
             "# TYPE ckptstore_requests_total counter",
@@ -42,4 +43,9 @@ class Metrics:
             ]
             for direction in ("in", "out"):
                 lines.append(f'ckptstore_shard_bytes_total{{direction="{direction}"}} {self.bytes[direction]}')
+        lines += [
+            "# HELP ckptstore_unsent_bytes Bytes of streamed answers read from storage, not yet taken by the clients.",
+            "# TYPE ckptstore_unsent_bytes gauge",
+            f"ckptstore_unsent_bytes {unsent_bytes}",
+        ]
         return "\n".join(lines) + "\n"

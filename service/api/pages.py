@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import jinja2
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import RedirectResponse, Response, StreamingResponse
+from fastapi.responses import RedirectResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
 from service.api import pages_data, redact
-from service.api.deps import QUERY_TOKEN_NAMES, StoreDep
+from service.api.deps import QUERY_TOKEN_NAMES, StoreDep, StreamerDep
 from service.api.errors import public_message
 from service.auth import MAX_TOKEN_CHARS, TokenSet
 from service.errors import AuthenticationError, CheckpointError, InvalidInputError, PermissionDeniedError
@@ -204,7 +204,11 @@ async def manifest_download(run_id: RunId, ref: Ref, store: StoreDep) -> Respons
 
 @router.get("/runs/{run_id}/versions/{ref}/tensor", dependencies=CanReadPages)
 async def tensor_download(
-    run_id: RunId, ref: Ref, store: StoreDep, name: Annotated[str, Query(min_length=1, max_length=1100)]
+    run_id: RunId,
+    ref: Ref,
+    store: StoreDep,
+    streamer: StreamerDep,
+    name: Annotated[str, Query(min_length=1, max_length=1100)],
 ) -> Response:
     """One whole tensor's raw little-endian bytes (``name`` is its key; ``?key=`` reads as a token)."""
     found = await run_in_threadpool(pages_data.tensor_download, store, run_id, ref, name)
@@ -213,7 +217,7 @@ async def tensor_download(
         "Content-Disposition": f'attachment; filename="{found.filename}"',
         "X-Content-Type-Options": "nosniff",
     }
-    return StreamingResponse(found.chunks, media_type="application/octet-stream", headers=headers)
+    return await streamer.open(found.chunks, headers=headers)
 
 
 @router.get("/runs/{run_id}/diff", dependencies=CanReadPages)

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
 
+from service.api.streaming import PIECE_BYTES
 from service.diff import TensorChange, VersionDiff, diff_manifests
 from service.errors import InvalidInputError, NotFoundError
 from service.format.manifest import Manifest, TensorEntry
@@ -323,7 +324,8 @@ def tensor_download(store: Store, run_id: str, ref: str, key: str) -> TensorDown
         )
     location = store.locate([entry.digest])[entry.digest]
     name = f"{entry.digest[:16]}.{entry.dtype.lower()}.bin"
-    return TensorDownload(name, location.nbytes, store.iter_shard(location.shard_id, location.offset, location.nbytes))
+    chunks = store.iter_shard(location.shard_id, location.offset, location.nbytes, PIECE_BYTES)
+    return TensorDownload(name, location.nbytes, chunks)
 
 
 # -- the diff between two versions ---------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Request, Response
@@ -11,8 +10,9 @@ from starlette.concurrency import run_in_threadpool
 
 from service import range_batch
 from service.api import ranges
-from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep
+from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
 from service.api.schemas import DigestList, MissingResponse, RangeBatch
+from service.api.streaming import PIECE_BYTES
 from service.api.strict_json import StrictJSONRoute
 from service.api.uploads import receive_shard
 from service.format.digest import DIGEST_PATTERN
@@ -71,6 +71,7 @@ SHARD_RESPONSES: dict[int | str, dict[str, object]] = {
 async def download_shard(
     shard_id: ShardId,
     store: StoreDep,
+    streamer: StreamerDep,
     metrics: MetricsDep,
     range_: RangeHeader = None,
     if_none_match: IfNoneMatch = None,
@@ -80,17 +81,10 @@ async def download_shard(
     plan = ranges.answer(shard_id, size, range_, if_none_match)
     if plan.status == 304:
         return Response(status_code=304, headers=plan.headers)
-    chunks = store.iter_shard(shard_id, plan.start, plan.length)
-    # The first piece is read before the status line goes out, so a blob that cannot be read
-    # (deleted meanwhile, storage down) is a proper error response, not a 200 cut off mid-body.
-    first = await run_in_threadpool(next, chunks, b"")
+    chunks = store.iter_shard(shard_id, plan.start, plan.length, PIECE_BYTES)
+    answer = await streamer.open(chunks, plan.status, plan.headers)  # reads the first piece: errors come first
     metrics.add_bytes("out", plan.length)
-    return StreamingResponse(
-        itertools.chain((first,), chunks),
-        status_code=plan.status,
-        media_type="application/octet-stream",
-        headers=plan.headers,
-    )
+    return answer
 
 
 @router.post(
@@ -99,7 +93,7 @@ async def download_shard(
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
-async def download_ranges(body: RangeBatch, store: StoreDep, metrics: MetricsDep) -> Response:
+async def download_ranges(body: RangeBatch, store: StoreDep, streamer: StreamerDep, metrics: MetricsDep) -> Response:
     """Byte ranges of many shards in one answer: their bytes back to back, in the order asked.
 
     At most ``MAX_RANGES`` ranges and ``MAX_BATCH_BYTES`` in all; each range must lie inside
@@ -107,14 +101,10 @@ async def download_ranges(body: RangeBatch, store: StoreDep, metrics: MetricsDep
     """
     wanted = [range_batch.ByteRange(r.shard_id, r.offset, r.length) for r in body.ranges]
     total = await run_in_threadpool(range_batch.check_batch, store, wanted)
-    chunks = range_batch.stream_batch(store, wanted)
-    first = await run_in_threadpool(next, chunks, b"")  # as for one shard: a read error is still a proper answer
+    chunks = range_batch.stream_batch(store, wanted, PIECE_BYTES)
+    answer = await streamer.open(chunks, headers={"Content-Length": str(total), "Cache-Control": "no-store"})
     metrics.add_bytes("out", total)
-    return StreamingResponse(
-        itertools.chain((first,), chunks),
-        media_type="application/octet-stream",
-        headers={"Content-Length": str(total), "Cache-Control": "no-store"},
-    )
+    return answer
 
 
 @router.head("/shards/{shard_id}", dependencies=[CanRead], responses=SHARD_RESPONSES)

@@ -7,7 +7,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import __version__
-from service.api.deps import MetricsDep, StoreDep
+from service.api.deps import MetricsDep, StoreDep, StreamerDep
 
 router = APIRouter(tags=["ops"])
 
@@ -20,6 +20,6 @@ async def health(store: StoreDep) -> dict[str, str]:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(counters: MetricsDep) -> str:
-    """Request and byte counters in the Prometheus text format."""
-    return counters.render()
+async def metrics(counters: MetricsDep, streamer: StreamerDep) -> str:
+    """Request and byte counters, and the bytes of answers not yet taken, in the Prometheus text format."""
+    return counters.render(streamer.budget.held)

@@ -3,6 +3,7 @@ the X-Error-Code contract that turns every error back into its exception class i
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -307,6 +308,12 @@ def _error_responses(tmp_path: Path, serve: Callable[[FastAPI], Served]) -> dict
             found[errors.PayloadTooLargeError] = http.post("/v1/tensors/missing", json=big, headers=write)
             found[errors.AuthenticationError] = http.get("/v1/runs")
             found[errors.PermissionDeniedError] = http.post("/v1/tensors/missing", json={"digests": []}, headers=read)
+        busy = create_app(store, settings.model_copy(update={"write_timeout": 0.1}))
+        budget = busy.state.streamer.budget
+        asyncio.run(budget.take(budget.total))  # no room for answers: a download waits 0.1 s, then is refused
+        with serve(busy).client() as http:
+            found[errors.ServerBusyError] = http.get(upload_to, headers=read)
+            assert found[errors.ServerBusyError].headers["retry-after"] == "1"
         with serve(create_app(broken, settings)).client() as http:
             found[errors.StorageError] = http.get("/v1/runs", headers=read)
     finally:
