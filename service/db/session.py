@@ -12,12 +12,13 @@ from typing import Any, cast
 
 from sqlalchemy import Table, create_engine, event
 from sqlalchemy.engine import CursorResult, Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import schema
 from service.db.models import Base, table
-from service.errors import CheckpointError, StorageError
+from service.errors import CheckpointError, InvalidInputError, StorageError
+from service.secrets_mask import mask_url
 
 #: Rows per executemany of an INSERT: bounds the parameter lists built at once.
 INSERT_BATCH = 500
@@ -140,7 +141,15 @@ class Database:
 
     def __init__(self, url: str, *, create_schema: bool = False, **engine_options: Any) -> None:
         self.url = url
-        if make_url(url).get_backend_name() == "postgresql":
+        try:
+            parsed = make_url(url)
+            parsed.get_dialect()
+        except (ArgumentError, ValueError, NoSuchModuleError) as exc:
+            raise InvalidInputError(
+                f"database URL {mask_url(url)} is not one ckptstore can open ({type(exc).__name__}); write "
+                "postgresql+psycopg://user@host:5432/name or sqlite:///path/to/metadata.db"
+            ) from None
+        if parsed.get_backend_name() == "postgresql":
             # A served database outlives connections: servers restart, proxies drop idle ones.
             engine_options.setdefault("pool_pre_ping", True)
         self.engine = create_engine(url, **engine_options)

@@ -130,3 +130,26 @@ def test_serve_shows_and_logs_no_secret(postgres_databases: PostgresDatabases, t
     assert_no_secret(log)
     assert "ckptstore serving postgresql+psycopg://postgres:***@" in log, log
     assert "password=***&sslpassword=***" in log, log
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "garbage",
+        f"postgresql+psycopg://u:{USERINFO_SECRET}@host:port/db?password={QUERY_SECRET}",
+        f"nosuchdialect://u:{USERINFO_SECRET}@host/db?api_key={KEY_SECRET}",
+    ],
+)
+@pytest.mark.parametrize("command", [("db", "upgrade"), ("verify",)])
+def test_a_malformed_database_url_is_one_error_line_without_its_secrets(
+    url: str, command: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in STORE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CKPTSTORE_HOME", str(tmp_path))
+    monkeypatch.setenv("CKPTSTORE_DATABASE_URL", url)
+    result = invoke(*command)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: database URL") and "is not one ckptstore can open" in lines[0]
+    assert_no_secret(result.stdout, result.stderr)
