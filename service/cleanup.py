@@ -4,7 +4,7 @@ A shard is written or received under a temporary ``*.incomplete`` name and only 
 renamed into the blob store once complete and verified, so a killed client or server leaves
 at most such files, never a half blob. They live in two places:
 
-- ``store.staging_dir``: shards an embedded client was writing, or a server was receiving or
+- the store's ``staging_dir``: shards an embedded client was writing, or a server was receiving or
   verifying;
 - a :class:`~service.blobs.LocalBlobStore`'s ``.incoming`` folder: copies into a blob folder on
   another file system.
@@ -21,18 +21,29 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from service.blobs import LocalBlobStore
-
-if TYPE_CHECKING:
-    from service.store import Store
+from service.blobs import BlobStore, LocalBlobStore
 
 #: The age after which a temporary file is taken to be abandoned.
 STALE_SECONDS = 3600.0
 TEMP_SUFFIX = ".incomplete"
 #: LocalBlobStore's folder for copies arriving from another file system.
 INCOMING_DIR = ".incoming"
+
+
+class Staged(Protocol):
+    """What cleaning needs of a store: its staging folder and its blob store.
+
+    :class:`service.store.Store` has both; this module asks for no more, so the store can call
+    it without the two importing each other.
+    """
+
+    @property
+    def staging_dir(self) -> Path: ...
+
+    @property
+    def blobs(self) -> BlobStore: ...
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,7 @@ class CleanupReport:
     failed: int = 0
 
 
-def temp_folders(store: Store) -> list[Path]:
+def temp_folders(store: Staged) -> list[Path]:
     """The folders where ``store`` keeps temporary files."""
     folders = [store.staging_dir]
     if isinstance(store.blobs, LocalBlobStore):
@@ -72,7 +83,7 @@ def _temp_files(folders: Iterable[Path]) -> Iterable[os.DirEntry[str]]:
                 yield entry
 
 
-def clean_staging(store: Store, older_than_seconds: float = STALE_SECONDS, now: float | None = None) -> CleanupReport:
+def clean_staging(store: Staged, older_than_seconds: float = STALE_SECONDS, now: float | None = None) -> CleanupReport:
     """Delete ``*.incomplete`` files in ``store``'s temporary folders not modified for ``older_than_seconds``.
 
     Safe while the store serves requests as long as the threshold exceeds the longest pause in
@@ -106,4 +117,4 @@ def clean_staging(store: Store, older_than_seconds: float = STALE_SECONDS, now: 
     return CleanupReport(removed=removed, bytes_removed=bytes_removed, kept=kept, failed=failed)
 
 
-__all__ = ["STALE_SECONDS", "CleanupReport", "clean_staging", "temp_folders"]
+__all__ = ["STALE_SECONDS", "CleanupReport", "Staged", "clean_staging", "temp_folders"]
