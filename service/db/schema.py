@@ -15,10 +15,10 @@ To write a new migration against a scratch database at head::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy import inspect, text
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from service.errors import StorageError
@@ -27,10 +27,19 @@ from service.revisions import head_revision, migrations_dir, revisions
 if TYPE_CHECKING:
     from alembic.config import Config
 
-    from service.db.session import Database
-
 UPGRADE_COMMAND = "ckptstore db upgrade"
 FIRST_REVISION = "0001"
+
+
+class Migratable(Protocol):
+    """A database as this module sees it: an engine to connect with.
+
+    :class:`service.db.session.Database` is one; asking for no more lets it migrate itself on
+    opening while this module never imports it.
+    """
+
+    @property
+    def engine(self) -> Engine: ...
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -45,7 +54,7 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
-def current_revision(database: Database) -> str | None:
+def current_revision(database: Migratable) -> str | None:
     """The revision ``database`` is at, or None for a database never migrated (e.g. empty)."""
     try:
         with database.engine.connect() as connection:
@@ -57,7 +66,7 @@ def current_revision(database: Database) -> str | None:
         raise StorageError(f"could not read the metadata database's schema revision: {_first_line(exc)}") from exc
 
 
-def upgrade(database: Database) -> None:
+def upgrade(database: Migratable) -> None:
     """Migrate ``database`` to the newest revision; a database already there is left alone.
 
     The whole upgrade is one transaction, so a failure leaves the old schema. On SQLite that
@@ -84,7 +93,7 @@ def upgrade(database: Database) -> None:
         raise StorageError(f"could not upgrade the metadata database schema: {exc}") from exc
 
 
-def require_current(database: Database) -> None:
+def require_current(database: Migratable) -> None:
     """Raise StorageError, naming the fix, unless ``database`` is at the newest revision."""
     current, head = current_revision(database), head_revision()
     if current == head:
@@ -115,6 +124,7 @@ def _first_line(exc: BaseException) -> str:
 __all__ = [
     "alembic_config",
     "current_revision",
+    "Migratable",
     "head_revision",
     "migrations_dir",
     "require_current",
