@@ -73,10 +73,18 @@ def mask_urls(text: str) -> str:
     path may hold). For foreign error text, such as botocore's, which quotes the endpoint URL it
     failed to reach. Never raises."""
     try:
-        masked = _URL_IN_TEXT.sub(lambda found: mask_url(found.group()), text)
+        masked = _URL_IN_TEXT.sub(_masked_url_in_text, text)
         return _PARAMETER_IN_TEXT.sub(_masked_match, masked)
     except Exception:
         return MASK
+
+
+def _masked_url_in_text(found: re.Match[str]) -> str:
+    """One URL found in text, masked; punctuation that ends a sentence (``http://h:1:``,
+    ``http://h/x.``) is the text's, not the URL's, and stays as it was."""
+    url = found.group()
+    core = url.rstrip(".,:;!)]}")
+    return mask_url(core) + url[len(core) :]
 
 
 def _masked_match(found: re.Match[str]) -> str:

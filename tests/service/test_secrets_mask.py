@@ -232,3 +232,13 @@ def test_the_server_log_filter_masks_urls_in_lines_and_keeps_templates_whole() -
     assert (
         logged("Uvicorn running on %s://%s:%d", "http", "127.0.0.1", 8000) == "Uvicorn running on http://127.0.0.1:8000"
     )
+
+
+def test_punctuation_after_a_url_in_text_is_the_texts_not_the_urls() -> None:
+    from service.secrets_mask import mask_urls
+
+    said = "cannot reach the server at http://127.0.0.1:45661: [Errno 111]. Is it running at http://h:1/x?"
+    assert mask_urls(said) == said
+    assert mask_urls("see (http://u:hunter2@h:5/db), then http://u:hunter2@h/x.") == (
+        "see (http://u:***@h:5/db), then http://u:***@h/x."
+    )
