@@ -249,7 +249,10 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         # Pause writing at the first byte the socket does not take, resume once all are taken: a
         # send then returns once the client has taken the piece before, and the write deadline
         # starts over when the client has caught up.
-        transport.set_write_buffer_limits(high=0)
+        # Over TLS the limits apply to asyncio's SSL layer, which never resumes a writer paused at
+        # 0 bytes: there uvicorn's own limits stay (the write deadline still runs from them).
+        if transport.get_extra_info("ssl_object") is None:
+            transport.set_write_buffer_limits(high=0)
         self.flow = WatchedFlow(transport)
         self.header_timer = self.loop.call_later(self.header_timeout, self.headers_timed_out)
 
