@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
@@ -39,7 +39,8 @@ from service.db.models import ManifestPart, PartRef, Shard, Tensor, table, utcno
 from service.direct_file import ALIGNMENT
 from service.errors import IntegrityError, InvalidInputError, NotFoundError
 from service.format.safetensors_header import ShardHeader
-from service.gc import hold_exclusive
+from service.gc import check_grace, collect, hold_exclusive
+from service.records import GcReport
 from service.shard_writer import UnhashedTensor
 
 #: Stores tensors as one new shard, in the order given, and returns its header and each digest.
@@ -188,4 +189,38 @@ def compact(
     return Compaction(shards=shards, bytes_reclaimable=reclaimable)
 
 
-__all__ = ["Candidate", "Compaction", "WriteShard", "candidates", "check_threshold", "compact", "compact_shard"]
+def compact_and_collect(
+    *,
+    db: Database,
+    blobs: BlobStore,
+    write: WriteShard,
+    below: float,
+    grace_seconds: int,
+    dry_run: bool,
+    orphans: bool,
+    now: datetime | None,
+) -> GcReport:
+    """Compact every candidate shard, then collect garbage (:func:`service.gc.collect`); one report of both.
+
+    The shards compaction retires are unreferenced from then on, and swept once the grace
+    period has passed; the grace period also picks which shards are candidates.
+    """
+    check_grace(grace_seconds)
+    cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
+    compaction = compact(db, blobs, write, below=below, cutoff=cutoff, dry_run=dry_run)
+    report = collect(db, blobs, grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans, now=now)
+    return report.model_copy(
+        update={"shards_compacted": compaction.shards, "bytes_compacted": compaction.bytes_reclaimable}
+    )
+
+
+__all__ = [
+    "Candidate",
+    "Compaction",
+    "WriteShard",
+    "candidates",
+    "check_threshold",
+    "compact",
+    "compact_and_collect",
+    "compact_shard",
+]

@@ -32,7 +32,7 @@ Two invariants follow, and the tests check them under concurrent saves:
    sweeps delete only unreferenced rows under the lock).
 2. Every shard row has its blob: a blob is deleted only under the exclusive lock and only while
    no row names it, and a shard row is recorded only under the share lock after checking that
-   its blob is there (:meth:`Store._record_shard`), so a re-upload racing the deletion of the
+   its blob is there (:func:`service.ingest.record_shard`), so a re-upload racing the deletion of the
    same shard is either seen by the deletion (which then keeps the blob) or sees the blob gone
    (and stores it again).
 

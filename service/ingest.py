@@ -1,14 +1,38 @@
-"""Checking a shard file before it is stored: header rules, then every tensor's digest."""
+"""Storing shards: check a shard file, move it into the blob store, record its tensors.
+
+Every way a shard arrives ends in :func:`store_shard`: a file on disk (:func:`ingest_file`,
+hashed here by :func:`verify_shard_file`), bytes hashed as they were received
+(:class:`~service.receiver.ShardReceiver`), or tensors hashed as they were written
+(:func:`write_tensors`). The blob goes in first and its rows after, under the collection lock
+in share mode (:mod:`service.gc`), so a version can only ever reference stored bytes.
+"""
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from service.errors import IntegrityError, InvalidShardError
+from sqlalchemy import bindparam, select
+
+from service.blobs import BlobStore
+from service.db import Database
+from service.db.models import Shard, Tensor
+from service.db.session import insert_missing, insert_new
+from service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
 from service.format.digest import TensorHasher
-from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, read_header
+from service.format.dtypes import DTYPES, byte_length
+from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
+from service.format.sharding import SHARD_METADATA
+from service.gc import hold_shared
+from service.receiver import ShardReceiver
+from service.records import ShardReceipt
+from service.shard_writer import UnhashedTensor, WrittenShard, write_shard
+
+#: A shard re-uploaded while a sweep deletes it is stored again; this many tries at most.
+INGEST_ATTEMPTS = 3
+_SHARD_KNOWN = select(Shard.id).where(Shard.id == bindparam("shard_id"))
 
 
 def verify_shard_file(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -> ShardHeader:
@@ -38,4 +62,199 @@ def verify_shard_file(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -
     return header
 
 
-__all__ = ["verify_shard_file", "InvalidShardError"]
+def ingest_file(*, db: Database, blobs: BlobStore, path: Path, max_header_bytes: int) -> ShardReceipt:
+    """Validate the shard at ``path``, store it and record its tensors; see :meth:`Store.ingest_file`.
+
+    The file is consumed (moved into the blob store or deleted) whatever the outcome. Its
+    tensors are hashed only if the shard is not stored yet.
+    """
+    try:
+        with open(path, "rb") as handle:
+            header = read_header(handle, path.stat().st_size, max_header_bytes=max_header_bytes)
+        verified = False
+
+        def verify() -> None:
+            nonlocal verified
+            if not verified:
+                verify_shard_file(path, max_header_bytes=max_header_bytes)
+                verified = True
+
+        return store_shard(db=db, blobs=blobs, path=path, header=header, verify=verify)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def store_received(*, db: Database, blobs: BlobStore, receiver: ShardReceiver) -> ShardReceipt:
+    """Store the shard ``receiver`` took in whole; see :meth:`Store.ingest_received`.
+
+    Its bytes were hashed on their way in, so nothing is read back. The staging file is
+    consumed whatever the outcome.
+    """
+    try:
+        header = receiver.finish()
+        return store_shard(db=db, blobs=blobs, path=receiver.path, header=header, verify=lambda: None)
+    finally:
+        receiver.discard()
+
+
+def check_unhashed(tensors: Sequence[UnhashedTensor]) -> None:
+    """Raise InvalidInputError unless ``tensors`` are some tensors, each of a known dtype, whole and not empty."""
+    if not tensors:
+        raise InvalidInputError("no tensors to store")
+    for tensor in tensors:
+        if tensor.dtype not in DTYPES or tensor.data.nbytes != byte_length(tensor.dtype, tensor.shape):
+            shape = list(tensor.shape)
+            raise InvalidInputError(f"{tensor.data.nbytes} bytes are not a tensor of {tensor.dtype}{shape}")
+        if tensor.data.nbytes == 0:
+            raise InvalidInputError("an empty tensor needs no storage; leave it out")
+
+
+def put_tensors(
+    *,
+    db: Database,
+    blobs: BlobStore,
+    path: Path,
+    tensors: Sequence[UnhashedTensor],
+    direct_writes: bool,
+    on_bytes: Callable[[int], object] | None = None,
+) -> tuple[ShardReceipt, list[str]]:
+    """Store ``tensors`` (passed by :func:`check_unhashed`) as one shard at ``path``, laid out by dtype.
+
+    Returns the receipt and each tensor's digest, in the order given; see :meth:`Store.put_tensors`.
+    """
+    order = layout_order([tensor.dtype for tensor in tensors])
+    receipt, written = write_tensors(
+        db=db,
+        blobs=blobs,
+        path=path,
+        tensors=[tensors[i] for i in order],
+        direct_writes=direct_writes,
+        on_bytes=on_bytes,
+    )
+    digests = [""] * len(tensors)
+    for index, digest in zip(order, written.digests, strict=True):
+        digests[index] = digest
+    return receipt, digests
+
+
+def fill(
+    receiver: ShardReceiver, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None
+) -> ShardReceiver:
+    """Write a shard's ``header`` and then its ``pieces`` into ``receiver``; ``receiver``.
+
+    ``on_bytes`` is called with each piece's size once it is written. On any error the
+    receiver's staging file is removed.
+    """
+    try:
+        receiver.write(header)
+        for piece in pieces:
+            receiver.write(piece)
+            if on_bytes is not None:
+                on_bytes(piece.nbytes)
+    except BaseException:
+        receiver.discard()
+        raise
+    return receiver
+
+
+def write_tensors(
+    *,
+    db: Database,
+    blobs: BlobStore,
+    path: Path,
+    tensors: Sequence[UnhashedTensor],
+    direct_writes: bool,
+    on_bytes: Callable[[int], object] | None = None,
+) -> tuple[ShardReceipt, WrittenShard]:
+    """Write ``tensors``, in the order given, as one shard at ``path``, hashing each, and store it.
+
+    ``on_bytes`` is called with each tensor's size once it is written; ``path`` is gone after.
+    """
+    try:
+        written = write_shard(path, tensors, SHARD_METADATA, direct_writes=direct_writes, on_bytes=on_bytes)
+        return store_shard(db=db, blobs=blobs, path=path, header=written.header, verify=lambda: None), written
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def store_shard(
+    *, db: Database, blobs: BlobStore, path: Path, header: ShardHeader, verify: Callable[[], None]
+) -> ShardReceipt:
+    """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new.
+
+    Raises:
+        StorageError: garbage collection kept deleting the shard while it was stored; retry.
+    """
+    for _attempt in range(INGEST_ATTEMPTS):
+        with db.transaction() as session:
+            known = session.connection().execute(_SHARD_KNOWN, {"shard_id": header.shard_id}).first() is not None
+        if not known:
+            # Only a shard not yet stored is hashed: a known id names bytes already verified.
+            verify()
+            blobs.put_file(header.shard_id, path)
+        created = record_shard(db=db, blobs=blobs, header=header)
+        if created is not None:
+            return ShardReceipt(
+                shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
+            )
+        if not path.exists():  # the blob store took the file, and a sweep then deleted it
+            break
+    raise StorageError(
+        f"shard {header.shard_id} was deleted by garbage collection while it was being stored; retry the upload"
+    )
+
+
+def record_shard(*, db: Database, blobs: BlobStore, header: ShardHeader) -> bool | None:
+    """Record the shard and its tensors not stored elsewhere; whether the shard row is new.
+
+    None (and nothing recorded) if the blob is gone: a sweep deleted it after this shard
+    was found stored or put in place. The check runs under the collection lock, so a sweep
+    cannot delete the blob between it and the commit of the rows.
+
+    Concurrent ingests of the same shard, or of shards sharing tensors, all succeed: rows
+    already there (or being inserted by another transaction) are skipped, so a tensor keeps
+    its first location. Tensors go in digest order so two ingests never deadlock. A known
+    shard's tensors are recorded too: a sweep may have removed their rows where they were
+    first stored, and this shard's bytes were verified when it was first stored.
+    """
+    shard_id = header.shard_id
+    tensors = {
+        entry.digest: {
+            "digest": entry.digest,
+            "shard_id": shard_id,
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "offset": header.data_start + entry.begin,
+            "nbytes": entry.nbytes,
+        }
+        for entry in header.entries
+    }
+    try:
+        with db.transaction() as session:
+            hold_shared(session)
+            created = insert_new(session, Shard, {"id": shard_id, "size": header.file_size})
+            insert_missing(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
+            if blobs.size(shard_id) is None:
+                raise _BlobSwept
+            return created
+    except _BlobSwept:
+        return None
+
+
+class _BlobSwept(Exception):
+    """A shard's blob vanished before its rows were recorded (rolls the recording back)."""
+
+
+__all__ = [
+    "INGEST_ATTEMPTS",
+    "InvalidShardError",
+    "check_unhashed",
+    "fill",
+    "ingest_file",
+    "put_tensors",
+    "record_shard",
+    "store_received",
+    "store_shard",
+    "verify_shard_file",
+    "write_tensors",
+]

@@ -10,11 +10,14 @@ from __future__ import annotations
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from service.db.models import Tag, Version, table
-from service.records import VersionInfo, tags_by_version
+from service.db import Database
+from service.db.models import Run, Tag, Version, table
+from service.records import RunInfo, VersionInfo, tags_by_version
+from service.versions import require_run, resolve_ref
 
 _VERSIONS = table(Version)
 _TAGS = table(Tag)
+_RUNS = table(Run)
 #: The columns a :class:`VersionInfo` is built from, in its field order (tags apart).
 SUMMARY_COLUMNS = (
     _VERSIONS.c.run_id,
@@ -42,6 +45,36 @@ _LATEST_OF_EVERY_RUN = select(*SUMMARY_COLUMNS).join(
     _NEWEST, (_NEWEST.c.run_id == _VERSIONS.c.run_id) & (_NEWEST.c.version == _VERSIONS.c.version)
 )
 _EVERY_TAG = select(_TAGS.c.run_id, _TAGS.c.version, _TAGS.c.name)
+_RUN_TOTALS = select(
+    _VERSIONS.c.run_id,
+    func.count(),
+    func.max(_VERSIONS.c.version),
+    func.coalesce(func.sum(_VERSIONS.c.bytes_total), 0),
+    func.coalesce(func.sum(_VERSIONS.c.bytes_new), 0),
+).group_by(_VERSIONS.c.run_id)
+# Columns, not Run objects: `ckptstore ls` of a thousand runs built a thousand ORM objects, and
+# its first ORM query imported SQLAlchemy's loading machinery.
+_EVERY_RUN = select(_RUNS.c.id, _RUNS.c.created_at, _RUNS.c.updated_at).order_by(_RUNS.c.updated_at.desc(), _RUNS.c.id)
+
+
+def all_runs(session: Session) -> list[RunInfo]:
+    """Every run with its totals, most recently updated first."""
+    totals = {run_id: (count, latest, total, new) for run_id, count, latest, total, new in session.execute(_RUN_TOTALS)}
+    result = []
+    for run_id, created_at, updated_at in session.execute(_EVERY_RUN):
+        count, latest, total, new = totals.get(run_id, (0, None, 0, 0))
+        result.append(
+            RunInfo(
+                run_id=run_id,
+                created_at=created_at,
+                updated_at=updated_at,
+                versions=count,
+                latest_version=latest,
+                bytes_total=int(total),
+                bytes_new=int(new),
+            )
+        )
+    return result
 
 
 def run_versions(session: Session, run_id: str) -> list[VersionInfo]:
@@ -77,4 +110,44 @@ def latest_versions(session: Session) -> tuple[dict[str, VersionInfo], dict[str,
     return latest, tags
 
 
-__all__ = ["SUMMARY_COLUMNS", "latest_versions", "one_version", "run_versions"]
+def list_runs(*, db: Database) -> list[RunInfo]:
+    """Every run with its totals, most recently updated first; see :meth:`Store.runs`."""
+    with db.transaction() as session:
+        return all_runs(session)
+
+
+def list_versions(*, db: Database, run_id: str) -> list[VersionInfo]:
+    """Every version of ``run_id``, oldest first; NotFoundError if there is no such run."""
+    with db.transaction() as session:
+        require_run(session, run_id)
+        return run_versions(session, run_id)
+
+
+def version_summary(*, db: Database, run_id: str, ref: int | str) -> VersionInfo:
+    """The summary of the one version ``ref`` names; NotFoundError if it names none."""
+    with db.transaction() as session:
+        number = resolve_ref(session, run_id, ref)
+        info = one_version(session, run_id, number)
+        assert info is not None  # resolved in this transaction
+        return info
+
+
+def overview(*, db: Database) -> list[tuple[RunInfo, VersionInfo | None, list[tuple[str, int]]]]:
+    """Every run with its newest version and its tags; see :meth:`Store.runs_overview`."""
+    runs = list_runs(db=db)
+    with db.transaction() as session:
+        latest, tags = latest_versions(session)
+    return [(run, latest.get(run.run_id), tags.get(run.run_id, [])) for run in runs]
+
+
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "all_runs",
+    "latest_versions",
+    "list_runs",
+    "list_versions",
+    "one_version",
+    "overview",
+    "run_versions",
+    "version_summary",
+]

@@ -4,7 +4,8 @@ The rules themselves (:class:`~service.retention_rules.Policy`, which versions t
 pure and live in :mod:`service.retention_rules`; this module reads and writes a run's policy
 and applies it inside the caller's transaction. :func:`service.commit.commit_version` calls
 :func:`apply_policy` last, under the run's row lock, so concurrent commits apply the policy one
-after another.
+after another; tags, deletions and policy changes take the same lock
+(:func:`service.versions.lock_run`).
 """
 
 from __future__ import annotations
@@ -12,29 +13,15 @@ from __future__ import annotations
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from service.db import Database
 from service.db.models import RetentionPolicy as PolicyRow
-from service.db.models import Run, Tag, Version
-from service.db.session import insert_new
-from service.errors import NotFoundError
+from service.db.models import Tag, Version
 from service.manifest_parts import release_versions
 from service.records import RetentionPolicy
 from service.retention_rules import Mode, Policy, versions_to_remove
+from service.versions import lock_run, require_run
 
 DELETE_BATCH = 500
-
-
-def lock_run(session: Session, run_id: str, *, create: bool = False) -> None:
-    """Lock the run's row for this transaction, as commits do, creating it if ``create``.
-
-    Whatever changes what a policy removes (tags, the policy itself, applying it) takes this
-    lock, so it cannot interleave with a commit applying the policy. On SQLite every write
-    transaction is already serialized by ``BEGIN IMMEDIATE``.
-    """
-    if create:
-        insert_new(session, Run, {"id": run_id, "version_counter": 0})
-    found = session.execute(select(Run.id).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
-    if found is None:
-        raise NotFoundError(f"run {run_id!r} does not exist")
 
 
 def read_policy(session: Session, run_id: str) -> Policy:
@@ -81,6 +68,28 @@ def describe_policy(session: Session, run_id: str, policy: Policy) -> RetentionP
     )
 
 
+def current_policy(*, db: Database, run_id: str) -> RetentionPolicy:
+    """The run's policy and the versions it would remove now; NotFoundError if there is no such run."""
+    with db.transaction() as session:
+        require_run(session, run_id)
+        return describe_policy(session, run_id, read_policy(session, run_id))
+
+
+def replace_policy(*, db: Database, run_id: str, policy: Policy, create_run: bool) -> RetentionPolicy:
+    """Store ``policy`` for the run, creating the run only if ``create_run``; see :meth:`Store.set_retention`."""
+    with db.transaction() as session:
+        lock_run(session, run_id, create=create_run)
+        write_policy(session, run_id, policy)
+        return describe_policy(session, run_id, policy)
+
+
+def apply_now(*, db: Database, run_id: str) -> list[int]:
+    """Remove now, in a transaction of its own, the versions the run's policy does not keep; their numbers."""
+    with db.transaction() as session:
+        lock_run(session, run_id)
+        return apply_policy(session, run_id)
+
+
 def apply_policy(session: Session, run_id: str) -> list[int]:
     """Remove the versions the run's policy does not keep; returns their numbers.
 
@@ -99,10 +108,12 @@ def apply_policy(session: Session, run_id: str) -> list[int]:
 
 
 __all__ = [
+    "apply_now",
     "apply_policy",
+    "current_policy",
     "describe_policy",
-    "lock_run",
     "plan_removal",
     "read_policy",
+    "replace_policy",
     "write_policy",
 ]

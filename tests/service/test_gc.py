@@ -377,9 +377,9 @@ def test_a_sweep_waits_for_a_commit_checking_its_references(
 def test_a_sweep_waits_for_a_save_being_told_a_tensor_is_present(
     store: Store, garbage: Garbage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.store
+    import service.lookup
 
-    collected, reports = pause_inside(store, monkeypatch, service.store, "_stamp_seen", HOUR)
+    collected, reports = pause_inside(store, monkeypatch, service.lookup, "_stamp_seen", HOUR)
     assert store.missing([garbage.tensors[0].digest]) == []  # the old shard is garbage, but now seen
     assert collected.wait(timeout=60)
 

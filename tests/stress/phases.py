@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import service.commit
-import service.store
+import service.ingest
 from service.blobs import LocalBlobStore
 from service.receiver import ShardReceiver
 from service.store import Store
@@ -105,10 +105,10 @@ def install_store_hooks(phases: Phases, *, entry_points: bool) -> None:
     before the transaction commits. With ``entry_points`` (a server, whose client announces
     nothing), also ``commit`` before and ``committed`` after :meth:`Store.commit`.
     """
-    service.store.verify_shard_file = _before(phases, "verify", service.store.verify_shard_file)
+    service.ingest.verify_shard_file = _before(phases, "verify", service.ingest.verify_shard_file)
     ShardReceiver.finish = _before(phases, "verify", ShardReceiver.finish)  # type: ignore[method-assign]
     LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
-    Store._record_shard = _around(phases, "record", "recorded", Store._record_shard)  # type: ignore[method-assign]
+    service.ingest.record_shard = _around(phases, "record", "recorded", service.ingest.record_shard)
     original_commit_version = service.commit.commit_version
 
     def commit_version(*args: Any, **kwargs: Any) -> Any:
@@ -138,8 +138,8 @@ def install_compaction_hooks(phases: Phases) -> None:
     import service.compaction
     from service.direct_file import DirectFileWriter
 
-    service.store.write_shard = _before(phases, "write-shard", service.store.write_shard)  # type: ignore[attr-defined]
+    service.ingest.write_shard = _before(phases, "write-shard", service.ingest.write_shard)
     DirectFileWriter.write_head = _before(phases, "write-head", DirectFileWriter.write_head)  # type: ignore[method-assign]
     LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
-    Store._record_shard = _around(phases, "record", "recorded", Store._record_shard)  # type: ignore[method-assign]
+    service.ingest.record_shard = _around(phases, "record", "recorded", service.ingest.record_shard)
     service.compaction._repoint = _around(phases, "repoint", "repointed", service.compaction._repoint)
