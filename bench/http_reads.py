@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import served  # noqa: E402
 
 from client import Client  # noqa: E402
-from client.reader import TensorReader  # noqa: E402
+from client.loading.reader import TensorReader  # noqa: E402
 from client.transport import Transport  # noqa: E402
 
 os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     import torch
 
     from client.api import Client
-    from client.background import SaveHandle
     from client.connection import Connection
     from client.results import LoadResult, SaveResult
+    from client.saving.snapshot import SaveHandle
 
 # Imported on first use (all but Connection import torch), so torch-free tools (the server image, the
 # ``ckptstore serve`` command) can import this package.
@@ -46,7 +46,7 @@ _LAZY = {
     "Client": "client.api",
     "Connection": "client.connection",
     "LoadResult": "client.results",
-    "SaveHandle": "client.background",
+    "SaveHandle": "client.saving.snapshot",
     "SaveResult": "client.results",
 }
 

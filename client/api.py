@@ -10,17 +10,25 @@ from typing import Any, Literal, overload
 
 import torch
 
-from client import keys, restore, selection
-from client.background import SaveHandle, Staging
+from client import keys
 from client.connection import Connection
 from client.gc_pause import paused_collection
-from client.hashing import DigestCache, SaveLedger
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
+from client.loading import restore, selection
+from client.loading.reader import TensorReader
 from client.progress import byte_bar
-from client.reader import TensorReader
 from client.results import LoadResult, SaveResult
-from client.saving import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
-from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
+from client.saving.hashing import DigestCache, SaveLedger
+from client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
+from client.saving.snapshot import SaveHandle, Staging
+from client.state import (
+    FlatState,
+    TensorRecord,
+    flatten,
+    flatten_extra,
+    flatten_named_optimizer,
+    flatten_other,
+)
 from service.errors import (
     InvalidInputError,
     StateEncodingError,
@@ -191,7 +199,7 @@ class Client(Connection):
         its bytes are stored.
 
         With ``blocking=False`` the call returns a :class:`SaveHandle` once the state is
-        snapshotted (:mod:`client.background`): tensors the digest cache does not know are
+        snapshotted (:mod:`client.saving.snapshot`): tensors the digest cache does not know are
         copied into staging buffers this client reuses; hashing, writing and the commit run in
         the background, and the caller may step the optimizer at once. ``handle.result()``
         gives the SaveResult or raises the save's error; an error nobody collected is raised by
@@ -287,7 +295,7 @@ class Client(Connection):
         tags: list[str],
         started: float,
     ) -> SaveResult:
-        """The one save path (:mod:`client.saving`)."""
+        """The one save path (:mod:`client.saving.saver`)."""
         return self._save_run(run_id, flat, step=step, metrics=metrics, tags=tags, started=started).run()
 
     def _save_run(

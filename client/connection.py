@@ -46,7 +46,7 @@ def open_transport(
     if url:
         if not url.startswith(("http://", "https://")):
             raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
-        from client.http_transport import HttpTransport
+        from client.http.transport import HttpTransport
 
         return HttpTransport(url, token, retry_seconds=retry_seconds)
     from service.factory import open_store

@@ -6,6 +6,9 @@ One module per command group: :mod:`~client.cli.inspect` (ls, show, diff),
 with what they share in :mod:`~client.cli.common`. No module imports torch, numpy or
 :mod:`client.api` at import: the commands that handle tensors import them when they run, so
 ``ckptstore serve`` and ``ckptstore db`` work in the torch-free server image.
+
+May import every package of ``client`` and ``service``; torch only inside the commands that
+save or load tensors, so listing and serving commands start without it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def main() -> None:
 @app.command()
 def quickstart() -> None:
     """Save and load a small adapter model on the embedded store, printing the dedup saving."""
-    from client.quickstart import run
+    from client.cli.quickstart import run
 
     run()
 

@@ -156,7 +156,7 @@ def _token() -> str | None:
 def store_location(transport: object) -> str:
     """Which store a command worked on, for people: a server's URL, or the database and blob
     store a process opened itself, each with its secrets masked (:func:`service.secrets_mask.mask_url`)."""
-    from client.http_transport import HttpTransport
+    from client.http.transport import HttpTransport
     from service.store import Store
 
     if isinstance(transport, HttpTransport):

@@ -1,7 +1,7 @@
 """``ckptstore export``, ``import`` and ``verify``: moving weights in and out, checking stored bytes.
 
-The work is done in :mod:`client.exporting`, :mod:`client.importing` and
-:mod:`client.verifying`; these commands parse, show progress and print.
+The work is done in :mod:`client.formats.exporting`, :mod:`client.formats.importing` and
+:mod:`client.loading.verify`; these commands parse, show progress and print.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def export(
     model.safetensors.index.json beyond --max-shard-size. Loadable by safetensors and, with the
     model's config.json in DIR (never invented), by transformers' from_pretrained.
     """
-    from client.exporting import export_version
+    from client.formats.exporting import export_version
 
     if as_format != "hf":
         _export_other(target, directory, as_format, peft_config, keys)
@@ -112,10 +112,10 @@ def export(
 
 
 def _export_other(target: str, directory: Path, as_format: str, config: Path | None, keys: list[str] | None) -> None:
-    """``export --format peft|dcp`` (:mod:`client.exporting_formats`)."""
+    """``export --format peft|dcp`` (:mod:`client.formats.export_formats`)."""
     import json
 
-    from client.exporting_formats import export_dcp, export_peft
+    from client.formats.export_formats import export_dcp, export_peft
 
     with reported():
         parsed = parse_target(target)
@@ -162,7 +162,7 @@ def import_(
     run code. A refused source stores nothing and exits with 2. Seed a base model once; every
     fine-tune saved later stores only what differs from it.
     """
-    from client.importing import read_checkpoint, save_imported
+    from client.formats.importing import read_checkpoint, save_imported
 
     with reported(invalid_input=EXIT_USAGE):
         if "@" in run_id:
@@ -190,8 +190,8 @@ def verify(
     versions, tensors, distinct digests and bytes. --json prints ok, versions, tensors, digests,
     bytes, seconds, problems and store.
     """
-    from client.verifying import every_version
-    from client.verifying import verify as run_verify
+    from client.loading.verify import every_version
+    from client.loading.verify import verify as run_verify
 
     with reported():
         parsed = parse_target(target) if target is not None else None

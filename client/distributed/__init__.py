@@ -8,6 +8,10 @@
 
 Importing this package imports ``torch.distributed.checkpoint``; ``client`` itself does so
 only when a sharded model is saved or loaded.
+
+May import torch (``torch.distributed``), the top of ``client``, ``client.saving`` and
+``client.loading`` and ``service``; never ``client.api``: it takes any client through the
+:class:`client.transport.StoreClient` protocol.
 """
 
 from client.distributed.reader import StoreReader

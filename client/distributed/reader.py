@@ -28,13 +28,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from client import jsonstate
 from client.distributed.layout import ObjPath, fqn, names_a_run, stored_items
-from client.reader import PieceSpec, TensorReader
+from client.loading.reader import PieceSpec, TensorReader
 from client.tensors import NAME_TO_TORCH, is_plain_dense
 from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
 from service.format.manifest import Manifest, TensorEntry

@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from client import keys, names, restore
+from client import keys, names
 from client.distributed.reader import StoreReader
 from client.distributed.writer import StoreWriter
+from client.loading import restore
 from client.results import LoadResult, SaveResult
 from service.errors import CheckpointError, InvalidInputError
 

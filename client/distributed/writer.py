@@ -2,7 +2,7 @@
 
 DCP plans what each rank writes; every rank then hashes its own chunks and stores the ones
 the store lacks as content-addressed shards (:meth:`StoreWriter.write_data`, the same code
-as a single-process save: :class:`client.saving.SaveRun`). The coordinator gathers each
+as a single-process save: :class:`client.saving.saver.SaveRun`). The coordinator gathers each
 chunk's digest and commits **one** manifest whose tensors carry ``chunks`` tiling their
 global shape (:meth:`StoreWriter.finish`). Until that commit nothing is visible: a rank that
 dies mid-save leaves stored shards that no version references, which garbage collection
@@ -22,17 +22,33 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from client import jsonstate
-from client.distributed.layout import ObjPath, StateTrees, fqn, names_a_run, stored_path, tensor_key
-from client.hashing import SaveLedger
+from client.distributed.layout import (
+    ObjPath,
+    StateTrees,
+    fqn,
+    names_a_run,
+    stored_path,
+    tensor_key,
+)
 from client.placement import group_places_step_on_device
 from client.results import SaveResult
-from client.saving import SaveRun, library_versions
+from client.saving.hashing import SaveLedger
+from client.saving.saver import SaveRun, library_versions
 from client.state import FlatState, TensorRecord
 from client.tensors import TORCH_TO_NAME, dtype_name
 from service.errors import StateEncodingError
@@ -150,7 +166,7 @@ class StoreWriter(StorageWriter):
             flat.add(TensorRecord(_label(item), tensor.detach(), "target", trainable=False if frozen else None))
             requires_grad.append(bool(tensor.requires_grad))
         # A fresh ledger: this rank does not commit, so it must not take the last version's
-        # digests as stored (see client.hashing.SaveLedger); the coordinator's commit checks all.
+        # digests as stored (see client.saving.hashing.SaveLedger); the coordinator's commit checks all.
         run = SaveRun(
             self.client.save_settings(SaveLedger()),
             self.run_id,

@@ -1,6 +1,12 @@
-"""Reading the checkpoint files users arrive with, as untrusted input.
+"""Foreign checkpoint files in and out: ``ckptstore import`` and ``ckptstore export``.
 
-Every byte here comes from a file someone else made. The modules:
+- :mod:`.importing` / :mod:`.sources`: what an import stores from each format (safetensors,
+  Hugging Face folders, ``torch.save`` files, Lightning, Trainer and DCP folders);
+- :mod:`.exporting` / :mod:`.export_formats`: a version written as Hugging Face safetensors,
+  a PEFT adapter folder or a DCP folder.
+
+Every byte an import reads comes from a file someone else made; the readers below treat it
+as untrusted input:
 
 - :mod:`client.formats.confined`: paths a source names, resolved inside its folder, regular
   files only, every offset and length checked against the file's size before it is read;
@@ -15,6 +21,8 @@ Every byte here comes from a file someone else made. The modules:
 - :mod:`client.formats.dcp_folder`: DCP folders, read from the metadata's offsets by this
   code (never through a planner), each tensor covered by its chunks exactly once.
 
-May import torch, numpy (for RNG state), ``service.errors`` and ``service.format``; nothing
-else of the client.
+The readers may import torch, numpy (for RNG state), ``service.errors`` and ``service.format``
+only. Import and export also use the Client (:mod:`client.api`), the load path
+(:mod:`client.loading`) and the top of ``client``; nothing here imports ``client.http`` or
+``client.saving``.
 """

@@ -10,4 +10,7 @@ imports a framework:
 They share :mod:`client.integrations.paths` (``ckptstore://RUN@REF`` and trainer paths as
 tags), :mod:`client.integrations.rng` (random number generator state as tensors and JSON) and
 :mod:`client.integrations.trees` (a framework's checkpoint dict as a version).
+
+May import the client's public surface (``client``, ``client.api``), the top of ``client`` and
+``service``; each framework only inside its own module.
 """

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 
-from client.http_errors import raise_for_error
+from client.http.errors import raise_for_error
 from service import __version__, errors
 from service.api import create_app
 from service.api.errors import STORAGE_MESSAGE

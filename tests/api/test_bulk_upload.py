@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
 from service.api import create_app
 from service.errors import AuthenticationError, IntegrityError, PayloadTooLargeError, PermissionDeniedError
 from service.settings import Settings

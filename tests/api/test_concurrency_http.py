@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
 from service.api import create_app
 from service.blobs import LocalBlobStore
 from service.db import Database

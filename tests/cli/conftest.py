@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import client
 from client.cli import app
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
 from service.store import Store
 from tests.client.conftest import Backend, backend, ckpt  # noqa: F401  (fixtures used by the CLI tests)
 

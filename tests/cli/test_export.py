@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from client.cli.common import UsageProblem, parse_size
-from client.exporting import plan_files
+from client.formats.exporting import plan_files
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal, train
 

@@ -153,7 +153,7 @@ def test_cli_refuses(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
 def test_python_api_raises_invalid_input(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case_id: str
 ) -> None:
-    from client.importing import import_weights
+    from client.formats.importing import import_weights
 
     case = BY_ID[case_id]
     work = _work(tmp_path)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import client
-from client.background import SaveHandle
+from client.saving.snapshot import SaveHandle
 from service.errors import StorageError
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet, tensors_equal, train

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import client
-from client.reader import BATCH_BYTES
+from client.loading.reader import BATCH_BYTES
 from service.api import create_app
 from service.errors import IntegrityError
 from service.settings import Settings

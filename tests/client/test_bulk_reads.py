@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 import client
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
 
 SHARD = "ab" * 32
 DATA = bytes(range(16))

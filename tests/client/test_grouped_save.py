@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from client import Client
-from client.saving import SaveRun, SaveSettings
+from client.saving.saver import SaveRun, SaveSettings
 from client.state import flatten
 from tests.client.conftest import Backend
 from tests.client.shard_files import stored_digests

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import client
-from client import hashing
-from client.hashing import CACHE_MIN_BYTES, DigestCache, digest_all
+from client.saving import hashing
+from client.saving.hashing import CACHE_MIN_BYTES, DigestCache, digest_all
 from service.errors import StateEncodingError
 from tests.client.models import TinyNet
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import client
-from client.http_retry import MAX_RETRY_AFTER_SECONDS, RetryPolicy
-from client.http_transport import HttpTransport
+from client.http.retry import MAX_RETRY_AFTER_SECONDS, RetryPolicy
+from client.http.transport import HttpTransport
 from service.api import create_app
 from service.db import Database
 from service.factory import open_store

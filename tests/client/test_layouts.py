@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import client
-from client.exporting import export_version
-from client.hashing import DigestCache, digest_of
+from client.formats.exporting import export_version
+from client.saving.hashing import DigestCache, digest_of
 from client.tensors import byte_view, check_storable, host_contiguous
 from service.api import create_app
 from service.db import Database
@@ -99,9 +99,7 @@ class HoldsTensors:
 
 
 @pytest.fixture(scope="module", params=["embedded", "http", "http-postgres-s3"])
-def layout_client(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[client.Client]:
+def layout_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.Client]:
     """A client on a store of each kind, shared by a test's examples (each uses its own run)."""
     home = tmp_path_factory.mktemp(request.param)
     if request.param == "embedded":

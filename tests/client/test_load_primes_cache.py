@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import client
-from client import saving, uploading
+from client.saving import saver as saving
+from client.saving import upload as uploading
 from tests.client.conftest import Backend
 from tests.client.models import tensors_equal
 

@@ -38,10 +38,12 @@ plain = st.recursive(
     | st.floats(allow_nan=False)
     | st.text(max_size=20)
     | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=5)
-    | st.lists(inner, max_size=5).map(tuple)
-    | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=5)
-    | st.frozensets(st.integers() | st.text(max_size=5), max_size=5).map(set),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.lists(inner, max_size=5).map(tuple)
+        | st.dictionaries(st.text(max_size=8) | st.integers(), inner, max_size=5)
+        | st.frozensets(st.integers() | st.text(max_size=5), max_size=5).map(set)
+    ),
     max_leaves=40,
 )
 
@@ -172,9 +174,9 @@ def mutations(data: bytes) -> st.SearchStrategy[bytes]:
     return st.lists(flip | cut | insert, min_size=1, max_size=4).map(lambda edits: edits[-1])
 
 
-SEEDS = [
-    pickle.dumps({"a": [1, 2.5, "x", b"y", (3, {4})], "b": None, "c": True}, protocol=p) for p in PROTOCOLS
-] + [dag(12)]
+SEEDS = [pickle.dumps({"a": [1, 2.5, "x", b"y", (3, {4})], "b": None, "c": True}, protocol=p) for p in PROTOCOLS] + [
+    dag(12)
+]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -41,9 +41,7 @@ def mlp(*widths: int) -> Callable[[], nn.Module]:
 
 def conv_net() -> nn.Module:
     """Conv weights (4-d), a one-channel conv and a one-output head."""
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 1, 1), nn.Flatten(), nn.Linear(36, 1)
-    )
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 1, 1), nn.Flatten(), nn.Linear(36, 1))
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -142,9 +140,7 @@ def _resume_matches(
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_prodigy_state_of_every_shape_saves_loads_on_meta_and_resumes_bitwise(
-    ckpt: client.Client, name: str
-) -> None:
+def test_prodigy_state_of_every_shape_saves_loads_on_meta_and_resumes_bitwise(ckpt: client.Client, name: str) -> None:
     build, inputs = MODELS[name]
     odd = _resume_matches(ckpt, name, build, inputs)
     if name == "mlp-16-32-4":

@@ -18,9 +18,9 @@ import pytest
 from httpx._utils import URLPattern, get_environment_proxies
 
 import client
-from client.bulk_http import BulkHttp, HttpxBulk
-from client.http_route import environment_proxy
-from client.http_transport import HttpTransport
+from client.http.bulk import BulkHttp, HttpxBulk
+from client.http.route import environment_proxy
+from client.http.transport import HttpTransport
 from service.api import create_app
 from service.db import Database
 from service.factory import open_store

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import client
-import client.reader as reader_module
-from client.reader import TensorReader
+import client.loading.reader as reader_module
+from client.loading.reader import TensorReader
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet
 from tests.client.test_integrity import rewrite, trainable_shard

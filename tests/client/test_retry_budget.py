@@ -20,8 +20,8 @@ import uvicorn
 from fastapi import FastAPI
 
 import client
-from client.http_retry import DEFAULT_RETRY_SECONDS, MAX_PAUSE_SECONDS
-from client.http_transport import HttpTransport
+from client.http.retry import DEFAULT_RETRY_SECONDS, MAX_PAUSE_SECONDS
+from client.http.transport import HttpTransport
 from service.api import create_app
 from service.api.server import http_protocol, tune_uvicorn
 from service.db import Database

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.save_plan import MIN_BALANCED_SHARD_BYTES, SeparatePacker, balanced_shard_bytes, plan_save
+from client.saving.plan import MIN_BALANCED_SHARD_BYTES, SeparatePacker, balanced_shard_bytes, plan_save
 from service.format.sharding import ShardPacker
 
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import client
-from client import saving, uploading
+from client.saving import saver as saving
+from client.saving import upload as uploading
 from service.errors import InvalidInputError
 from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
 from service.store import Store

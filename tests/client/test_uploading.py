@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.hashing import digest_of
-from client.uploading import ShardUploader
+from client.saving.hashing import digest_of
+from client.saving.upload import ShardUploader
 from service.records import ShardReceipt
 from service.store import Store
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import client
-import client.verifying as verifying
-from client.readplan import Stored, plan_reads
+import client.loading.verify as verifying
+from client.loading.plan import Stored, plan_reads
+from client.loading.verify import Problem, VerifyReport, verify
 from client.transport import Transport
-from client.verifying import Problem, VerifyReport, verify
 from service.errors import StorageError
 from service.format.digest import tensor_digest
 from service.records import TensorLocation

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import client
-from client import hashing, saving
-from client.hashing import digest_of
+from client.saving import hashing
+from client.saving import saver as saving
+from client.saving.hashing import digest_of
 from client.state import flatten
 from service.errors import IntegrityError, StorageError
 from service.shard_writer import UnhashedTensor

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
 from service.api import create_app
 from service.blobs import LocalBlobStore
 from service.blobs.s3 import S3BlobStore, make_client

@@ -20,8 +20,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from client.api import Client
-from client.hashing import digest_all
-from client.http_transport import STAGING_PREFIX
+from client.http.transport import STAGING_PREFIX
+from client.saving.hashing import digest_all
 from client.state import flatten
 from service.db.models import Shard
 from service.errors import CheckpointError, NotFoundError

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from client.api import Client
-from client.http_transport import remove_stale_staging
+from client.http.transport import remove_stale_staging
 from service.format.safetensors_header import parse_header
 from service.store import Store
 from tests.stress.checks import RUN, Census, Expectation, StoreChecker, census, digest_set_hash

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from client.http_transport import HttpTransport, remove_stale_staging
+from client.http.transport import HttpTransport, remove_stale_staging
 from service.api.server import app_from_env
 from service.cleanup import CleanupReport, clean_staging
 from service.store import Store

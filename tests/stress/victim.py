@@ -33,9 +33,9 @@ from typing import Any
 import sqlalchemy.dialects.sqlite  # noqa: F401  (imported before forking, not in every child)
 import torch
 
-import client.saving
+import client.saving.saver
 from client.api import Client
-from client.http_transport import HttpTransport
+from client.http.transport import HttpTransport
 from service.errors import CheckpointError
 from service.format.safetensors_header import parse_header
 from tests.stress.checks import digest_set_hash
@@ -71,7 +71,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
     """Announce the client's save steps and record what it asks for and sends."""
     recorder = Recorder()
     transport: Any = ckpt.transport
-    digest_all = client.saving.digest_all
+    digest_all = client.saving.saver.digest_all
     missing, put_shard, commit = transport.missing, transport.put_shard, transport.commit
     put_tensors = transport.put_tensors
 
@@ -119,7 +119,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
         phases("committed")
         return info
 
-    client.saving.digest_all = hashed
+    client.saving.saver.digest_all = hashed
     transport.missing, transport.put_shard, transport.commit = asked, put, committed
     transport.put_tensors = put_unhashed
     return recorder

@@ -8,12 +8,12 @@ Connections are pooled and reused across requests and threads. Measured again ag
 (:class:`HttpxBulk`) for 256 MiB over loopback: a ranged read took 0.10-0.16 s of client CPU
 here and 0.41-0.54 s through httpx, an upload 0.04-0.07 s against 0.10-0.12 s.
 
-They take the same :class:`client.http_route.Route` as httpx: straight to the server, or
+They take the same :class:`client.http.route.Route` as httpx: straight to the server, or
 through the proxy the environment names (an ``http://`` server's requests in absolute form to
 the proxy; an ``https://`` server's through a ``CONNECT`` tunnel). The one route these
 connections cannot take, an ``https://`` server through an ``https://`` proxy (TLS inside
 TLS), is left to httpx (:func:`carries`). Retries are not decided here: the caller runs every
-request under its :class:`client.http_retry.RetryPolicy`.
+request under its :class:`client.http.retry.RetryPolicy`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from client.http_route import Route
+from client.http.route import Route
 from service.errors import IntegrityError
 
 if TYPE_CHECKING:
-    from client.http_retry import Reply
+    from client.http.retry import Reply
 
 
 @dataclass

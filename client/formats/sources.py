@@ -1,6 +1,6 @@
 """What ``ckptstore import`` reads: checkpoints in the formats users already have, as named state.
 
-- a ``.safetensors`` file or a Hugging Face weights folder (:mod:`client.importing`);
+- a ``.safetensors`` file or a Hugging Face weights folder (:mod:`client.formats.importing`);
 - a ``.pt`` / ``.pth`` / ``.bin`` file holding a state_dict (or a dict with one under
   ``state_dict``, ``model_state_dict`` or ``model``), and a Lightning ``.ckpt`` (its
   ``state_dict``; ``global_step`` becomes the version's step);

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from client.http_retry import Reply
+from client.http.retry import Reply
 from service.errors import CheckpointError, MissingTensorsError, StateMismatchError, StorageError, error_class_for_code
 
 

@@ -1,4 +1,4 @@
-"""Import weights (safetensors, a Hugging Face folder) and other checkpoints (:mod:`client.sources`) as a version.
+"""Import weights (safetensors, a Hugging Face folder) and other checkpoints (:mod:`.sources`) as a version.
 
 The files are memory-mapped, not read into memory: each tensor is a view of the mapped file
 until the normal save path hashes it and, if the store lacks it, writes it into a shard. So a
@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from client import sources
 from client.api import Client
-from client.formats import confined
+from client.formats import confined, sources
 from client.formats.json_text import parse_json
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
@@ -136,7 +135,7 @@ def read_source(source: Path) -> dict[str, torch.Tensor]:
 
 
 def read_checkpoint(source: Path, *, expand_limit: int = 0) -> sources.Imported:
-    """Everything an import stores from ``source``, whatever its format (:mod:`client.sources`).
+    """Everything an import stores from ``source``, whatever its format (:mod:`client.formats.sources`).
 
     ``source`` itself is the user's choice and may be a link; every file it names is confined
     to it. ``expand_limit`` lets expanded (stride-0) tensors of ``.pt`` files through up to

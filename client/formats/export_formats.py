@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from client import restore, selection
-from client.exporting import FILE_METADATA, ExportResult, write_safetensors, write_text_atomically
-from client.reader import TensorReader
+from client.formats.exporting import FILE_METADATA, ExportResult, write_safetensors, write_text_atomically
+from client.loading import restore, selection
+from client.loading.reader import TensorReader
 from client.transport import Transport
 from service.errors import InvalidInputError, StateMismatchError
 

@@ -19,9 +19,9 @@ from concurrent.futures import Future
 
 import torch
 
-from client.hashing import DigestCache, Taken
 from client.results import SaveResult
-from client.saving import Snapshot
+from client.saving.hashing import DigestCache, Taken
+from client.saving.saver import Snapshot
 from client.state import FlatState
 from client.tensors import dtype_name
 from service.errors import InvalidManifestError

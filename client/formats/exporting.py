@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client import selection
-from client.reader import TensorReader
+from client.loading import selection
+from client.loading.reader import TensorReader
 from client.tensors import byte_view, host_contiguous
 from client.transport import Transport
 from service.errors import InvalidInputError, StateMismatchError

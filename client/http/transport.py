@@ -1,11 +1,11 @@
 """The client's HTTP transport: the same operations as the embedded store, over the v1 API.
 
-Each operation is one request through :class:`client.http_session.HttpSession`: JSON calls
+Each operation is one request through :class:`client.http.session.HttpSession`: JSON calls
 through httpx, shard uploads straight from memory and ranged shard reads straight into it,
 all on the route the proxy variables name and under one
-:class:`client.http_retry.RetryPolicy` (a time budget, ``retry_seconds`` /
+:class:`client.http.retry.RetryPolicy` (a time budget, ``retry_seconds`` /
 ``CKPTSTORE_RETRY_SECONDS``; a commit is never sent twice). Error answers become the same
-exception classes the embedded store raises (:func:`client.http_errors.raise_for_error`).
+exception classes the embedded store raises (:func:`client.http.errors.raise_for_error`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
-from client.http_retry import RetryPolicy
-from client.http_session import HttpSession
+from client.http.retry import RetryPolicy
+from client.http.session import HttpSession
 from service import __version__
 from service.errors import IntegrityError, RangeNotSatisfiableError
 from service.format.digest import shard_id as digest_shard_id

@@ -5,7 +5,7 @@ shard's id. Works through the transport only (``locate`` + ``read_scatter`` + a 
 it checks an embedded store and a server alike. Each digest is read once however many versions
 and keys share it; a problem names the first key that references it and the shard holding it.
 
-Tensors are read in shard-and-offset order in bounded reads (:func:`client.readplan.plan_reads`)
+Tensors are read in shard-and-offset order in bounded reads (:func:`client.loading.plan.plan_reads`)
 into two buffers that take turns: a background thread reads the next unit while the calling
 thread hashes the current one, so memory stays near two reads whatever the tensor sizes.
 """
@@ -19,8 +19,8 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from client.readahead import read_ahead
-from client.readplan import ReadUnit, Stored, plan_reads
+from client.loading.plan import ReadUnit, Stored, plan_reads
+from client.loading.readahead import read_ahead
 from client.transport import Transport
 from service.errors import CheckpointError, IntegrityError, NotFoundError
 from service.format.digest import TensorHasher, tensor_digest

@@ -1,4 +1,4 @@
-"""Running a save: the phases that move bytes, in order, around a :class:`~client.save_plan.SavePlan`.
+"""Running a save: the phases that move bytes, in order, around a :class:`~client.saving.plan.SavePlan`.
 
 1. **Plan** — look up cached digests, and (on a store that takes tensors unhashed) which of
    the last save's tensors changed in place; check the manifest with placeholder digests, so a
@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from client.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, sample
 from client.progress import byte_bar
 from client.results import SaveResult
-from client.save_plan import SavePlan, plan_save
+from client.saving.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, sample
+from client.saving.plan import SavePlan, plan_save
+from client.saving.upload import ShardUploader
 from client.state import FlatState, TensorRecord
 from client.tensors import dtype_name
 from client.transport import Transport
-from client.uploading import ShardUploader
 from service import __version__
 from service.errors import MissingTensorsError
 from service.format.bounds import MAX_SIZES_PER_QUERY
@@ -56,7 +56,7 @@ class SaveSettings:
 @dataclass
 class Snapshot:
     """A save's tensors as they were when a background save snapshotted them
-    (:meth:`client.background.Staging.snapshot`)."""
+    (:meth:`client.saving.snapshot.Staging.snapshot`)."""
 
     #: Each record's tensor: a staged copy, or the live tensor where the cache knew its digest.
     tensors: list[torch.Tensor]
@@ -158,7 +158,7 @@ class SaveRun:
             self.cacheable = [False] * len(self.records)
             self.known = list(self.snapshot.known)
         else:
-            self.cacheable = [record.trainable is False for record in self.records]  # see client.hashing
+            self.cacheable = [record.trainable is False for record in self.records]  # see client.saving.hashing
             self.known = cached_digests(settings.cache, self.tensors, self.cacheable)
         lengths = [tensor.numel() * tensor.element_size() for tensor in self.tensors]
         marks: dict[int, Any] = {}
@@ -274,7 +274,7 @@ def surely_unstored(transport: Transport, tensors: list[torch.Tensor], lengths: 
 
     A tensor cannot be stored when no stored tensor has its size (:meth:`Store.sizes_held`).
     Two tensors of this save with the same size might be equal (zero-initialised buffers and
-    adapters, layer norms at one): those whose samples (:func:`client.hashing.sample`) match
+    adapters, layer norms at one): those whose samples (:func:`client.saving.hashing.sample`) match
     another's are hashed first as before, so equal bytes are still stored once. Tensors under
     :data:`UNSEEN_MIN_BYTES`, and a model of more distinct sizes than the store looks up at
     once, are hashed first too.

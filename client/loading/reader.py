@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from client.readahead import run_ahead
-from client.readplan import ReadUnit, batch_units, plan_reads
+from client.loading.plan import ReadUnit, batch_units, plan_reads
+from client.loading.readahead import run_ahead
 from client.tensors import NAME_TO_TORCH, byte_view
 from client.transport import Transport
 from service.errors import IntegrityError, InvalidInputError

@@ -8,7 +8,7 @@ that are safe to repeat: every request but a commit. A commit is sent again only
 connection was refused or never opened (the server cannot have seen it); after any other
 failure its outcome is unknown, so it is not retried.
 
-The same :class:`RetryPolicy` runs JSON calls (httpx) and shard bytes (:mod:`client.bulk_http`);
+The same :class:`RetryPolicy` runs JSON calls (httpx) and shard bytes (:mod:`client.http.bulk`);
 the network errors of both are listed in :data:`NETWORK_ERRORS`.
 """
 
@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 
 import httpx
 
-from client.http_route import Route
+from client.http.route import Route
 from service.errors import InvalidInputError, StorageError
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -49,8 +49,8 @@ R = TypeVar("R", bound="Reply")
 
 
 class Reply(Protocol):
-    """An answer as the policy and :func:`client.http_errors.raise_for_error` read it: an
-    ``httpx.Response`` or a :class:`client.bulk_http.BulkResponse`."""
+    """An answer as the policy and :func:`client.http.errors.raise_for_error` read it: an
+    ``httpx.Response`` or a :class:`client.http.bulk.BulkResponse`."""
 
     @property
     def status_code(self) -> int: ...

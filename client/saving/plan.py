@@ -4,7 +4,7 @@ group, which digests to ask the store about, and which tensors to send.
 A save's tensors are known by index. The plan is made from their sizes, the digests the
 client's cache already knows, which tensors changed in place since the client's last save,
 and which tensor objects appear under several keys. As groups are hashed, :class:`SavePlan`
-tells the runner (:mod:`client.saving`) what to ask and what to send, and keeps the sizes
+tells the runner (:mod:`client.saving.saver`) what to ask and what to send, and keeps the sizes
 of the digests this version references. :class:`SeparatePacker` keeps tensors of different
 kinds (frozen, trainable) out of each other's shards. Everything here works on plain ints and
 strings.

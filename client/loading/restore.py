@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from client import jsonstate, keys, names, selection
+from client import jsonstate, keys, names
+from client.loading import selection
+from client.loading.reader import TensorReader
+from client.loading.selection import ModelPlan
 from client.placement import device_for
-from client.reader import TensorReader
-from client.selection import ModelPlan
 from client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
 from service.errors import StateMismatchError, format_list
 

@@ -1,10 +1,10 @@
 """Every request to one ckptstore server, on one route, under one retry policy, through one error boundary.
 
-JSON calls go through httpx; shard bytes through :mod:`client.bulk_http`'s connections, which
+JSON calls go through httpx; shard bytes through :mod:`client.http.bulk`'s connections, which
 hand tensor memory to the socket and read answers straight into it (measured faster for
-multi-MiB bodies). Both take the same :class:`client.http_route.Route` (the proxy the
+multi-MiB bodies). Both take the same :class:`client.http.route.Route` (the proxy the
 environment names, one TLS context), both are retried by the same
-:class:`client.http_retry.RetryPolicy`, and both answers pass :func:`client.http_errors.raise_for_error`.
+:class:`client.http.retry.RetryPolicy`, and both answers pass :func:`client.http.errors.raise_for_error`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 
 import httpx
 
-from client.bulk_http import BulkHttp, BulkWire, HttpxBulk, carries
-from client.http_errors import raise_for_error
-from client.http_retry import Reply, RetryPolicy
-from client.http_route import Route, route_for
+from client.http.bulk import BulkHttp, BulkWire, HttpxBulk, carries
+from client.http.errors import raise_for_error
+from client.http.retry import Reply, RetryPolicy
+from client.http.route import Route, route_for
 
 R = TypeVar("R", bound=Reply)
 

@@ -1,7 +1,7 @@
 """Sending a save's missing tensors as shards, a few at a time, while the caller goes on hashing.
 
 Tensors are added in the order the save finds them missing and packed into shards by
-:class:`client.save_plan.SeparatePacker`, frozen tensors never beside trainable ones (so each
+:class:`client.saving.plan.SeparatePacker`, frozen tensors never beside trainable ones (so each
 kind's shards are reclaimed with the versions that use them); each closed shard goes to the store on a worker
 thread straight from tensor memory. At most
 ``in_flight`` shards are sent at once; adding more waits for the oldest.
@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from client.save_plan import SeparatePacker, balanced_shard_bytes
-from client.shards import build_shard
+from client.saving.plan import SeparatePacker, balanced_shard_bytes
+from client.saving.shards import build_shard
 from client.tensors import byte_view, dtype_name, host_contiguous
 from client.transport import Transport
 from service.records import ShardReceipt
