@@ -26,7 +26,7 @@ import safetensors.torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare import (  # noqa: E402
+from common import (  # noqa: E402
     Shape,
     build_model,
     fresh_folder,

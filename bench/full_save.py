@@ -32,7 +32,7 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import Shape, build_model, fsync_path, layers_for  # noqa: E402
+from common import Shape, build_model, fsync_path, layers_for  # noqa: E402
 
 from client import Client  # noqa: E402
 

@@ -49,23 +49,21 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import (  # noqa: E402
+from common import (  # noqa: E402
     GIB,
     MIB,
     Row,
-    add_ratios,
     check_real_disk,
     files_under,
     fsync_path,
     fsync_tree,
-    machine_info,
-    run_text,
     same_tensors,
     tensor_bytes,
     timed,
     touch,
 )
 from dcp_compare import drop_cached  # noqa: E402
+from report import add_ratios, machine_info, run_text  # noqa: E402
 
 from client import Client  # noqa: E402
 

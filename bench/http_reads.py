@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import served  # noqa: E402
+from common import served  # noqa: E402
 
 from client import Client  # noqa: E402
 from client.loading.reader import TensorReader  # noqa: E402

@@ -50,7 +50,7 @@ from service.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_start import compile_bytecode  # noqa: E402
-from compare import Shape, build_model, layers_for  # noqa: E402
+from common import Shape, build_model, layers_for  # noqa: E402
 from full_save import ckptstore_save, fresh, safetensors_save  # noqa: E402
 
 KIB = 1024
