@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from client import connection
 from service.errors import (
     CheckpointError,
     ConflictError,
@@ -105,6 +106,9 @@ def default_client() -> Client:
 
             _clients[settings] = Client(url, token=token)
         return _clients[settings]
+
+
+connection.provide_default_client(default_client)
 
 
 @overload

@@ -8,6 +8,7 @@ any tool that only looks at a store) start without importing torch.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -19,6 +20,24 @@ if TYPE_CHECKING:
     from client.transport import Transport
 
 DEFAULT_HOME = "~/.ckptstore"
+
+#: What gives the process's default client: ``client.default_client``, put here when the
+#: ``client`` package is imported (which every import of a ``client.*`` module does first).
+#: The packages below the Client (the sharded path) reach it through here, never importing it.
+_default_client: Callable[[], Connection] | None = None
+
+
+def provide_default_client(factory: Callable[[], Connection]) -> None:
+    """Name the function that gives the process's default client (called by ``client`` itself)."""
+    global _default_client
+    _default_client = factory
+
+
+def default_connection() -> Connection:
+    """The process's default client, from the environment (see :func:`client.default_client`)."""
+    if _default_client is None:  # only a module loaded outside its package gets here
+        raise RuntimeError("no default client is provided: import client first")
+    return _default_client()
 
 
 def default_home() -> Path:

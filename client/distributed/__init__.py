@@ -9,9 +9,10 @@
 Importing this package imports ``torch.distributed.checkpoint``; ``client`` itself does so
 only when a sharded model is saved or loaded.
 
-May import torch (``torch.distributed``), the top of ``client``, ``client.saving`` and
-``client.loading`` and ``service``; never ``client.api``: it takes any client through the
-:class:`client.transport.StoreClient` protocol.
+May import torch (``torch.distributed``), the top of ``client``, ``client.saving``,
+``client.loading`` and ``service``; never the ``client`` package itself nor ``client.api``
+(which imports this package to save and load sharded models): it takes any client through the
+:class:`client.distributed.clients.StoreClient` protocol.
 """
 
 from client.distributed.reader import StoreReader

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -28,25 +28,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from client import jsonstate
+from client.distributed.clients import StoreClient, default_store_client
 from client.distributed.layout import ObjPath, fqn, names_a_run, stored_items
 from client.loading.reader import PieceSpec, TensorReader
 from client.tensors import NAME_TO_TORCH, is_plain_dense
 from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
 from service.format.manifest import Manifest, TensorEntry
 from service.format.names import validate_run_id
-
-if TYPE_CHECKING:
-    from client.api import Client
 
 
 @dataclass(frozen=True)
@@ -77,12 +70,10 @@ class StoreReader(StorageReader):
         client: the store to read from (default :func:`client.default_client`).
     """
 
-    def __init__(self, run_id: str, version: int | str = "latest", *, client: Client | None = None) -> None:
-        from client import default_client
-
+    def __init__(self, run_id: str, version: int | str = "latest", *, client: StoreClient | None = None) -> None:
         self.run_id = validate_run_id(run_id)
         self.version = version
-        self.client = client if client is not None else default_client()
+        self.client = client if client is not None else default_store_client()
         self.manifest: Manifest | None = None
         self.bytes_read = 0
         self._chunks: dict[MetadataIndex, _Chunk] = {}

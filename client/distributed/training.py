@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,14 +23,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from client import keys, names
+from client.distributed.clients import StoreClient
 from client.distributed.reader import StoreReader
 from client.distributed.writer import StoreWriter
 from client.loading import restore
 from client.results import LoadResult, SaveResult
 from service.errors import CheckpointError, InvalidInputError
-
-if TYPE_CHECKING:
-    from client.api import Client
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -39,7 +37,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def save_sharded(
-    client: Client,
+    client: StoreClient,
     run_id: str,
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None,
@@ -69,7 +67,7 @@ def save_sharded(
 
 
 def load_sharded(
-    client: Client,
+    client: StoreClient,
     run_id: str,
     version: int | str,
     model: torch.nn.Module,

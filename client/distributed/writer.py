@@ -19,32 +19,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from client import jsonstate
-from client.distributed.layout import (
-    ObjPath,
-    StateTrees,
-    fqn,
-    names_a_run,
-    stored_path,
-    tensor_key,
-)
+from client.distributed.clients import StoreClient, default_store_client
+from client.distributed.layout import ObjPath, StateTrees, fqn, names_a_run, stored_path, tensor_key
 from client.placement import group_places_step_on_device
 from client.results import SaveResult
 from client.saving.hashing import SaveLedger
@@ -56,9 +41,6 @@ from service.format.digest import tensor_digest
 from service.format.dtypes import dtype_class
 from service.format.manifest import TENSOR_REF, validate_body
 from service.format.names import validate_run_id, validate_tag
-
-if TYPE_CHECKING:
-    from client.api import Client
 
 #: Called by every rank once its chunks are stored, before it reports them (tests pause a rank
 #: here to kill it at the moment its bytes are stored but no version exists).
@@ -107,15 +89,13 @@ class StoreWriter(StorageWriter):
         self,
         run_id: str,
         *,
-        client: Client | None = None,
+        client: StoreClient | None = None,
         step: int | None = None,
         metrics: dict[str, float] | None = None,
         tags: Sequence[str] = (),
     ) -> None:
-        from client import default_client
-
         self.run_id = validate_run_id(run_id)
-        self.client = client if client is not None else default_client()
+        self.client = client if client is not None else default_store_client()
         self.step = step
         self.metrics = dict(metrics or {})
         self.tags = [validate_tag(tag) for tag in tags]
