@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -21,14 +21,7 @@ from client.results import LoadResult, SaveResult
 from client.saving.hashing import DigestCache, SaveLedger
 from client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
 from client.saving.snapshot import SaveHandle, Staging
-from client.state import (
-    FlatState,
-    TensorRecord,
-    flatten,
-    flatten_extra,
-    flatten_named_optimizer,
-    flatten_other,
-)
+from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
 from service.errors import (
     InvalidInputError,
     StateEncodingError,
@@ -36,6 +29,9 @@ from service.errors import (
 )
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES
+
+if TYPE_CHECKING:
+    from service.format.manifest import Manifest
 
 UPLOADS_IN_FLIGHT = 2
 HTTP_UPLOADS_IN_FLIGHT = 4
@@ -386,6 +382,35 @@ class Client(Connection):
 
     # -- load ----------------------------------------------------------------------------
 
+    def _load_model(
+        self,
+        reader: TensorReader,
+        manifest: Manifest,
+        result: LoadResult,
+        *,
+        model: torch.nn.Module | None,
+        target: torch.device | None,
+        dtype: torch.dtype | None,
+        strict: bool,
+        patterns: list[str] | None,
+    ) -> None:
+        """The model part of :meth:`load`: into ``model``, or as ``result.state_dict`` without one."""
+        if model is None:
+            selected = selection.selected_model_keys(manifest, patterns)
+            result.state_dict, result.casts = restore.materialize_model(
+                reader, selected, target or torch.device("cpu"), dtype
+            )
+            return
+        plan = selection.plan_model_load(manifest, model, patterns)
+        result.missing_keys, result.unexpected_keys = plan.missing, plan.unexpected
+        if strict and (plan.missing or plan.unexpected):
+            raise restore.mismatch_error(manifest.version, plan.missing, plan.unexpected)
+        cache = self.digest_cache
+        if cache is None:
+            result.casts = restore.load_into_model(reader, plan, target, dtype)
+        else:  # the next save hashes only what changed since this load
+            result.casts = restore.load_into_model(reader, plan, target, dtype, cache.forget, cache.know)
+
     @paused_collection()
     def load(
         self,
@@ -441,23 +466,11 @@ class Client(Connection):
         target = torch.device(device) if device is not None else None
         manifest = self.transport.manifest(validate_run_id(run_id), version)
         with byte_bar(lambda: sum(e.nbytes for e in manifest.tensors), "load") as bar:
-            reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self._widths()[0])
+            reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self.read_threads)
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
-            if model is None:
-                selected = selection.selected_model_keys(manifest, patterns)
-                result.state_dict, result.casts = restore.materialize_model(
-                    reader, selected, target or torch.device("cpu"), dtype
-                )
-            else:
-                plan = selection.plan_model_load(manifest, model, patterns)
-                result.missing_keys, result.unexpected_keys = plan.missing, plan.unexpected
-                if strict and (plan.missing or plan.unexpected):
-                    raise restore.mismatch_error(manifest.version, plan.missing, plan.unexpected)
-                cache = self.digest_cache
-                if cache is None:
-                    result.casts = restore.load_into_model(reader, plan, target, dtype)
-                else:  # the next save hashes only what changed since this load
-                    result.casts = restore.load_into_model(reader, plan, target, dtype, cache.forget, cache.know)
+            self._load_model(
+                reader, manifest, result, model=model, target=target, dtype=dtype, strict=strict, patterns=patterns
+            )
             host_or_target = target or torch.device("cpu")
             if optim is not None:
                 assert model is not None
