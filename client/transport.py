@@ -28,6 +28,11 @@ class Transport(Protocol):
     #: Whether :meth:`put_tensors` is available.
     takes_unhashed: bool
 
+    @property
+    def location(self) -> str:
+        """Where the store is, for people, secrets masked: a server's URL, or the database and
+        blob store a process opened itself."""
+
     def missing(self, digests: Iterable[str]) -> list[str]:
         """Digests the store lacks."""
 

@@ -34,6 +34,7 @@ from service.receiver import ShardReceiver
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.retention import apply_now, current_policy, replace_policy
 from service.retention_rules import check_policy
+from service.secrets_mask import mask_url
 from service.settings import METADATA_FILE, Settings
 from service.shard_writer import UnhashedTensor
 from service.versions import remove_tag, remove_version, resolve_ref, set_tag
@@ -83,6 +84,11 @@ class Store:
         self.max_header_bytes = max_header_bytes
         self._direct_writes = direct_writes
         self._direct_lock = threading.Lock()
+
+    @property
+    def location(self) -> str:
+        """Where this store keeps its data, for people: its database and blob store, secrets masked."""
+        return f"{mask_url(self.db.url)} with blobs in {mask_url(self.blobs.location)}"
 
     @property
     def direct_writes(self) -> bool:

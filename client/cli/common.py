@@ -19,7 +19,7 @@ import typer
 
 from service.errors import CheckpointError, InvalidInputError, InvalidNameError
 from service.format.names import LATEST, parse_ref, validate_run_id
-from service.secrets_mask import mask_url, mask_urls
+from service.secrets_mask import mask_urls
 
 if TYPE_CHECKING:
     from client.api import Client
@@ -151,19 +151,6 @@ def server_url() -> str | None:
 
 def _token() -> str | None:
     return os.environ.get("CKPTSTORE_TOKEN") or None
-
-
-def store_location(transport: object) -> str:
-    """Which store a command worked on, for people: a server's URL, or the database and blob
-    store a process opened itself, each with its secrets masked (:func:`service.secrets_mask.mask_url`)."""
-    from client.http.transport import HttpTransport
-    from service.store import Store
-
-    if isinstance(transport, HttpTransport):
-        return mask_url(transport.url)
-    if isinstance(transport, Store):
-        return f"{mask_url(transport.db.url)} with blobs in {mask_url(transport.blobs.location)}"
-    return type(transport).__name__
 
 
 def echo_json(value: Any) -> None:

@@ -22,7 +22,6 @@ from client.cli.common import (
     parse_target,
     reported,
     size,
-    store_location,
     table,
 )
 from service.format.names import validate_run_id
@@ -205,7 +204,7 @@ def verify(
                 report = run_verify(
                     ckpt.transport, versions, on_bytes=bar.update, on_total=bar.total, strict_refs=parsed is not None
                 )
-                where = store_location(ckpt.transport)
+                where = ckpt.transport.location
         finally:
             bar.close()
     if as_json:

@@ -31,6 +31,7 @@ from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from service.secrets_mask import mask_url
 from service.shard_writer import UnhashedTensor
 
 #: Upload staging folders were ``<tmp>/ckptstore-upload-<pid>-<random>`` (clients no longer make them).
@@ -137,6 +138,11 @@ class HttpTransport:
         self.session = HttpSession(self.url, headers, self.policy, timeout_seconds)
         # Older clients staged uploads in temporary folders; one killed mid-save left its folder.
         remove_stale_staging()
+
+    @property
+    def location(self) -> str:
+        """The server's URL, secrets masked (the Transport protocol's ``location``)."""
+        return mask_url(self.url)
 
     @property
     def retry_seconds(self) -> float:
