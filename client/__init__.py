@@ -6,6 +6,19 @@
 
 The module-level functions use a client built from ``CKPTSTORE_URL`` / ``CKPTSTORE_HOME``
 as they are when the function is called; build a :class:`Client` to choose explicitly.
+
+Rooms by job: the top-level modules (api, connection, results, transport, state, jsonstate,
+keys, names, placement, tensors, progress, gc_pause) are the floor: none but :mod:`client.api`
+imports a package of ``client`` (the torch-free :mod:`client.connection` opens a server through
+:mod:`client.http`). The Client drives :mod:`client.saving`, :mod:`client.loading`,
+:mod:`client.http` and, for sharded models, :mod:`client.distributed`; above it sit
+:mod:`client.formats`, :mod:`client.integrations` and :mod:`client.cli`.
+
+This package may import ``service`` and, at import, only its torch-free
+:mod:`client.connection`: the Client and the rest load when first used, so torch-free tools
+(the server image, ``ckptstore serve``) import it. It hands :func:`default_client` to
+:func:`client.connection.provide_default_client`, so the packages below the Client reach the
+default one without importing this package back.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""The service never imports torch, fastapi or the client; the client owns torch."""
+"""The layers, one direction: the service never imports torch, fastapi or the client; the client
+owns torch, in rooms by job (saving, loading, http, formats, distributed, integrations, cli) over
+a floor of a dozen modules, with no import circles."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import queue
@@ -216,3 +219,221 @@ def test_a_client_over_http_imports_no_engine(tmp_path: Path) -> None:
     # The probe has teeth: an embedded store is the engine itself.
     embedded = engine_modules_after("client.Client(home=sys.argv[1])", str(tmp_path / "home"))
     assert {"sqlalchemy", "service.store", "service.factory"} <= set(embedded)
+
+
+# -- the client's rooms and the arrows between them --------------------------------------------
+#
+# Imports are read from the source with ast.walk over the whole module, so an import inside a
+# function, or under ``if TYPE_CHECKING:``, counts as much as one at the top.
+
+#: The client's packages by job; the modules directly in client/ are the floor.
+ROOMS = ("saving", "loading", "http", "formats", "distributed", "integrations", "cli")
+#: The floor's size: the Client and Connection, results, transport, state flattening and
+#: placement, and the small helpers they share.
+FLOOR = {
+    "api",
+    "connection",
+    "results",
+    "transport",
+    "state",
+    "jsonstate",
+    "keys",
+    "names",
+    "placement",
+    "tensors",
+    "progress",
+    "gc_pause",
+}
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def module_name(path: Path) -> str:
+    """``client/saving/plan.py`` -> ``client.saving.plan``; a package's ``__init__`` is the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules(top: str) -> dict[str, Path]:
+    """Every module under ``top`` (``client`` or ``service``), by dotted name."""
+    return {module_name(path): path for path in sorted((ROOT / top).rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules among ``known`` that module ``name`` (at ``path``) imports anywhere in its body.
+
+    ``from a import b`` is ``a.b`` where that is a module, else ``a`` (``from client import
+    default_client`` imports the package ``client``); ``import a.b.c`` is the longest known
+    prefix of ``a.b.c``. Relative imports are resolved against the module's package.
+    """
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    found = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def import_graph(top: str = "client") -> dict[str, set[str]]:
+    """Module -> the modules of ``top`` it imports, at module level or inside functions."""
+    every = product_modules(top)
+    return {name: imports_of(name, path, set(every)) for name, path in every.items()}
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of every absolute import in ``path`` (``torch.distributed`` is ``torch``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, each sorted."""
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for target in graph.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        reach[start] = seen
+    components = {frozenset({a, *(b for b in reach[a] if a in reach.get(b, ()))}) for a in graph}
+    return sorted(sorted(c) for c in components if len(c) > 1)
+
+
+def room_of(module: str) -> str:
+    """``client.saving.plan`` -> ``saving``; a floor module (``client.api``) -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else ""
+
+
+def arrows(source_room: str, target_rooms: set[str]) -> list[str]:
+    """Imports from the modules of ``source_room`` into any of ``target_rooms``."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in import_graph().items()
+        if name != "client" and room_of(name) == source_room
+        for target in targets
+        if target != "client" and room_of(target) in target_rooms
+    )
+
+
+def test_the_import_reader_counts_imports_in_functions_and_under_type_checking(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    source = package / "a.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pkg.b import Thing\n"
+        "def later():\n    from . import c\n    import pkg.d.e\n    from pkg import name_in_init\n"
+    )
+    known = {"pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.d", "pkg.d.e"}
+    assert imports_of("pkg.a", source, known) == {"pkg", "pkg.b", "pkg.c", "pkg.d.e"}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_in_the_client() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_saving_and_loading_do_not_import_each_other() -> None:
+    assert arrows("saving", {"loading"}) == []
+    assert arrows("loading", {"saving"}) == []
+
+
+def test_saving_and_loading_import_no_room_above_them() -> None:
+    above = {"http", "formats", "distributed", "integrations", "cli"}
+    assert arrows("saving", above) == []
+    assert arrows("loading", above) == []
+
+
+def test_the_http_transport_imports_no_torch_and_no_other_part_of_the_client() -> None:
+    outside = sorted(
+        f"{name} -> {target}"
+        for name, targets in import_graph().items()
+        if room_of(name) == "http"
+        for target in targets
+        if room_of(target) != "http"
+    )
+    assert outside == []
+    heavy = {
+        f"{name}: {library}"
+        for name, path in product_modules("client").items()
+        if room_of(name) == "http"
+        for library in third_party_imports(path) & {"torch", "numpy"}
+    }
+    assert heavy == set()
+
+
+def test_the_import_and_export_formats_import_neither_the_http_transport_nor_the_save_path() -> None:
+    assert arrows("formats", {"http", "saving"}) == []
+
+
+def test_the_sharded_path_imports_neither_the_client_package_nor_the_client_api() -> None:
+    graph = import_graph()
+    reaching = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if room_of(name) == "distributed"
+        for target in targets & {"client", "client.api"}
+    )
+    assert reaching == []
+
+
+def test_the_top_of_the_client_is_the_floor() -> None:
+    """The modules directly in client/ are the twelve of FLOOR, and none but the Client (api)
+    imports the save or load path, the formats, the sharded path, the plug-ins or the CLI."""
+    assert {path.stem for path in (ROOT / "client").glob("*.py")} - {"__init__"} == FLOOR
+    above = {"saving", "loading", "formats", "distributed", "integrations", "cli"}
+    offenders = [edge for edge in arrows("", above) if not edge.startswith(("client.api ->", "client ->"))]
+    assert offenders == []
+
+
+def test_every_client_package_says_its_job_and_what_it_may_import() -> None:
+    unsaid = [
+        str(init.relative_to(ROOT))
+        for init in sorted((ROOT / "client").rglob("__init__.py"))
+        if "import" not in (ast.get_docstring(ast.parse(init.read_text())) or "")
+    ]
+    assert unsaid == []
+
+
+def test_no_client_file_over_500_lines_and_no_function_over_80() -> None:
+    too_long = []
+    for name, path in product_modules("client").items():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name}: {length} lines")
+    assert too_long == []
+
+
+def test_nothing_in_the_service_imports_the_client_or_torch_even_inside_a_function() -> None:
+    offenders = {
+        f"{name}: {library}"
+        for name, path in product_modules("service").items()
+        for library in third_party_imports(path) & {"client", "torch", "numpy"}
+    }
+    assert offenders == set()
