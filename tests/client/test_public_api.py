@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import typing
 from pathlib import Path
@@ -104,3 +105,34 @@ def test_home_defaults_to_the_user_folder(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("HOME", str(tmp_path))
     client.save("run", TinyNet())
     assert (tmp_path / ".ckptstore" / "metadata.db").is_file()
+
+
+#: What the README imports from the subpackages: these names stay where they are, whatever
+#: moves inside the client.
+SUBPACKAGE_NAMES = {
+    "client.distributed": {"StoreReader", "StoreWriter"},
+    "client.integrations.lightning": {"CkptstoreCheckpointIO", "ResumeStateCallback"},
+    "client.integrations.transformers": {"CkptstoreCallback", "resume"},
+    "client.integrations.accelerate": {"save_state", "load_state"},
+}
+
+
+def test_the_sharded_path_exports_exactly_its_storage_pair() -> None:
+    import client.distributed
+
+    assert set(client.distributed.__all__) == SUBPACKAGE_NAMES["client.distributed"]
+
+
+def test_the_integrations_package_exports_nothing_but_its_framework_modules() -> None:
+    import client.integrations
+
+    # Each framework's module is imported on demand, so ``import client`` imports no framework.
+    names = [n for n, v in vars(client.integrations).items() if not n.startswith("_") and not inspect.ismodule(v)]
+    assert names == []
+
+
+@pytest.mark.parametrize("module", sorted(SUBPACKAGE_NAMES))
+def test_the_subpackages_public_names_stay_where_they_are(module: str) -> None:
+    imported = importlib.import_module(module)
+    missing = {name for name in SUBPACKAGE_NAMES[module] if not callable(getattr(imported, name, None))}
+    assert missing == set()
