@@ -43,9 +43,8 @@ from service.write_probe import choose_direct_writes
 if TYPE_CHECKING:
     from service.format.manifest import Manifest, ManifestBody
 
-# Committing, compacting and parsing manifests import the manifest models (pydantic schemas
-# with patterns), which a listing never needs: those methods import them when first called, so
-# `ckptstore ls` starts without them.
+# Committing, compacting and parsing manifests import the manifest models when first called,
+# so that `ckptstore ls` starts without pydantic's schemas.
 
 
 class Store:
@@ -254,15 +253,9 @@ class Store:
     ) -> GcReport:
         """Delete shards no committed version references, sparing recent ones; see :mod:`service.gc`.
 
-        Args:
-            grace_seconds: spare unreferenced shards recorded, or reported present by
-                :meth:`missing`, less than this long ago (default one hour).
-            dry_run: only report what would be swept.
-            orphans: also delete blobs no shard row names.
-            compact_below: first compact every shard whose live bytes are below this fraction
-                of its size (see :mod:`service.compaction`); the shards it retires are swept
-                once the grace period has passed.
-            now: the time the grace period counts back from (default: now).
+        ``grace_seconds`` (default one hour) spares shards recorded or reported present less
+        than that long ago; ``orphans`` also deletes blobs no shard row names; ``compact_below``
+        first rewrites shards whose live bytes are below that fraction (:mod:`service.compaction`).
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
         if compact_below is None:

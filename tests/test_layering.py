@@ -17,6 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.import_graph import (
+    ROOMS,
+    arrows,
+    circles,
+    import_graph,
+    imports_of,
+    product_modules,
+    report,
+    room_of,
+    third_party_imports,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
@@ -226,8 +238,6 @@ def test_a_client_over_http_imports_no_engine(tmp_path: Path) -> None:
 # Imports are read from the source with ast.walk over the whole module, so an import inside a
 # function, or under ``if TYPE_CHECKING:``, counts as much as one at the top.
 
-#: The client's packages by job; the modules directly in client/ are the floor.
-ROOMS = ("saving", "loading", "http", "formats", "distributed", "integrations", "cli")
 #: The floor's size: the Client and Connection, results, transport, state flattening and
 #: placement, and the small helpers they share.
 FLOOR = {
@@ -248,93 +258,6 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 
-def module_name(path: Path) -> str:
-    """``client/saving/plan.py`` -> ``client.saving.plan``; a package's ``__init__`` is the package."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def product_modules(top: str) -> dict[str, Path]:
-    """Every module under ``top`` (``client`` or ``service``), by dotted name."""
-    return {module_name(path): path for path in sorted((ROOT / top).rglob("*.py"))}
-
-
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules among ``known`` that module ``name`` (at ``path``) imports anywhere in its body.
-
-    ``from a import b`` is ``a.b`` where that is a module, else ``a`` (``from client import
-    default_client`` imports the package ``client``); ``import a.b.c`` is the longest known
-    prefix of ``a.b.c``. Relative imports are resolved against the module's package.
-    """
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    targets: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-    found = set()
-    for target in targets:
-        while target and target not in known:
-            target = target.rpartition(".")[0]
-        if target and target != name:
-            found.add(target)
-    return found
-
-
-def import_graph(top: str = "client") -> dict[str, set[str]]:
-    """Module -> the modules of ``top`` it imports, at module level or inside functions."""
-    every = product_modules(top)
-    return {name: imports_of(name, path, set(every)) for name, path in every.items()}
-
-
-def third_party_imports(path: Path) -> set[str]:
-    """The top-level names of every absolute import in ``path`` (``torch.distributed`` is ``torch``)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.add(node.module.split(".")[0])
-    return found
-
-
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module, each sorted."""
-    reach: dict[str, set[str]] = {}
-    for start in graph:
-        seen, todo = set(), [start]
-        while todo:
-            for target in graph.get(todo.pop(), ()):
-                if target not in seen:
-                    seen.add(target)
-                    todo.append(target)
-        reach[start] = seen
-    components = {frozenset({a, *(b for b in reach[a] if a in reach.get(b, ()))}) for a in graph}
-    return sorted(sorted(c) for c in components if len(c) > 1)
-
-
-def room_of(module: str) -> str:
-    """``client.saving.plan`` -> ``saving``; a floor module (``client.api``) -> ``""``."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else ""
-
-
-def arrows(source_room: str, target_rooms: set[str]) -> list[str]:
-    """Imports from the modules of ``source_room`` into any of ``target_rooms``."""
-    return sorted(
-        f"{name} -> {target}"
-        for name, targets in import_graph().items()
-        if name != "client" and room_of(name) == source_room
-        for target in targets
-        if target != "client" and room_of(target) in target_rooms
-    )
-
-
 def test_the_import_reader_counts_imports_in_functions_and_under_type_checking(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()
@@ -350,8 +273,20 @@ def test_the_import_reader_counts_imports_in_functions_and_under_type_checking(t
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_circles_in_the_client() -> None:
-    assert circles(import_graph()) == []
+@pytest.mark.parametrize("top", ["client", "service"])
+def test_no_import_circles(top: str) -> None:
+    assert circles(import_graph(top)) == []
+
+
+def test_the_store_is_a_facade_of_at_most_400_lines() -> None:
+    assert len((ROOT / "service" / "store.py").read_text().splitlines()) <= 400
+
+
+def test_the_room_report_names_every_room_with_its_lines() -> None:
+    text = report()
+    for room in ROOMS:
+        assert re.search(rf"^\| {room} \| [1-9][0-9]* \|$", text, re.MULTILINE), room
+    assert "circles: none" in text
 
 
 def test_saving_and_loading_do_not_import_each_other() -> None:
@@ -416,9 +351,10 @@ def test_every_client_package_says_its_job_and_what_it_may_import() -> None:
     assert unsaid == []
 
 
-def test_no_client_file_over_500_lines_and_no_function_over_80() -> None:
+@pytest.mark.parametrize("top", ["client", "service"])
+def test_no_file_over_500_lines_and_no_function_over_80(top: str) -> None:
     too_long = []
-    for name, path in product_modules("client").items():
+    for name, path in product_modules(top).items():
         text = path.read_text()
         if len(text.splitlines()) > MAX_FILE_LINES:
             too_long.append(f"{name}: {len(text.splitlines())} lines")
