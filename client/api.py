@@ -16,6 +16,7 @@ from client.gc_pause import paused_collection
 from client.http.transport import HttpTransport
 from client.loading import restore, selection
 from client.loading.reader import TensorReader
+from client.names import NamesCache
 from client.progress import byte_bar
 from client.results import LoadResult, SaveResult
 from client.saving.hashing import DigestCache, SaveLedger
@@ -93,6 +94,7 @@ class Client(Connection):
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
         self._staging = Staging()
+        self._names = NamesCache()
         self._worker: ThreadPoolExecutor | None = None
         self._pending: SaveHandle | None = None
 
@@ -223,7 +225,7 @@ class Client(Connection):
             return training.save_sharded(
                 self, run_id, model, optim, scheduler=scheduler, extra=extra, step=step, metrics=metrics, tags=tags
             )
-        flat = flatten(model, optim, scheduler, extra)
+        flat = flatten(model, optim, scheduler, extra, names_of=self._names.names)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
         if blocking:

@@ -19,7 +19,11 @@ them onto the target's canonical names when that is unambiguous.
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,6 +117,108 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         return raw
     names = _unique(((name, canonical(name)) for name in raw), "parameters")
     return {name: raw[raw_name] for name, raw_name in names.items()}
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """What a save needs of a model's names: its state_dict and its parameters, canonical (the
+    live tensors)."""
+
+    state_dict: dict[str, torch.Tensor]
+    parameters: dict[str, torch.nn.Parameter]
+
+
+def model_names(model: torch.nn.Module) -> ModelNames:
+    """:func:`state_dict` and :func:`parameters` of ``model``, walked now."""
+    return ModelNames(state_dict(model), parameters(model))
+
+
+_Shape = tuple[Any, ...]
+
+
+def _shape(module: torch.nn.Module) -> _Shape:
+    """What of ``module`` itself decides its part of the state_dict: its class, its children,
+    parameters and buffers (names and objects: a tensor held by the cache keeps its id), which
+    buffers persist, and how many state_dict hooks it has."""
+    d = module.__dict__
+    return (
+        module.__class__,
+        tuple(d["_modules"]),
+        tuple(map(id, d["_modules"].values())),
+        tuple(d["_parameters"]),
+        tuple(map(id, d["_parameters"].values())),
+        tuple(d["_buffers"]),
+        tuple(map(id, d["_buffers"].values())),
+        frozenset(d["_non_persistent_buffers_set"]),
+        len(d["_state_dict_hooks"]) + len(d["_state_dict_pre_hooks"]),
+    )
+
+
+def _plain(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s state_dict is its registered tensors as they are: no state_dict hook
+    and no class that writes its own (quantized layers do, with tensors made at each call)."""
+    cls = type(module)
+    return (
+        not module._state_dict_hooks
+        and not module._state_dict_pre_hooks
+        and cls.state_dict is torch.nn.Module.state_dict
+        and cls._save_to_state_dict is torch.nn.Module._save_to_state_dict
+    )
+
+
+@dataclass
+class _Walk:
+    """One walk of a model, and what to compare to know it still holds."""
+
+    modules: list[torch.nn.Module]  # the root excluded: the cache holds it only weakly
+    shapes: list[_Shape]
+    root_shape: _Shape
+    names: ModelNames
+
+    def holds(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is laid out as when this walk was taken (the check costs a
+        fraction of a walk: no names are built, no generator runs)."""
+        if _shape(model) != self.root_shape:
+            return False
+        return all(_shape(module) == shape for module, shape in zip(self.modules, self.shapes, strict=True))
+
+
+class NamesCache:
+    """The names of models a client saves, walked again only when a model's layout changed.
+
+    A training loop that saves every step walks the same modules every step; over a thousand
+    modules, the walk and its names cost more than copying the trainable state. The cache
+    keeps each model's :class:`ModelNames` (by weak reference to the model) with the layout it
+    was read from: every module's class, children, parameters, buffers and state_dict hooks.
+    A save compares that layout, module by module, with the model's now, so a parameter
+    replaced (``model.to()`` swaps buffers for new tensors), a submodule added or deleted, or
+    a hook registered is seen, whichever way it was done. A model whose state_dict is not its
+    registered tensors (a hook, or a class that writes its own) is walked at every save.
+    """
+
+    def __init__(self) -> None:
+        self._walks: weakref.WeakKeyDictionary[torch.nn.Module, _Walk] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def names(self, model: torch.nn.Module) -> ModelNames:
+        """``model``'s names, from the cache while its layout is unchanged."""
+        with self._lock:
+            walk = self._walks.get(model)
+        if walk is not None and walk.holds(model):
+            self.hits += 1
+            return walk.names
+        modules = list(model.modules())
+        shapes = [_shape(module) for module in modules]  # read before the names: a change between is seen next time
+        names = model_names(model)
+        registered = {id(t) for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+        if all(map(_plain, modules)) and all(id(t) in registered for t in names.state_dict.values()):
+            with self._lock:
+                self._walks[model] = _Walk(modules[1:], shapes[1:], shapes[0], names)
+        else:
+            with self._lock:
+                self._walks.pop(model, None)
+        return names
 
 
 def strip_wrapper_parts(name: str) -> str:

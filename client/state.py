@@ -8,6 +8,7 @@ order its parameters were passed in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,18 +50,22 @@ class FlatState:
         return record.key
 
 
-def parameter_names(model: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter) -> canonical name`` for every parameter of ``model`` (first name for tied ones)."""
-    return {id(p): name for name, p in names.parameters(model).items()}
+def parameter_names(model: torch.nn.Module, known: names.ModelNames | None = None) -> dict[int, str]:
+    """``id(parameter) -> canonical name`` for every parameter of ``model`` (first name for tied
+    ones), from ``known`` names of it when given."""
+    parameters = known.parameters if known is not None else names.parameters(model)
+    return {id(p): name for name, p in parameters.items()}
 
 
 def _host_or_target(tensor: torch.Tensor) -> Placement:
     return "host" if tensor.device.type == "cpu" else "target"
 
 
-def flatten_model(flat: FlatState, model: torch.nn.Module) -> None:
-    """Add every tensor of ``model.state_dict()`` under ``model/<canonical name>`` (:mod:`client.names`)."""
-    for name, value in names.state_dict(model).items():
+def flatten_model(flat: FlatState, model: torch.nn.Module, known: names.ModelNames | None = None) -> None:
+    """Add every tensor of ``model.state_dict()`` under ``model/<canonical name>``
+    (:mod:`client.names`), from ``known`` names of it when given."""
+    state = known.state_dict if known is not None else names.state_dict(model)
+    for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise StateEncodingError(
                 f"model/{name}: the model's state_dict holds a {type(value).__name__}, not a tensor "
@@ -86,9 +91,11 @@ def _optimizer_param_names(optim: torch.optim.Optimizer, param_names: dict[int, 
     return groups
 
 
-def flatten_optimizer(flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+def flatten_optimizer(
+    flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module, known: names.ModelNames | None = None
+) -> None:
     """Add optimizer state keyed by parameter name, plus any tensors inside param_groups."""
-    group_names = _optimizer_param_names(optim, parameter_names(model))
+    group_names = _optimizer_param_names(optim, parameter_names(model, known))
     saved = optim.state_dict()
     index_names = [name for group_params in group_names for name in group_params]
     state = {index_names[index]: param_state for index, param_state in saved["state"].items()}
@@ -153,12 +160,15 @@ def flatten(
     optim: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
+    names_of: Callable[[torch.nn.Module], names.ModelNames] = names.model_names,
 ) -> FlatState:
-    """Flatten everything a save stores."""
+    """Flatten everything a save stores; ``names_of`` gives the model's names (a client passes
+    its :class:`client.names.NamesCache`)."""
     flat = FlatState()
-    flatten_model(flat, model)
+    known = names_of(model)
+    flatten_model(flat, model, known)
     if optim is not None:
-        flatten_optimizer(flat, optim, model)
+        flatten_optimizer(flat, optim, model, known)
     if scheduler is not None:
         flatten_other(flat, "scheduler", scheduler.state_dict())
     if extra is not None:

@@ -63,20 +63,58 @@ def fingerprint(tensor: torch.Tensor) -> _Fingerprint | None:
     )
 
 
-def sample(tensor: torch.Tensor) -> bytes:
-    """The bytes of :data:`SAMPLE_ELEMENTS` elements of ``tensor`` (all of a smaller one), in
-    :data:`SAMPLE_RUNS` runs of neighbours evenly spaced, the first element included."""
+def _picked(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of the elements :func:`sample` reads, in order (no copy, no synchronisation)."""
     flat = tensor.detach().reshape(-1)
     count = flat.numel()
     run = SAMPLE_ELEMENTS // SAMPLE_RUNS
     if count >= SAMPLE_ELEMENTS:
         rows = flat[: count - count % run].view(-1, run)
-        picked = rows[:: rows.shape[0] // SAMPLE_RUNS]
-    else:
-        picked = flat
+        return rows[:: rows.shape[0] // SAMPLE_RUNS]
+    return flat
+
+
+def sample(tensor: torch.Tensor) -> bytes:
+    """The bytes of :data:`SAMPLE_ELEMENTS` elements of ``tensor`` (all of a smaller one), in
+    :data:`SAMPLE_RUNS` runs of neighbours evenly spaced, the first element included."""
+    picked = _picked(tensor)
     if picked.is_cpu and picked.dtype in NUMPY_NATIVE and not (picked.is_conj() or picked.is_neg()):
         return picked.numpy().tobytes()  # numpy gathers the strided elements: half the time
     return bytes(byte_view(host_contiguous(picked, "sample")))
+
+
+def samples(tensors: list[torch.Tensor]) -> list[bytes]:
+    """:func:`sample` of each of ``tensors``. The samples of accelerator tensors are gathered on
+    their device and copied to the host in one transfer per device: a copy each would wait for
+    the device once per tensor (a hundred frozen tensors, a hundred synchronisations)."""
+    found: list[bytes | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.is_cpu:
+            found[index] = sample(tensor)
+        else:
+            by_device.setdefault(tensor.device, []).append(index)
+    for indexes in by_device.values():
+        for index, data in zip(indexes, gathered_samples([tensors[i] for i in indexes]), strict=True):
+            found[index] = data
+    return [data if data is not None else b"" for data in found]
+
+
+def gathered_samples(tensors: list[torch.Tensor]) -> list[bytes]:
+    """:func:`sample` of each of ``tensors`` (all on one device), gathered there into one byte
+    tensor and copied to the host at once; one by one where a dtype has no byte view."""
+    try:
+        with torch.no_grad():
+            parts = [_picked(t).resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8) for t in tensors]
+            host = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+    except (RuntimeError, TypeError):  # a dtype with no byte view: the slow, exact way
+        return [sample(t) for t in tensors]
+    data = host.numpy().tobytes()
+    out, start = [], 0
+    for part in parts:
+        out.append(data[start : start + part.numel()])
+        start += part.numel()
+    return out
 
 
 @dataclass(frozen=True)
@@ -119,7 +157,13 @@ class DigestCache:
         """
         with self._lock:
             entries = [self._entries.get(id(tensor)) for tensor in tensors]
-        digests = [_unchanged_digest(tensor, entry) for tensor, entry in zip(tensors, entries, strict=True)]
+        candidates = [i for i, (t, e) in enumerate(zip(tensors, entries, strict=True)) if _same_layout(t, e)]
+        now = samples([tensors[i] for i in candidates])  # one transfer per device, not one per tensor
+        digests: list[str | None] = [None] * len(tensors)
+        for index, taken in zip(candidates, now, strict=True):
+            entry = entries[index]
+            if entry is not None and entry.taken.sample == taken:
+                digests[index] = entry.digest
         self.hits += len(digests) - digests.count(None)
         return digests
 
@@ -243,20 +287,19 @@ def cached_digests(
     return [next(answers) if ok else None for ok in cacheable]
 
 
-def _unchanged_digest(tensor: torch.Tensor, entry: _Entry | None) -> str | None:
-    """``entry``'s digest if it holds ``tensor`` and the tensor has not changed since."""
+def _same_layout(tensor: torch.Tensor, entry: _Entry | None) -> bool:
+    """Whether ``entry`` holds ``tensor`` as it is now, but for its bytes: the same object, storage,
+    layout and version counter (the sample, compared next, stands for the bytes)."""
     if entry is None or tensor.requires_grad or entry.ref() is not tensor:
-        return None
+        return False
     try:
         # The version counter first: a tensor changed in place (optimizer state, every
         # step) is told apart without building its whole fingerprint.
         if tensor._version != entry.taken.fingerprint[-1]:
-            return None
+            return False
     except RuntimeError:  # inference tensors have no version counter
-        return None
-    if entry.taken.fingerprint != fingerprint(tensor) or entry.taken.sample != sample(tensor):
-        return None
-    return entry.digest
+        return False
+    return entry.taken.fingerprint == fingerprint(tensor)
 
 
 def digest_of(tensor: torch.Tensor, key: str) -> str:

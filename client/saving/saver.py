@@ -25,7 +25,7 @@ import torch
 
 from client.progress import byte_bar
 from client.results import SaveResult
-from client.saving.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, sample
+from client.saving.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, samples
 from client.saving.plan import SavePlan, plan_save
 from client.saving.upload import ShardUploader
 from client.state import FlatState, TensorRecord
@@ -289,9 +289,9 @@ def surely_unstored(transport: Transport, tensors: list[torch.Tensor], lengths: 
         if nbytes in unseen:
             by_size.setdefault(nbytes, []).append(index)
     for indexes in by_size.values():
-        samples = [sample(tensors[i]) for i in indexes] if len(indexes) > 1 else [b""]
-        counts = Counter(samples)
-        for index, taken in zip(indexes, samples, strict=True):
+        taken_now = samples([tensors[i] for i in indexes]) if len(indexes) > 1 else [b""]
+        counts = Counter(taken_now)
+        for index, taken in zip(indexes, taken_now, strict=True):
             flags[index] = counts[taken] == 1
     return flags
 
