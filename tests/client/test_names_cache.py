@@ -223,3 +223,17 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 def test_gathered_samples_are_the_samples_taken_one_by_one(batch: list[torch.Tensor]) -> None:
     assert hashing.gathered_samples(batch) == [hashing.sample(t) for t in batch]
     assert hashing.samples(batch) == [hashing.sample(t) for t in batch]
+
+
+def test_a_module_class_that_redefines_equality_is_walked_at_every_save() -> None:
+    class Equal(nn.Linear):
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, nn.Linear)
+
+        __hash__ = nn.Linear.__hash__
+
+    model, cache = nn.Sequential(Equal(2, 2)), NamesCache()
+    cache.names(model)
+    model[0] = Equal(2, 2)
+    assert same(cache.names(model), model_names(model))
+    assert cache.hits == 0
