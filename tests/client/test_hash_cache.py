@@ -231,3 +231,41 @@ def test_a_fused_optimizer_state_is_saved_after_every_step(tmp_path: Path) -> No
         ckpt.load("run", model=fresh, optim=fresh_optim)
         assert torch.equal(fresh.weight, model.weight)
         assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg"], moments)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(
+        [
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+            torch.int64,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.float8_e5m2,
+            torch.float64,
+        ]
+    ),  # fmt: skip
+    st.integers(0, 5000),
+    st.integers(0, 7),
+)
+def test_the_sample_read_from_a_tensors_address_is_its_sample(dtype: torch.dtype, count: int, offset: int) -> None:
+    base = torch.randint(0, 100, (count + offset,)).to(dtype)
+    tensor = base[offset:]  # a view at an offset into its storage
+    reader = hashing.sample_reader(tensor)
+    assert (reader.tobytes() if reader is not None else b"") == (hashing.sample(tensor) if count else b"")
+    if count >= hashing.SAMPLE_ELEMENTS:
+        raw = base.view(torch.uint8) if dtype.itemsize == 1 else base.view(torch.int16)
+        raw[-1] = ~raw[-1]  # through a byte view: the reader must follow the memory, not a copy
+        assert reader is not None and reader.tobytes() == hashing.sample(tensor)
+
+
+def test_a_cached_tensor_changed_in_place_is_seen_through_its_reader() -> None:
+    cache = DigestCache(min_bytes=0)
+    tensor = torch.zeros(64, 64)
+    digest_all([("w", tensor)], cache)
+    assert cache.get(tensor) is not None
+    tensor.data[:, :] = 1.0  # .data: the version counter does not move
+    assert cache.get(tensor) is None
