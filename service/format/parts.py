@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
+from pydantic_core import to_json
 
 if TYPE_CHECKING:
     from service.format.manifest import Manifest, TensorEntry
@@ -36,6 +37,7 @@ MIN_ENTRIES = 16
 MAX_ENTRIES = 256
 _EMPTY_TENSORS = '"tensors":[]'
 _HEAD_PREFIX = '{"format":"ckptstore.manifest/1","digest_algorithm":"blake3",' + _EMPTY_TENSORS
+_EMPTY_STATE = ',"state":{}'
 
 
 @functools.cache
@@ -94,11 +96,77 @@ def split(entries: Sequence[TensorEntry]) -> list[Part]:
 
 
 def head_json(manifest: Manifest) -> str:
-    """The manifest's JSON text without its tensor entries (an empty ``tensors`` list)."""
-    head = manifest.model_copy(update={"tensors": []}).model_dump_json(exclude_none=True)
-    if not head.startswith(_HEAD_PREFIX):  # pragma: no cover - the field order is the model's
-        raise AssertionError(f"unexpected manifest head {head[:80]!r}")
-    return head
+    """The manifest's JSON text without its tensor entries (an empty ``tensors`` list).
+
+    The state tree is written by :func:`json_text` in slices, the rest as pydantic writes it:
+    a state of a million keys written in one call held the GIL for 50-70 ms, and a server
+    answered nothing else meanwhile.
+    """
+    empty = manifest.model_copy(update={"tensors": [], "state": {}}).model_dump_json(exclude_none=True)
+    state_at = len(_HEAD_PREFIX) + len(_EMPTY_STATE)
+    if not empty.startswith(_HEAD_PREFIX + _EMPTY_STATE):  # pragma: no cover - the field order is the model's
+        raise AssertionError(f"unexpected manifest head {empty[:80]!r}")
+    return empty[: state_at - 2] + json_text(manifest.state) + empty[state_at:]
+
+
+#: Most values :func:`json_text` writes in one call (a call holds the GIL from start to end).
+SLICE_VALUES = 4096
+
+
+def json_text(value: Any) -> str:
+    """``value`` (a JSON tree) as compact JSON text, exactly as ``pydantic_core.to_json`` writes it,
+    in calls of at most about :data:`SLICE_VALUES` values each, so that other threads run between."""
+    out: list[str] = []
+    _write(value, out)
+    return "".join(out)
+
+
+def _values(value: Any, limit: int) -> int:
+    """How many values ``value`` holds, itself included, counted up to just past ``limit``."""
+    count, todo = 0, [value]
+    while todo and count <= limit:
+        item = todo.pop()
+        count += 1
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return count
+
+
+def _write(value: Any, out: list[str]) -> None:
+    if _values(value, SLICE_VALUES) <= SLICE_VALUES or not isinstance(value, (dict, list)):
+        out.append(to_json(value).decode())
+        return
+    is_dict = isinstance(value, dict)
+    out.append("{" if is_dict else "[")
+    batch: list[Any] = []
+    counted = 0
+    wrote = False
+
+    def flush() -> None:
+        nonlocal batch, counted, wrote
+        if batch:
+            text = to_json(dict(batch) if is_dict else batch).decode()[1:-1]
+            out.append(("," if wrote else "") + text)
+            wrote = True
+        batch, counted = [], 0
+
+    for item in value.items() if is_dict else value:
+        inner = item[1] if is_dict else item
+        size = _values(inner, SLICE_VALUES)
+        if size > SLICE_VALUES:  # a large value of its own: written in slices itself
+            flush()
+            out.append(("," if wrote else "") + (to_json(item[0]).decode() + ":" if is_dict else ""))
+            _write(inner, out)
+            wrote = True
+            continue
+        batch.append(item)
+        counted += size
+        if counted >= SLICE_VALUES:
+            flush()
+    flush()
+    out.append("}" if is_dict else "]")
 
 
 def assemble(head: str, bodies: Sequence[str]) -> str:
@@ -109,4 +177,14 @@ def assemble(head: str, bodies: Sequence[str]) -> str:
     return head[: len(_HEAD_PREFIX) - 1] + inner + head[len(_HEAD_PREFIX) - 1 :]
 
 
-__all__ = ["BOUNDARY_MODULUS", "MAX_ENTRIES", "MIN_ENTRIES", "Part", "assemble", "boundaries", "head_json", "split"]
+__all__ = [
+    "BOUNDARY_MODULUS",
+    "MAX_ENTRIES",
+    "MIN_ENTRIES",
+    "Part",
+    "assemble",
+    "boundaries",
+    "head_json",
+    "json_text",
+    "split",
+]

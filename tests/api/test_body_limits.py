@@ -3,9 +3,9 @@
 The server is ``ckptstore serve`` on PostgreSQL in a process of its own, so its memory can be
 read from ``/proc``. While one client sends the largest body a route accepts (of unknown keys,
 of a hundred thousand items, nested 100,000 deep, or a valid one), a second client asks for
-``/healthz`` over and over: every answer must come within 100 ms (the probe found 3 s for an
-11 MiB body, 42 s for 110 MiB), and the server's peak memory may grow by at most the multiple
-of the body the README states. Each route also refuses a body one byte over its limit with a
+``/healthz`` over and over: nine answers in ten must come within 50 ms and every one within
+250 ms (the probe found 3 s for an 11 MiB body, 42 s for 110 MiB), and the server's peak
+memory may grow by at most the multiple of the body the README states. Each route also refuses a body one byte over its limit with a
 413 naming the limit and the route, before the rest of that body has been sent.
 """
 
@@ -37,8 +37,12 @@ from tests.backends import PostgresDatabases
 from tests.servers import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
-#: /healthz must answer within this while the largest bodies are being handled.
-HEALTHZ_BUDGET = 0.100
+#: While the largest bodies are being handled, nine /healthz answers in ten must come within
+#: HEALTHZ_P90 and every one within HEALTHZ_BUDGET: a stalled event loop (3 s for an 11 MiB body
+#: before bodies were parsed off it) fails both, and one answer held up by a single long call
+#: (a dict of a million keys growing, 30-40 ms on a slow host) fails neither.
+HEALTHZ_P90 = 0.050
+HEALTHZ_BUDGET = 0.250
 PROBE_INTERVAL = 0.005
 #: The README's bound on the extra memory of one request, as a multiple of its body.
 DIGEST_LIST_MEMORY_MULTIPLE = 10
@@ -142,11 +146,17 @@ class HealthProbe:
         self._thread.join(timeout=60)
         self.connection.close()
 
+    def within_budget(self) -> bool:
+        """Nine answers in ten within HEALTHZ_P90, and every one within HEALTHZ_BUDGET."""
+        ordered = sorted(self.latencies)
+        return bool(ordered) and ordered[len(ordered) * 9 // 10] < HEALTHZ_P90 and ordered[-1] < HEALTHZ_BUDGET
+
     def summary(self) -> str:
         """The latencies, for a failure message."""
         ordered = sorted(self.latencies)
         return (
             f"{len(ordered)} answers; median {ordered[len(ordered) // 2] * 1000:.1f} ms, "
+            f"p90 {ordered[len(ordered) * 9 // 10] * 1000:.1f} ms, "
             f"max {ordered[-1] * 1000:.1f} ms; over {HEALTHZ_BUDGET * 1000:.0f} ms: "
             f"{[round(x * 1000) for x in ordered if x > HEALTHZ_BUDGET]}"
         )
@@ -181,7 +191,7 @@ def rounds_until_fast(server: ServedProcess, path: str, token: str, bodies: dict
     runs = []
     for _ in range(ROUNDS):
         runs.append(send_while_probing(server, path, token, bodies))
-        if max(runs[-1]["probe"].latencies) < HEALTHZ_BUDGET:
+        if runs[-1]["probe"].within_budget():
             break
     return runs
 
@@ -192,7 +202,7 @@ def assert_fast(runs: list[dict[str, Any]]) -> None:
     report = "; ".join(probe.summary() for probe in probes)
     assert not any(probe.failures for probe in probes), report
     assert all(probe.latencies for probe in probes), report
-    assert min(max(probe.latencies) for probe in probes) < HEALTHZ_BUDGET, report
+    assert any(probe.within_budget() for probe in probes), report
 
 
 @pytest.fixture(scope="module")
@@ -272,10 +282,9 @@ def repeated(item: bytes, size: int) -> bytes:
     return b"[" + b",".join([item] * (size // (len(item) + 1))) + b"]"
 
 
-#: The largest commits, each with the status it must get. Not here: a state of millions of
-#: numbers, which parses and validates as smoothly, but whose commit then writes the manifest out
-#: in one call holding the GIL (pydantic's model_dump_json, 190 ms at 8 MiB; see the README).
+#: The largest commits, each with the status it must get; the state trees are written out in slices.
 COMMITS: dict[str, tuple[Callable[[], bytes], int]] = {
+    "an extra state of millions of numbers": (lambda: state_body(repeated(b"7", COMMIT_LIMIT - 64)), 201),
     "a manifest of the most tensors (the store lacks them)": (lambda: manifest(COMMIT_LIMIT), 409),
     "an extra state of a million keys": (lambda: state_body(unknown_keys(COMMIT_LIMIT - 64, b'""')), 201),
     "an extra state of nothing but empty arrays": (lambda: state_body(repeated(b"[]", COMMIT_LIMIT - 64)), 400),

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from unittest.mock import patch
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic_core import to_json
+
+from service.format import parts
 from service.format.digest import tensor_digest
 from service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json, stamp
 from service.format.parts import MAX_ENTRIES, MIN_ENTRIES, assemble, boundaries, head_json, split
@@ -60,3 +66,40 @@ def test_assembling_gives_back_the_manifest_text() -> None:
         manifest = stamped(model(count))
         text = assemble(head_json(manifest), [part.body for part in split(manifest.tensors)])
         assert text == manifest_to_json(manifest)
+
+
+# Any JSON tree a state may hold, large containers included (several slices' worth).
+_json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+_json_trees = st.recursive(
+    _json_scalars,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=6),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_json_trees, st.integers(1, 8))
+def test_state_text_written_in_slices_is_what_pydantic_writes(tree: object, slice_values: int) -> None:
+    with patch.object(parts, "SLICE_VALUES", slice_values):
+        assert parts.json_text(tree) == to_json(tree).decode()
+
+
+def test_a_state_of_many_keys_is_written_exactly_and_its_head_as_before() -> None:
+    wide = {f"x{i}": [i, {"y": str(i)}] if i % 3 else i * 0.5 for i in range(20_000)}
+    deep_and_wide = {"a": wide, "b": [list(range(10_000)), {"c": wide}]}
+    assert parts.json_text(deep_and_wide) == to_json(deep_and_wide).decode()
+    manifest = stamp(
+        ManifestBody(tensors=model(3), state={"extra": deep_and_wide}, step=1),
+        run_id="run",
+        version=1,
+        parent=None,
+        created_at=datetime(2027, 1, 2, tzinfo=timezone.utc),
+    )
+    expected = manifest.model_copy(update={"tensors": []}).model_dump_json(exclude_none=True)
+    assert head_json(manifest) == expected
