@@ -18,6 +18,7 @@ them onto the target's canonical names when that is unambiguous.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from client import keys
 from service.errors import StateEncodingError
 
 #: (module, class, the attribute holding the wrapped model) of every wrapper whose part is dropped.
@@ -126,6 +128,11 @@ class ModelNames:
 
     state_dict: dict[str, torch.Tensor]
     parameters: dict[str, torch.nn.Parameter]
+
+    @functools.cached_property
+    def model_keys(self) -> list[str]:
+        """The manifest key of each state_dict entry, in order (made once per walk)."""
+        return [keys.model_key(name) for name in self.state_dict]
 
 
 def model_names(model: torch.nn.Module) -> ModelNames:

@@ -64,14 +64,15 @@ def _host_or_target(tensor: torch.Tensor) -> Placement:
 def flatten_model(flat: FlatState, model: torch.nn.Module, known: names.ModelNames | None = None) -> None:
     """Add every tensor of ``model.state_dict()`` under ``model/<canonical name>``
     (:mod:`client.names`), from ``known`` names of it when given."""
-    state = known.state_dict if known is not None else names.state_dict(model)
-    for name, value in state.items():
+    if known is None:
+        known = names.ModelNames(names.state_dict(model), {})
+    for (name, value), key in zip(known.state_dict.items(), known.model_keys, strict=True):
         if not isinstance(value, torch.Tensor):
             raise StateEncodingError(
                 f"model/{name}: the model's state_dict holds a {type(value).__name__}, not a tensor "
                 "(custom extra state); save it through extra= instead"
             )
-        flat.add(TensorRecord(keys.model_key(name), value, "target", trainable=bool(value.requires_grad)))
+        flat.add(TensorRecord(key, value, "target", trainable=bool(value.requires_grad)))
 
 
 def _optimizer_param_names(optim: torch.optim.Optimizer, param_names: dict[int, str]) -> list[list[str]]:
