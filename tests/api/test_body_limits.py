@@ -5,8 +5,9 @@ read from ``/proc``. While one client sends the largest body a route accepts (of
 of a hundred thousand items, nested 100,000 deep, or a valid one), a second client asks for
 ``/healthz`` over and over: nine answers in ten must come within 50 ms and every one within
 250 ms (the probe found 3 s for an 11 MiB body, 42 s for 110 MiB), and the server's peak
-memory may grow by at most the multiple of the body the README states. Each route also refuses a body one byte over its limit with a
-413 naming the limit and the route, before the rest of that body has been sent.
+memory may grow by at most the multiple of the body the README states. Each route also refuses
+a body one byte over its limit with a 413 naming the limit and the route, before the rest of
+that body has been sent.
 """
 
 from __future__ import annotations
