@@ -20,6 +20,7 @@ Each line shows its floor and whether it holds. ``--quick`` stops the history at
 
     .venv/bin/python bench/scale.py --quick
     .venv/bin/python bench/scale.py
+    .venv/bin/python bench/scale.py --many-tensors    # section 3 alone
 """
 
 from __future__ import annotations
@@ -230,10 +231,29 @@ def verdict(value: float, floor: float) -> str:
     return "ok" if value <= floor else "MISSED"
 
 
+def many_tensors_table(root: Path) -> None:
+    """Print the 32,768-tensor rows (section 3)."""
+    print("\n## 32,768 tensors of 1024 floats (128 MiB), client against safetensors")
+    times = many_tensors(root / "wide", 32768, 1024)
+    for what, theirs_what in (("save", "save"), ("resave", "save"), ("load", "load")):
+        ours, theirs = times[f"ckptstore {what}"], times[f"safetensors {theirs_what}"]
+        ratio = ours / theirs
+        label = {"save": "first save into a fresh store", "resave": "resave, all deduplicated"}.get(what, what)
+        print(
+            f"{label}: ckptstore {ours:.2f} s, safetensors {theirs_what} {theirs:.2f} s,"
+            f" {ratio:.2f}x (floor 1.3x: {verdict(ratio, 1.3)}, goal 1.1x)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="stop the history at version 100")
+    parser.add_argument("--many-tensors", action="store_true", help="only the 32,768-tensor rows")
     args = parser.parse_args()
+    if args.many_tensors:
+        with tempfile.TemporaryDirectory(prefix="ckptstore-scale-") as scratch:
+            many_tensors_table(Path(scratch))
+        return
     marks = [2, 100] if args.quick else [2, 100, 1000]
     with tempfile.TemporaryDirectory(prefix="ckptstore-scale-") as scratch:
         root = Path(scratch)
@@ -264,16 +284,7 @@ def main() -> None:
         print(f"sizes_held of {MAX_SIZES_PER_QUERY} sizes (a save asks) on that store: {sizes_held * 1000:.1f} ms")
         page, api = runs_index_time(root / "runs", 1000)
         print(f"/ with 1000 runs: {page:.3f} s (floor 0.2 s: {verdict(page, 0.2)}); /v1/runs: {api:.3f} s")
-        print("\n## 32,768 tensors of 1024 floats (128 MiB), client against safetensors")
-        times = many_tensors(root / "wide", 32768, 1024)
-        for what, theirs_what in (("save", "save"), ("resave", "save"), ("load", "load")):
-            ours, theirs = times[f"ckptstore {what}"], times[f"safetensors {theirs_what}"]
-            ratio = ours / theirs
-            label = {"save": "first save into a fresh store", "resave": "resave, all deduplicated"}.get(what, what)
-            print(
-                f"{label}: ckptstore {ours:.2f} s, safetensors {theirs_what} {theirs:.2f} s,"
-                f" {ratio:.2f}x (floor 1.3x: {verdict(ratio, 1.3)}, goal 1.1x)"
-            )
+        many_tensors_table(root)
         print("\n## First full save into a fresh store, fp32, durable (ratio: safetensors s / ckptstore s)")
         for mib in (256, 768):
             found = first_full_saves(root / f"full-{mib}", mib << 20, 3)
