@@ -133,7 +133,8 @@ def sample_reader(tensor: torch.Tensor) -> np.ndarray | None:
     count, size = tensor.numel(), tensor.element_size()
     if count == 0:
         return None
-    memory = np.frombuffer((ctypes.c_char * (count * size)).from_address(tensor.data_ptr()), dtype=np.uint8)
+    raw = (ctypes.c_char * (count * size)).from_address(tensor.data_ptr())
+    memory = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
     run = SAMPLE_ELEMENTS // SAMPLE_RUNS
     if count < SAMPLE_ELEMENTS:
         return memory

@@ -59,7 +59,7 @@ class _NoMemo(dict[str, str]):
     its memo; with a million distinct keys the memo grew to a million entries, and growing and
     clearing it were single calls of 30 and 15 ms holding the GIL."""
 
-    def setdefault(self, key: str, default: str | None = None) -> str:  # type: ignore[override]
+    def setdefault(self, key: str, default: str | None = None) -> str:
         return key if default is None else default
 
 

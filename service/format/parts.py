@@ -152,7 +152,8 @@ def _write(value: Any, out: list[str]) -> None:
             wrote = True
         batch, counted = [], 0
 
-    for item in value.items() if is_dict else value:
+    items: Any = value.items() if isinstance(value, dict) else value
+    for item in items:
         inner = item[1] if is_dict else item
         size = _values(inner, SLICE_VALUES)
         if size > SLICE_VALUES:  # a large value of its own: written in slices itself
