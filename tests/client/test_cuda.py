@@ -65,3 +65,22 @@ def test_a_fused_optimizer_keeps_step_on_the_device(tmp_path: Path) -> None:
         ckpt.load("run", model=fresh, optim=fresh_optim, device="cuda")
     assert all(state["step"].device.type == "cuda" for state in fresh_optim.state.values())
     train(fresh, fresh_optim, range(2, 3))  # the fused kernel accepts the placement
+
+
+def test_frozen_tensors_on_the_device_are_sampled_in_one_gather_and_changes_are_seen(tmp_path: Path) -> None:
+    from client.saving import hashing
+
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.complex64]
+    tensors = [torch.randint(0, 100, (300, 7)).to(dtype).cuda() for dtype in dtypes]
+    tensors += [tensors[0].t(), tensors[1][::3], torch.empty(0, device="cuda")]
+    assert hashing.gathered_samples(tensors) == [hashing.sample(t) for t in tensors]
+
+    model = TinyNet().cuda().requires_grad_(False)
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model)
+        ckpt.save("run", model, blocking=False).result()  # the frozen weights now come from the cache
+        model.body[0].weight.data[:, :] += 1  # through .data: the version counter stays put
+        ckpt.save("run", model, blocking=False).result()
+        loaded = ckpt.load("run").state_dict
+    assert loaded is not None and torch.equal(loaded["body.0.weight"], model.body[0].weight.cpu())
