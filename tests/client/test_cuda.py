@@ -76,7 +76,7 @@ def test_frozen_tensors_on_the_device_are_sampled_in_one_gather_and_changes_are_
     tensors += [tensors[0].t(), tensors[1][::3], torch.empty(0, device="cuda")]
     assert hashing.gathered_samples(tensors) == [hashing.sample(t) for t in tensors]
 
-    model = TinyNet().cuda().requires_grad_(False)
+    model = TinyNet(width=128).cuda().requires_grad_(False)  # body.0.weight: 128 KiB, cached
     with client.Client(home=tmp_path) as ckpt:
         ckpt.save("run", model)
         ckpt.save("run", model, blocking=False).result()  # the frozen weights now come from the cache
