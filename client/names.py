@@ -19,6 +19,7 @@ them onto the target's canonical names when that is unambiguous.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import threading
 import weakref
@@ -140,25 +141,40 @@ def model_names(model: torch.nn.Module) -> ModelNames:
     return ModelNames(state_dict(model), parameters(model))
 
 
+#: The parts of a module's ``__dict__`` that decide its part of the state_dict (with its class):
+#: its children, parameters, buffers, which buffers persist, and its state_dict hooks.
+_PARTS = operator.itemgetter(
+    "_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_state_dict_hooks", "_state_dict_pre_hooks"
+)
 _Shape = tuple[Any, ...]
 
 
+class _Is:
+    """Equal to one object only, by identity: a tensor in a copied dict of parameters or buffers
+    (comparing tensors with ``==`` would compare their values)."""
+
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return self.value is other
+
+
 def _shape(module: torch.nn.Module) -> _Shape:
-    """What of ``module`` itself decides its part of the state_dict: its class, its children (a
-    copy of its dict of them: comparing two is one C call, by identity), its parameters and
-    buffers (names and object ids: a tensor the cache holds keeps its id), which buffers
-    persist, and how many state_dict hooks it has. :meth:`_Walk.holds` compares these."""
-    d = module.__dict__
-    parameters, buffers = d["_parameters"], d["_buffers"]
+    """A copy of the parts (:data:`_PARTS`) of ``module`` that decide its part of the state_dict,
+    comparable with ``==`` to the live parts: children by identity (a module compares so),
+    tensors by identity (:class:`_Is`), hook dicts and the non-persistent set as they are."""
+    children, parameters, buffers, transient, hooks, pre_hooks = _PARTS(module.__dict__)
     return (
-        module.__class__,
-        dict(d["_modules"]),
-        tuple(parameters),
-        tuple(map(id, parameters.values())),
-        tuple(buffers),
-        tuple(map(id, buffers.values())),
-        frozenset(d["_non_persistent_buffers_set"]),
-        len(d["_state_dict_hooks"]) + len(d["_state_dict_pre_hooks"]),
+        dict(children),
+        {name: _Is(tensor) for name, tensor in parameters.items()},
+        {name: _Is(tensor) for name, tensor in buffers.items()},
+        set(transient),
+        dict(hooks),
+        dict(pre_hooks),
     )
 
 
@@ -181,33 +197,19 @@ class _Walk:
     """One walk of a model, and what to compare to know it still holds."""
 
     modules: list[torch.nn.Module]  # the root excluded: the cache holds it only weakly
+    types: list[type]
     shapes: list[_Shape]
+    root_type: type
     root_shape: _Shape
     names: ModelNames
 
     def holds(self, model: torch.nn.Module) -> bool:
-        """Whether ``model`` is laid out as when this walk was taken: :func:`_shape` of every
-        module compared inline (no names built, no generator; 1.2 us a module)."""
-        if _shape(model) != self.root_shape:
+        """Whether ``model`` is laid out as when this walk was taken: every module's class and
+        :func:`_shape`, compared with the live ones in a few C loops (``map`` over the modules,
+        list and dict equality); only tensors call back into Python, through :class:`_Is`."""
+        if type(model) is not self.root_type or self.root_shape != _PARTS(model.__dict__):
             return False
-        for module, (cls, children, p_names, p_ids, b_names, b_ids, transient, hooks) in zip(
-            self.modules, self.shapes, strict=True
-        ):
-            d = module.__dict__
-            if module.__class__ is not cls or d["_modules"] != children:
-                return False
-            parameters, buffers = d["_parameters"], d["_buffers"]
-            if (parameters or p_names) and (
-                tuple(parameters) != p_names or tuple(map(id, parameters.values())) != p_ids
-            ):
-                return False
-            if (buffers or b_names) and (tuple(buffers) != b_names or tuple(map(id, buffers.values())) != b_ids):
-                return False
-            if d["_non_persistent_buffers_set"] != transient:
-                return False
-            if len(d["_state_dict_hooks"]) + len(d["_state_dict_pre_hooks"]) != hooks:
-                return False
-        return True
+        return self.types == list(map(type, self.modules)) and self.shapes == list(map(_PARTS, map(vars, self.modules)))
 
 
 class NamesCache:
@@ -236,12 +238,16 @@ class NamesCache:
             self.hits += 1
             return walk.names
         modules = list(model.modules())
-        shapes = [_shape(module) for module in modules]  # read before the names: a change between is seen next time
+        try:
+            shapes = [_shape(module) for module in modules]  # read before the names: a change between is seen
+        except KeyError:  # a module without the attributes of today's nn.Module
+            shapes = []
         names = model_names(model)
         registered = {id(t) for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
-        if all(map(_plain, modules)) and all(id(t) in registered for t in names.state_dict.values()):
+        if shapes and all(map(_plain, modules)) and all(id(t) in registered for t in names.state_dict.values()):
+            types = list(map(type, modules))
             with self._lock:
-                self._walks[model] = _Walk(modules[1:], shapes[1:], shapes[0], names)
+                self._walks[model] = _Walk(modules[1:], types[1:], shapes[1:], types[0], shapes[0], names)
         else:
             with self._lock:
                 self._walks.pop(model, None)
