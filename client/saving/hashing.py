@@ -125,8 +125,8 @@ def sample_reader(tensor: torch.Tensor) -> np.ndarray | None:
     a dozen tensor operations). None for other tensors.
 
     The view holds no reference to the tensor (the cache must not keep a model alive): read it
-    only while the tensor is alive with the storage, offset and layout it had here, which
-    :meth:`DigestCache.get_many` checks first (the fingerprint).
+    only while holding the storage it had here, with the offset and layout it had here, which
+    :meth:`DigestCache.get_many` checks first (the fingerprint, and the held storage's address).
     """
     if not tensor.is_cpu or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
         return None
@@ -191,11 +191,16 @@ class DigestCache:
         for index, (tensor, entry) in enumerate(zip(tensors, entries, strict=True)):
             if entry is None or not _same_layout(tensor, entry):
                 continue
-            reader = entry.taken.reader  # valid: the tensor is alive, with the same storage and layout
+            reader = entry.taken.reader
             if reader is None:
                 others.append(index)
-            elif reader.tobytes() == entry.taken.sample:
+                continue
+            # The storage is held while the reader reads, so another thread assigning the tensor
+            # new data cannot free the memory under it; its address shows it is the one read.
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() == entry.taken.fingerprint[0] and reader.tobytes() == entry.taken.sample:
                 digests[index] = entry.digest
+            del storage
         for index, taken in zip(others, samples([tensors[i] for i in others]), strict=True):
             entry = entries[index]
             if entry is not None and entry.taken.sample == taken:
