@@ -147,10 +147,7 @@ def fill(
     """
     try:
         receiver.write(header)
-        for piece in pieces:
-            receiver.write(piece)
-            if on_bytes is not None:
-                on_bytes(piece.nbytes)
+        receiver.write_tensors(pieces, on_bytes)
     except BaseException:
         receiver.discard()
         raise

@@ -11,6 +11,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from service.direct_file import DirectFileWriter
@@ -78,6 +79,43 @@ class ShardReceiver:
                 return
         if view.nbytes:
             self._take_data(view)
+
+    def write_tensors(self, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None) -> None:
+        """Take the shard's next tensors, each whole and in header order, as :meth:`write` would
+        one by one; ``on_bytes`` is called with each one's size once it is written.
+
+        What an embedded save hands over: a shard of 32,768 small tensors took 0.9 s through
+        :meth:`write`, whose every call works out where its bytes fall.
+        """
+        header = self.header
+        if header is None or self._hasher is not None:
+            self._write_each(pieces, on_bytes)
+            return
+        entries = header.entries
+        handle = self._handle
+        assert handle is not None
+        for number, piece in enumerate(pieces):
+            index = self._entry
+            view = piece.cast("B") if piece.format != "B" or piece.ndim != 1 else piece
+            if index >= len(entries) or view.nbytes != entries[index].end - entries[index].begin:
+                self._write_each(pieces[number:], on_bytes)  # not one whole tensor: write() tells why
+                return
+            entry = entries[index]
+            self._check(entry.digest, tensor_digest(entry.dtype, entry.shape, view, parallel=False))
+            try:
+                handle.write(view)
+            except OSError as exc:
+                raise staging_error(exc) from exc
+            self.received += view.nbytes
+            self._entry = index + 1
+            if on_bytes is not None:
+                on_bytes(view.nbytes)
+
+    def _write_each(self, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None) -> None:
+        for piece in pieces:
+            self.write(piece)
+            if on_bytes is not None:
+                on_bytes(piece.nbytes)
 
     def _take_header(self, view: memoryview) -> memoryview:
         """Collect header bytes; once complete, validate the header and open the staging file.

@@ -19,12 +19,15 @@ def strict_decoder(error: type[InvalidInputError], what: str, *, floats: bool = 
     """
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
+        result = dict(pairs)
+        if len(result) == len(pairs):
+            return result
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
                 raise error(f"{what} has the key {key[:80]!r} twice")
-            result[key] = value
-        return result
+            seen.add(key)
+        raise AssertionError("unreachable: fewer keys than pairs means a key came twice")
 
     def no_constant(name: str) -> Any:
         raise error(f"{what} contains {name}, which is not a JSON number")

@@ -105,8 +105,14 @@ def _parse_json(text: str) -> Any:
     return value
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int  # bool is an int subclass and must not pass
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_INT = frozenset({int})
+
+
+def _naturals(values: list[Any]) -> bool:
+    """Whether every value is a non-negative int (not a bool: an int subclass, which must not pass)."""
+    # Checked a type set at a time, in C: a header of 32,768 entries spent 0.1 s in per-value calls.
+    return not values or (set(map(type, values)) <= _INT and min(values) >= 0)
 
 
 def _parse_metadata(value: object) -> dict[str, str]:
@@ -138,18 +144,18 @@ def entry_fields(
     Raises:
         error: naming ``subject`` (e.g. "shard tensor 3fa2…") and the first rule broken.
     """
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+    if not isinstance(value, dict) or value.keys() != _ENTRY_FIELDS:
         fields = sorted(value) if isinstance(value, dict) else type(value).__name__
         raise error(f"{subject} must have exactly dtype, shape and data_offsets, not {str(fields)[:120]}")
     dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise error(f"{subject} has unknown dtype {str(dtype)[:20]!r}, which ckptstore cannot store")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not _naturals(shape):
         raise error(f"{subject} has an invalid shape {str(shape)[:80]}")
     problem = shape_problem(dtype, shape)
     if problem is not None:
         raise error(f"{subject}: {problem}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and o >= 0 for o in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not _naturals(offsets):
         raise error(f"{subject} has invalid data_offsets {str(offsets)[:80]}")
     begin, end = offsets
     if end < begin:
@@ -263,10 +269,15 @@ def encode_header(
     Returns the header bytes (prefix + JSON padded with spaces to a multiple of 8, so the
     data stays aligned) and the entries with their offsets relative to the data start.
     """
-    entries = [
+    return header_bytes(tensors, metadata), list(laid_out_entries(tensors))
+
+
+def laid_out_entries(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> tuple[HeaderEntry, ...]:
+    """The entries of the header :func:`header_bytes` writes for ``(digest, dtype, shape)``
+    tensors, with their offsets relative to the data start: what parsing that header gives."""
+    return tuple(
         HeaderEntry(digest, dtype, tuple(shape), begin, end) for digest, dtype, shape, begin, end in _laid_out(tensors)
-    ]
-    return header_bytes(tensors, metadata), entries
+    )
 
 
 def _laid_out(
@@ -274,8 +285,13 @@ def _laid_out(
 ) -> Iterator[tuple[str, str, Sequence[int], int, int]]:
     """Each ``(digest, dtype, shape)`` with its data offsets ``begin, end``, packed in the order given."""
     position = 0
+    sizes: dict[tuple[str, tuple[int, ...]], int] = {}  # a model's tensors share a few shapes
     for digest, dtype, shape in tensors:
-        end = position + byte_length(dtype, shape)
+        layout = (dtype, tuple(shape))
+        size = sizes.get(layout)
+        if size is None:
+            size = sizes[layout] = byte_length(dtype, shape)
+        end = position + size
         yield digest, dtype, shape, position, end
         position = end
 
@@ -298,10 +314,26 @@ def header_bytes(
     """
     if align <= 0 or align % 8:
         raise ValueError(f"align must be a positive multiple of 8, not {align}")
-    document: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    for digest, dtype, shape, begin, end in _laid_out(tensors):
-        document[digest] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    text = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    names = "".join(digest for digest, _, _ in tensors)
+    if not (names.isascii() and names.isalnum()) or not all(dtype in DTYPES for _, dtype, _ in tensors):
+        raise ValueError("shard tensors are named by their digests (letters and digits) and have known dtypes")
+    # Formatted as json.dumps writes it, byte for byte: names and dtypes need no escaping (checked
+    # above), and ints print alike. Each shape's size and text are worked out once. A shard of
+    # 32,768 tensors: 0.18 -> 0.05 s.
+    fields = []
+    known: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}
+    begin = 0
+    for digest, dtype, shape in tensors:
+        layout = (dtype, tuple(shape))
+        size = known.get(layout)
+        if size is None:
+            size = known[layout] = (byte_length(dtype, shape), ",".join(map(str, shape)))
+        end = begin + size[0]
+        fields.append(f'"{digest}":{{"dtype":"{dtype}","shape":[{size[1]}],"data_offsets":[{begin},{end}]}}')
+        begin = end
+    if metadata:
+        fields.insert(0, '"__metadata__":' + json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=True))
+    text = ("{" + ",".join(fields) + "}").encode("ascii")
     text += b" " * max(0, at_least - PREFIX_BYTES - len(text))
     text += b" " * (-(PREFIX_BYTES + len(text)) % align)
     return struct.pack("<Q", len(text)) + text
