@@ -36,6 +36,7 @@ from service.errors import MissingTensorsError
 from service.format.bounds import MAX_SIZES_PER_QUERY
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, validate_body
+from service.format.sharding import MAX_TENSORS_PER_SHARD
 from service.records import VersionInfo
 
 #: Stands in for digests while a save's manifest is checked before its tensors are hashed.
@@ -166,7 +167,8 @@ class SaveRun:
         if settings.transport.takes_unhashed:
             marks = settings.ledger.snapshot(self.tensors)
             changed = settings.ledger.changed(self.tensors, marks)
-            unseen = surely_unstored(settings.transport, self.tensors, lengths)
+            frozen = [record.trainable is False for record in self.records]
+            unseen = surely_unstored(settings.transport, self.tensors, lengths, frozen)
             likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
         plan = plan_save(
             lengths,
@@ -187,10 +189,18 @@ class SaveRun:
             i: cache.take(self.tensors[i]) if cache is not None and self.cacheable[i] else None
             for i in plan.write_first
         }
-        uploader.balance_unhashed(sum(plan.lengths[i] for i in plan.write_first))
+        total = sum(plan.lengths[i] for i in plan.write_first)
+        # Bytes that make one shard per kind anyway all go together, small tensors or not.
+        one_shard = total <= uploader.balance_unhashed(total)
         for index in plan.write_first:
+            nbytes = plan.lengths[index]
             uploader.add_unhashed(
-                index, self.records[index].key, self.tensors[index], plan.lengths[index], frozen=self.frozen(index)
+                index,
+                self.records[index].key,
+                self.tensors[index],
+                nbytes,
+                frozen=self.frozen(index),
+                together=one_shard or nbytes < UNSEEN_MIN_BYTES,
             )
         uploader.flush()
         return taken
@@ -261,26 +271,36 @@ class SaveRun:
             return transport.commit(self.run_id, body, tags=self.tags)
 
 
-#: Tensors below this size are hashed before they are sent even when they cannot be stored yet:
-#: telling them apart (a sample each) costs more than hashing them twice.
+#: Tensors below this size are told apart by the store, not by samples taken here: a save's
+#: tensors this small and of sizes the store holds none of are handed over unhashed in one
+#: shard per kind, where the store writes equal ones once (sampling each cost more than hashing
+#: it twice).
 UNSEEN_MIN_BYTES = 64 << 10
 
 
-def surely_unstored(transport: Transport, tensors: list[torch.Tensor], lengths: list[int]) -> list[bool]:
-    """For each tensor, whether it cannot be stored yet and no other tensor of this save can
-    equal it: such a tensor is written at once and hashed once, by the store as it writes it,
-    instead of hashed first to ask about it (a first save into a new store hashes every byte
-    once, not twice).
+def surely_unstored(
+    transport: Transport, tensors: list[torch.Tensor], lengths: list[int], frozen: list[bool]
+) -> list[bool]:
+    """For each tensor, whether it cannot be stored yet and is handed to the store unhashed:
+    written at once and hashed once, by the store as it writes it, instead of hashed first to
+    ask about it (a first save into a new store hashes every byte once, not twice).
 
     A tensor cannot be stored when no stored tensor has its size (:meth:`Store.sizes_held`).
     Two tensors of this save with the same size might be equal (zero-initialised buffers and
-    adapters, layer norms at one): those whose samples (:func:`client.saving.hashing.sample`) match
-    another's are hashed first as before, so equal bytes are still stored once. Tensors under
-    :data:`UNSEEN_MIN_BYTES`, and a model of more distinct sizes than the store looks up at
-    once, are hashed first too.
+    adapters, layer norms at one), and equal bytes must be stored once:
+
+    - tensors of at least :data:`UNSEEN_MIN_BYTES` go unhashed when their samples
+      (:func:`client.saving.hashing.samples`) match no other's of their size; the others are
+      hashed first, as before;
+    - smaller ones go unhashed together, in one shard per kind (``frozen`` or not) that the
+      store deduplicates (:class:`client.saving.upload.ShardUploader`'s ``together``), when all
+      of their size are of one kind and that kind has at most ``MAX_TENSORS_PER_SHARD`` of them;
+      otherwise they are hashed first.
+
+    A model of more distinct sizes than the store looks up at once is hashed first too.
     """
     flags = [False] * len(lengths)
-    sizes = {nbytes for nbytes in lengths if nbytes >= UNSEEN_MIN_BYTES}
+    sizes = {nbytes for nbytes in lengths if nbytes > 0}
     if not sizes or len(sizes) > MAX_SIZES_PER_QUERY:
         return flags
     unseen = sizes - transport.sizes_held(sizes)
@@ -288,7 +308,16 @@ def surely_unstored(transport: Transport, tensors: list[torch.Tensor], lengths: 
     for index, nbytes in enumerate(lengths):
         if nbytes in unseen:
             by_size.setdefault(nbytes, []).append(index)
-    for indexes in by_size.values():
+    small_count = Counter(
+        frozen[i] for nbytes, indexes in by_size.items() if nbytes < UNSEEN_MIN_BYTES for i in indexes
+    )
+    for nbytes, indexes in by_size.items():
+        if nbytes < UNSEEN_MIN_BYTES:
+            kinds = {frozen[i] for i in indexes}
+            if len(kinds) == 1 and small_count[frozen[indexes[0]]] <= MAX_TENSORS_PER_SHARD:
+                for index in indexes:
+                    flags[index] = True
+            continue
         taken_now = samples([tensors[i] for i in indexes]) if len(indexes) > 1 else [b""]
         counts = Counter(taken_now)
         for index, taken in zip(indexes, taken_now, strict=True):

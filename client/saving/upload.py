@@ -25,6 +25,9 @@ from client.transport import Transport
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor
 
+#: Most bytes of one shard of small tensors handed over together (see :meth:`ShardUploader.add_unhashed`).
+TOGETHER_BYTES = 4 << 30
+
 
 class ShardUploader:
     """Groups ``(digest, key, tensor)`` items into shards and sends them in the background.
@@ -58,6 +61,7 @@ class ShardUploader:
         self._sending: deque[Future[ShardReceipt]] = deque()
         self._packer: SeparatePacker[tuple[str, str, torch.Tensor]] = SeparatePacker(shard_bytes)
         self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(shard_bytes)
+        self._together: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(TOGETHER_BYTES)
 
     def __enter__(self) -> ShardUploader:
         return self
@@ -74,15 +78,26 @@ class ShardUploader:
         if closed is not None:
             self._send(closed)
 
-    def balance_unhashed(self, total: int) -> None:
+    def balance_unhashed(self, total: int) -> int:
         """Cut the ``total`` bytes about to be given to :meth:`add_unhashed` into shards of about
-        equal size, a whole number of rounds of ``in_flight`` (:func:`balanced_shard_bytes`)."""
-        self._unhashed = SeparatePacker(balanced_shard_bytes(total, self.shard_bytes, self.in_flight), fill=True)
+        equal size, a whole number of rounds of ``in_flight`` (:func:`balanced_shard_bytes`);
+        returns that size."""
+        size = balanced_shard_bytes(total, self.shard_bytes, self.in_flight)
+        self._unhashed = SeparatePacker(size, fill=True)
+        return size
 
-    def add_unhashed(self, index: int, key: str, tensor: torch.Tensor, nbytes: int, *, frozen: bool = False) -> None:
+    def add_unhashed(
+        self, index: int, key: str, tensor: torch.Tensor, nbytes: int, *, frozen: bool = False, together: bool = False
+    ) -> None:
         """Queue one tensor whose digest is not known (the transport must ``takes_unhashed``);
-        it appears in :attr:`digests` under ``index`` once stored. ``frozen`` as for :meth:`add`."""
-        closed = self._unhashed.add((index, key, tensor), nbytes, frozen)
+        it appears in :attr:`digests` under ``index`` once stored. ``frozen`` as for :meth:`add`.
+
+        ``together``: a small tensor that may equal another of this save; the tensors so marked
+        go in one shard per kind (up to ``MAX_TENSORS_PER_SHARD``, at most :data:`TOGETHER_BYTES`),
+        in which the store writes equal tensors once.
+        """
+        packer = self._together if together else self._unhashed
+        closed = packer.add((index, key, tensor), nbytes, frozen)
         if closed is not None:
             self._send_unhashed(closed)
 
@@ -90,7 +105,7 @@ class ShardUploader:
         """Start sending the shards being filled, without waiting for them."""
         for last in self._packer.flush():
             self._send(last)
-        for unhashed in self._unhashed.flush():
+        for unhashed in [*self._unhashed.flush(), *self._together.flush()]:
             self._send_unhashed(unhashed)
 
     def finish(self) -> tuple[int, int]:

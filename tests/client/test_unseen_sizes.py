@@ -61,7 +61,7 @@ class Buffers(nn.Module):
             self.register_buffer(name, tensor)
 
 
-def test_a_first_save_into_an_empty_store_hashes_each_large_tensor_once(
+def test_a_first_save_into_an_empty_store_hashes_each_tensor_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
@@ -69,8 +69,8 @@ def test_a_first_save_into_an_empty_store_hashes_each_large_tensor_once(
     spy = Spy(monkeypatch)
     with client.Client(home=tmp_path) as ckpt:
         ckpt.save("run", model)
-        assert sorted(spy.unhashed) == ["model/0.weight", "model/1.weight"]
-        assert sorted(spy.hashed) == ["model/0.bias", "model/1.bias"]
+        assert sorted(spy.unhashed) == ["model/0.bias", "model/0.weight", "model/1.bias", "model/1.weight"]
+        assert spy.hashed == []
         fresh = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128))
         ckpt.load("run", model=fresh)
     for name, tensor in model.state_dict().items():
@@ -93,6 +93,56 @@ def test_equal_tensors_of_a_new_size_are_still_stored_once(tmp_path: Path, monke
         digests = stored_digests(embedded_store(ckpt).blobs)
         assert len(digests) == len(set(digests)) == 3
         assert result.bytes_new == 3 * ROWS * ROWS * 4
+
+
+def test_equal_small_tensors_of_a_new_size_go_unhashed_and_are_stored_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small tensors are not told apart by samples: the store writes equal ones once, since
+    they all go in one shard, however small the shards are."""
+    torch.manual_seed(0)
+    tensors = {f"zeros_{n}": torch.zeros(64) for n in range(3)} | {f"noise_{n}": torch.randn(64) for n in range(3)}
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path, shard_bytes=256) as ckpt:  # one small tensor a shard, were it cut by size
+        result = ckpt.save("run", Buffers(tensors))
+        assert sorted(spy.unhashed) == sorted(f"model/{name}" for name in tensors) and spy.hashed == []
+        digests = stored_digests(embedded_store(ckpt).blobs)
+        assert len(digests) == len(set(digests)) == 4
+        assert result.bytes_new == 4 * 64 * 4
+        loaded = ckpt.load("run").state_dict
+    assert loaded is not None and all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
+
+
+def test_small_tensors_of_one_size_in_frozen_and_trainable_kinds_are_hashed_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frozen and trainable tensors never share a shard, so equal ones of the two kinds could
+    only be told apart by hashing: a size held by both kinds is hashed first."""
+    model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False), nn.Linear(4, 1, bias=False))
+    model[0].weight.requires_grad_(False)
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[1].weight.zero_()  # trainable, equal to the frozen one
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model)
+        assert sorted(spy.hashed) == ["model/0.weight", "model/1.weight"]
+        assert spy.unhashed == ["model/2.weight"]
+        digests = stored_digests(embedded_store(ckpt).blobs)
+        assert len(digests) == len(set(digests)) == 2
+
+
+def test_more_small_tensors_than_a_shard_holds_are_hashed_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(saving, "MAX_TENSORS_PER_SHARD", 4)
+    tensors = {f"t{n}": torch.full((8,), float(n % 3)) for n in range(5)}  # five of one kind, three distinct
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", Buffers(tensors))
+        assert spy.unhashed == [] and len(spy.hashed) == 5
+        digests = stored_digests(embedded_store(ckpt).blobs)
+        assert len(digests) == len(set(digests)) == 3
 
 
 def test_tensors_of_sizes_the_store_holds_are_hashed_first_and_not_stored_again(
