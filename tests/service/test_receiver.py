@@ -69,6 +69,42 @@ def test_a_flipped_byte_in_a_tensor_given_whole_is_caught(tmp_path: Path, index:
     assert not (tmp_path / "s").exists()
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cuts=st.lists(st.integers(min_value=0, max_value=len(SHARD.data) - SHARD.header_length), max_size=5),
+    whole_from=st.integers(0, len(TENSORS)),
+    flip=st.one_of(st.none(), st.integers(0, len(TENSORS) - 1)),
+)
+def test_tensors_given_together_are_taken_as_one_by_one(
+    tmp_path_factory: pytest.TempPathFactory, cuts: list[int], whole_from: int, flip: int | None
+) -> None:
+    """``write_tensors`` after the header (what an embedded save does) takes whole tensors, and
+    any pieces that are not whole tensors, exactly as ``write`` does: the same file, the same
+    bytes counted, a changed byte refused."""
+    path = tmp_path_factory.mktemp("receiver") / "shard"
+    datas = [bytearray(t.data) for t in TENSORS]
+    if flip is not None:
+        datas[flip][0] ^= 0x01
+    body = b"".join(datas)
+    start = sum(len(d) for d in datas[:whole_from])
+    edges = [start, *sorted({start + c for c in cuts if 0 < c < len(body) - start}), len(body)]
+    pieces = [memoryview(d) for d in datas[:whole_from]]
+    pieces += [memoryview(body)[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
+    counted: list[int] = []
+    receiver = ShardReceiver(path, expected_id=SHARD.shard_id)
+    receiver.write(SHARD.data[: SHARD.header_length])
+    if flip is not None:
+        with pytest.raises(IntegrityError, match=f"shard tensor {TENSORS[flip].digest[:16]}"):
+            receiver.write_tensors(pieces, counted.append)
+        receiver.discard()
+        assert not path.exists()
+        return
+    receiver.write_tensors(pieces, counted.append)
+    assert receiver.finish().shard_id == SHARD.shard_id
+    assert path.read_bytes() == SHARD.data and sum(counted) == len(body)
+    receiver.discard()
+
+
 @pytest.mark.parametrize(
     "position", [0, 1, 64 * 33 * 4 - 1, 64 * 33 * 4 + 3, len(SHARD.data) - SHARD.header_length - 1]
 )

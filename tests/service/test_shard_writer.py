@@ -169,6 +169,8 @@ def test_equal_tensors_are_written_once_and_near_copies_are_kept_whatever_the_or
     assert written.digests == [tensor_digest(t.dtype, t.shape, t.data) for t in tensors]
     distinct = list(dict.fromkeys(written.digests))
     assert [e.digest for e in written.header.entries] == distinct
+    with open(path, "rb") as handle:  # the header the writer made for itself is the file's, as parsed
+        assert read_header(handle, path.stat().st_size) == written.header
     loaded = safetensors.numpy.load_file(path)
     by_digest = {digest: t for digest, t in zip(written.digests, tensors, strict=True)}
     assert {d: loaded[d].tobytes() for d in distinct} == {d: by_digest[d].data for d in distinct}
