@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from client.connection import Connection
 from client.gc_pause import paused_collection
 from client.http.transport import HttpTransport
 from client.loading import restore, selection
+from client.loading.readahead import local_reads
 from client.loading.reader import TensorReader
 from client.names import NamesCache
 from client.progress import byte_bar
@@ -376,11 +378,11 @@ class Client(Connection):
         return self._widths()[0]
 
     def _widths(self) -> tuple[int, int]:
-        """(reads in parallel, shards sent at once): a server spreads requests over its workers,
-        a local disk gains nothing from more than one reader."""
+        """(reads in parallel, shards sent at once): a server spreads requests over its workers;
+        a local store reads on one thread per four cores, up to four (see :func:`local_reads`)."""
         if isinstance(self.transport, HttpTransport):
             return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
-        return 1, UPLOADS_IN_FLIGHT
+        return local_reads(os.cpu_count() or 1), UPLOADS_IN_FLIGHT
 
     # -- load ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Running a read plan's reads ahead of their consumer on a small thread pool."""
+"""Running a read plan's reads ahead of their consumer on a small thread pool, and how many at once."""
 
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ ReadScatter = Callable[[str, int, Sequence[memoryview]], None]
 
 Item = TypeVar("Item")
 Views = TypeVar("Views")
+
+
+def local_reads(cores: int) -> int:
+    """Reads a load from a local store keeps in flight on a machine of ``cores`` cores.
+
+    On two cores one reader is best: a second one competes with hashing, and a local disk gains
+    nothing from it. A GPU node's NVMe disk serves several reads at once faster than one (1.78
+    against 1.65 GB/s measured cold on an H100 node with 16 cores), and its cores hash and copy
+    meanwhile: one reader per four cores, up to four.
+    """
+    return max(1, min(4, cores // 4))
 
 
 def read_ahead(

@@ -39,6 +39,15 @@ BATCH_BYTES = 16 << 20
 BATCH_UNITS = 1024
 
 
+#: Makes the host tensor a piece is read into: ``host_empty(shape, dtype)``, as :func:`plain_empty`.
+HostEmpty = Callable[[list[int], torch.dtype], torch.Tensor]
+
+
+def plain_empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised, pageable host memory for a tensor of ``shape`` and ``dtype``."""
+    return torch.empty(shape, dtype=dtype)
+
+
 @dataclass(frozen=True)
 class PieceSpec:
     """What one stored piece holds: a whole tensor (its entry's dtype and shape) or one chunk of it."""
@@ -51,16 +60,23 @@ class PieceSpec:
 class _Job:
     """One stored tensor on its way: the keys it serves, where it is, its destination, its hash."""
 
-    __slots__ = ("keys", "dtype", "shape", "location", "tensor", "_hasher", "_bytes")
+    __slots__ = ("keys", "dtype", "shape", "location", "tensor", "allocate", "_hasher", "_bytes")
 
     def __init__(
-        self, keys: list[str], dtype: DTypeName, shape: list[int], location: TensorLocation, tensor: torch.Tensor | None
+        self,
+        keys: list[str],
+        dtype: DTypeName,
+        shape: list[int],
+        location: TensorLocation,
+        tensor: torch.Tensor | None,
+        allocate: HostEmpty,
     ) -> None:
         self.keys = keys
         self.dtype = dtype
         self.shape = shape
         self.location = location
         self.tensor = tensor
+        self.allocate = allocate
         self._hasher: TensorHasher | None = None
         self._bytes: memoryview | None = None
 
@@ -68,7 +84,7 @@ class _Job:
         """The destination's raw bytes, allocating it (uninitialised) on first use."""
         if self._bytes is None:
             if self.tensor is None:
-                self.tensor = torch.empty(self.shape, dtype=NAME_TO_TORCH[self.dtype])
+                self.tensor = self.allocate(self.shape, NAME_TO_TORCH[self.dtype])
             self._bytes = byte_view(self.tensor.detach())
         return self._bytes
 
@@ -112,16 +128,22 @@ class TensorReader:
         self._on_bytes = on_bytes
 
     def read_many(
-        self, keys: Iterable[str], *, into: Mapping[str, torch.Tensor] | None = None
+        self,
+        keys: Iterable[str],
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        host_empty: HostEmpty = plain_empty,
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yield ``(key, tensor)`` for ``keys`` in storage order, each verified before it is yielded.
 
         ``into`` names, per key, the tensor to read into (a contiguous CPU tensor of exactly
         the stored dtype and shape, such as a model's own parameter); that very tensor is
-        yielded. Other keys get a fresh tensor. Tensors stored back to back are fetched
-        together in reads of up to ``UNIT_BYTES``; a digest shared by several keys (tied
-        weights, equal optimizer scalars) is read and verified once, then copied, so no two
-        keys ever share memory unless their destinations already did.
+        yielded. Other keys get a fresh tensor from ``host_empty(shape, dtype)`` (pinned memory,
+        for tensors bound for a GPU: :class:`client.loading.device_copy.DeviceCopier`).
+        Tensors stored back to back are fetched together in reads of up to ``UNIT_BYTES``; a
+        digest shared by several keys (tied weights, equal optimizer scalars) is read and
+        verified once, then copied, so no two keys ever share memory unless their destinations
+        already did.
 
         On IntegrityError a destination may hold some bytes of the corrupt tensor. Close the
         iterator (``contextlib.closing``) when abandoning it early: that stops the read-ahead.
@@ -141,7 +163,7 @@ class TensorReader:
                 yield key, _deliver(self.read(key), into.get(key))
             else:
                 groups.setdefault(entry.digest, []).append(key)
-        yield from self._stream(self._jobs(groups, into, entries), into)
+        yield from self._stream(self._jobs(groups, into, entries, host_empty), into)
 
     def read_pieces(
         self, pieces: Mapping[str, PieceSpec], *, into: Mapping[str, torch.Tensor] | None = None
@@ -162,13 +184,14 @@ class TensorReader:
                 yield label, _deliver(torch.empty(spec.shape, dtype=NAME_TO_TORCH[spec.dtype]), into.get(label))
             else:
                 groups.setdefault(spec.digest, []).append(label)
-        yield from self._stream(self._jobs(groups, into, pieces), into)
+        yield from self._stream(self._jobs(groups, into, pieces, plain_empty), into)
 
     def _jobs(
         self,
         groups: dict[str, list[str]],
         into: dict[str, torch.Tensor],
         specs: Mapping[str, TensorEntry] | Mapping[str, PieceSpec],
+        host_empty: HostEmpty,
     ) -> list[_Job]:
         """One job per digest, in storage order, each read straight into a destination if it may.
 
@@ -194,7 +217,7 @@ class TensorReader:
             if owner is not None and owner != keys[0]:
                 keys = [owner, *(k for k in keys if k != owner)]
             spec, destination = specs[keys[0]], into[owner] if owner is not None else None
-            jobs.append(_Job(keys, spec.dtype, spec.shape, locations[digest], destination))
+            jobs.append(_Job(keys, spec.dtype, spec.shape, locations[digest], destination, host_empty))
         return jobs
 
     def _stream(
@@ -246,7 +269,8 @@ class TensorReader:
                 assert read_ranges is not None
                 read_ranges([(u.shard_id, u.offset, v) for u, v in zip(batch, views, strict=True)])
 
-        reads = run_ahead(read, batches, views_for, ahead=READ_AHEAD, threads=self.read_threads, name="ckptstore-read")
+        ahead = max(READ_AHEAD, 2 * self.read_threads)  # every reader has its next read queued
+        reads = run_ahead(read, batches, views_for, ahead=ahead, threads=self.read_threads, name="ckptstore-read")
         with closing(reads):
             for batch, views, future in reads:
                 future.result()

@@ -11,6 +11,7 @@ import torch
 
 from client import jsonstate, keys, names
 from client.loading import selection
+from client.loading.device_copy import DeviceCopier
 from client.loading.reader import TensorReader
 from client.loading.selection import ModelPlan
 from client.placement import device_for
@@ -111,15 +112,25 @@ def load_into_model(
             direct[key] = target
     name_of = {key: name for name, key in sources.items()}
     casts = []
-    with closing(reader.read_many(sources.values(), into=direct)) as stream:
+    verified: list[tuple[torch.Tensor, str]] = []
+    copier = DeviceCopier(target.device for target in targets.values())
+    stream = reader.read_many(sources.values(), into=direct, host_empty=copier.host_empty)
+    with copier, closing(stream):
         for key, source in stream:
             target = targets[name_of[key]]
-            if source is not target:
+            if source is target:
+                pass
+            elif target.is_cpu:
                 _copy_into(target, source)
+            else:
+                copier.copy(target, source)
             if source.dtype != target.dtype:
                 casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
             elif (digest := entries[key].digest) is not None:
-                loaded(target, digest)
+                verified.append((target, digest))
+    # Once the copies are done: the digest cache may take a sample of each tensor.
+    for target, digest in verified:
+        loaded(target, digest)
     return casts
 
 
@@ -130,11 +141,13 @@ def materialize_model(
     name_of = {key: name for name, key in selected.items()}
     result: dict[str, torch.Tensor] = {}
     casts = []
-    for key, tensor in reader.read_many(selected.values()):
-        want = _wanted_dtype(tensor.dtype, dtype)
-        if want != tensor.dtype:
-            casts.append(f"{key}: {tensor.dtype} -> {want}".replace("torch.", ""))
-        result[name_of[key]] = tensor.to(device=device, dtype=want)
+    copier = DeviceCopier([device])
+    with copier, closing(reader.read_many(selected.values(), host_empty=copier.host_empty)) as stream:
+        for key, tensor in stream:
+            want = _wanted_dtype(tensor.dtype, dtype)
+            if want != tensor.dtype:
+                casts.append(f"{key}: {tensor.dtype} -> {want}".replace("torch.", ""))
+            result[name_of[key]] = copier.to(tensor, device, want)
     # Storage order served the reads; callers expect the model's own order.
     return {name: result[name] for name in selected}, casts
 
@@ -149,15 +162,23 @@ def _placed_reader(
     """A key -> placed tensor function for one state section, fetching its ``wanted`` tensors in bulk.
 
     The whole section is needed at once anyway (an optimizer loads its full state_dict), so
-    reading it in storage order first costs no extra memory and saves round trips.
+    reading it in storage order first costs no extra memory and saves round trips. Each tensor
+    goes to its device as it arrives (:class:`DeviceCopier`), so the copies overlap the reads and
+    host memory holds only the tensors that stay there.
     """
-    fetched = dict(reader.read_many(k for k in reader.entries if k.startswith(prefix) and wanted(k)))
+    keys = [k for k in reader.entries if k.startswith(prefix) and wanted(k)]
+    # Optimizer tensors keep their saved dtype: no silent upcast of bf16 state.
+    places = {key: device_for(reader.entries[key], param_devices, target) for key in keys}
+    copier = DeviceCopier(places.values())
+    fetched: dict[str, torch.Tensor] = {}
+    with copier, closing(reader.read_many(keys, host_empty=copier.host_empty)) as stream:
+        for key, tensor in stream:
+            fetched[key] = copier.to(tensor, places[key])
 
     def tensor_for(key: str) -> torch.Tensor:
         if key not in fetched:
             raise StateMismatchError(f"stored state refers to tensor {key!r}, which the version does not hold")
-        # Optimizer tensors keep their saved dtype: no silent upcast of bf16 state.
-        return fetched[key].to(device_for(reader.entries[key], param_devices, target))
+        return fetched[key]
 
     return tensor_for
 
