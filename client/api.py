@@ -230,6 +230,13 @@ class Client(Connection):
         flat = flatten(model, optim, scheduler, extra, names_of=self._names.names)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
+        if blocking and any(record.tensor.is_cuda for record in flat.records):
+            # Accelerator tensors reach the host in one batched copy into reused pinned buffers,
+            # not one synchronising copy per tensor for hashing and another for writing.
+            snapshot = self._staging.snapshot(flat, self.digest_cache, host_too=False)
+            return self._save_run(
+                run_id, flat, step=step, metrics=metrics, tags=tags, started=started, snapshot=snapshot
+            ).run()
         if blocking:
             return self._save_flat(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)
         return self._save_in_background(run_id, flat, step=step, metrics=metrics, tags=tags, started=started)

@@ -87,8 +87,12 @@ class Staging:
         """Bytes held by the staging buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def snapshot(self, flat: FlatState, cache: DigestCache | None) -> Snapshot:
-        """Copy what the background save must not read live; returns the snapshot."""
+    def snapshot(self, flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> Snapshot:
+        """Copy what the background save must not read live; returns the snapshot.
+
+        Without ``host_too`` only accelerator tensors are copied (a blocking save, which may read
+        host tensors live): CPU tensors stay in the snapshot as they are.
+        """
         records = flat.records
         cacheable = [record.trainable is False for record in records]
         tensors = [record.tensor for record in records]
@@ -110,6 +114,9 @@ class Staging:
                 continue
             if cache is not None and cacheable[index]:
                 teach[index] = (tensor, cache.take(tensor))  # read before the bytes are copied
+            if not host_too and devices[index] == "cpu":
+                staged.append(tensor)
+                continue
             copy = copies.get(id(tensor))
             if copy is None:
                 copy = self._buffer(record.key, tensor, devices[index])

@@ -222,3 +222,28 @@ def test_the_process_waits_for_a_pending_background_save_at_exit(backend: Backen
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, optim, range(2))
     _assert_loads_as(backend.client, "killed", version.version, _state(model, optim))
+
+
+def test_a_snapshot_of_accelerator_tensors_only_reads_host_tensors_live_and_saves_the_same(tmp_path: Path) -> None:
+    """A blocking save of a model on a GPU copies only the accelerator tensors into staging
+    (``host_too=False``); host tensors are read live, and the version is the one a plain save
+    makes, frozen host weights taught to the digest cache as a plain save teaches them."""
+    from client.state import flatten
+
+    model = TinyNet(width=128)
+    model.body[0].requires_grad_(False)  # 128 KiB frozen weight: the digest cache may hold it
+    optim = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    train(model, optim, range(2))
+    with client.Client(home=tmp_path / "plain") as plain, client.Client(home=tmp_path / "staged") as staged:
+        plain.save("run", model, optim)
+        flat = flatten(model, optim, None, None)
+        snapshot = staged._staging.snapshot(flat, staged.digest_cache, host_too=False)
+        assert snapshot.staged_bytes == 0 and staged._staging.nbytes == 0
+        assert all(a is b.tensor for a, b in zip(snapshot.tensors, flat.records, strict=True))
+        staged._save_run("run", flat, step=None, metrics=None, tags=[], started=0.0, snapshot=snapshot).run()
+        ours, theirs = plain.transport.manifest("run"), staged.transport.manifest("run")
+        assert {e.key: e.digest for e in ours.tensors} == {e.key: e.digest for e in theirs.tensors}
+        frozen = model.body[0].weight
+        assert staged.digest_cache is not None and staged.digest_cache.get_many([frozen]) == [
+            next(e.digest for e in theirs.tensors if e.key == "model/body.0.weight")
+        ]
