@@ -130,6 +130,15 @@ def check_references(session: Session, entries: Iterable[TensorEntry]) -> tuple[
     expected: dict[str, list[tuple[str, list[int], str]]] = {}
     sizes: dict[str, int] = {}
     for entry in entries:
+        digest = entry.digest
+        if digest is not None and 0 not in entry.shape:  # most entries: one whole, stored tensor
+            claim = (entry.dtype, entry.shape, entry.key)
+            claims = expected.get(digest)
+            if claims is None:
+                expected[digest] = [claim]
+            else:
+                claims.append(claim)
+            continue
         for digest, shape in _pieces(entry):
             if 0 in shape:
                 if digest != tensor_digest(entry.dtype, shape, b""):
@@ -189,8 +198,12 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     connection.execute(_NUMBER_RUN, {"run_id": run_id, "number": number, "now": now})
     new_digests = [d for d in sizes if d not in seen_before]
     bytes_total = bytes_trainable = 0
+    lengths: dict[tuple[str, tuple[int, ...]], int] = {}  # a model's tensors share a few shapes
     for entry in body.tensors:
-        nbytes = entry.nbytes
+        layout = (entry.dtype, tuple(entry.shape))
+        nbytes = lengths.get(layout, -1)
+        if nbytes < 0:
+            nbytes = lengths[layout] = entry.nbytes
         bytes_total += nbytes
         if entry.trainable:
             bytes_trainable += nbytes
