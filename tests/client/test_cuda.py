@@ -134,4 +134,4 @@ def test_a_load_stages_through_pinned_blocks_it_reuses_and_gives_back(tmp_path: 
             assert target_optim.state[target.weights[0]]["exp_avg"].device.type == "cuda"
     # The blocks of one load serve the next: pinned memory does not grow with the loads, and it is
     # bounded by the reads in flight (at most eight of 64 MiB ahead), not the 576 MiB loaded.
-    assert 0 < pinned[0] <= 1 << 30 and pinned[2] <= pinned[1] <= pinned[0] * 5 // 4
+    assert 0 < pinned[0] <= 1 << 30 and max(pinned) <= pinned[0] * 5 // 4
