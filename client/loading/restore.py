@@ -127,8 +127,11 @@ def load_into_model(
             if source.dtype != target.dtype:
                 casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
             elif (digest := entries[key].digest) is not None:
-                verified.append((target, digest))
-    # Once the copies are done: the digest cache may take a sample of each tensor.
+                if target.is_cpu:
+                    loaded(target, digest)  # while the next reads go on
+                else:
+                    verified.append((target, digest))
+    # Once the copies to devices are done: the digest cache may take a sample of each tensor.
     for target, digest in verified:
         loaded(target, digest)
     return casts
