@@ -108,10 +108,26 @@ def _driver_rows(
 ) -> list[tuple[Any, ...]]:
     """``rows`` as the driver takes them: tuples in ``keys`` order, each value processed."""
     columns = [
-        [row[key] for row in rows] if process is None else [process(row[key]) for row in rows]
+        [row[key] for row in rows] if process is None else _processed([row[key] for row in rows], process)
         for key, process in zip(keys, processors, strict=True)
     ]
     return list(zip(*columns, strict=True))
+
+
+def _processed(values: list[Any], process: Any) -> list[Any]:
+    """``process`` of each value, worked out once per distinct value where the values are lists
+    (JSON columns such as tensor shapes: a model's tensors share a few), told apart by ``repr``."""
+    if not all(type(value) is list for value in values):
+        return [process(value) for value in values]
+    done: dict[str, Any] = {}
+    result = []
+    for value in values:
+        key = repr(value)
+        text = done.get(key)
+        if text is None:
+            text = done[key] = process(value)
+        result.append(text)
+    return result
 
 
 #: How long a SQLite connection waits for another one's lock before giving up.
