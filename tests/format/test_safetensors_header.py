@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from service.errors import IntegrityError, InvalidShardError
 from service.format.digest import is_digest, tensor_digest
-from service.format.dtypes import itemsize
+from service.format.dtypes import DTYPES, byte_length, itemsize
 from service.format.safetensors_header import (
     MAX_DIMS,
     MAX_HEADER_BYTES,
@@ -31,6 +31,8 @@ from service.format.safetensors_header import (
     MAX_METADATA_ENTRIES,
     HeaderEntry,
     encode_header,
+    header_bytes,
+    laid_out_entries,
     layout_order,
     parse_header,
     read_header,
@@ -593,3 +595,44 @@ def test_verify_detects_every_single_bit_flip_anywhere(shard_path: Path) -> None
             shard_path.write_bytes(bytes(blob))
             with pytest.raises((InvalidShardError, IntegrityError)):
                 verify_shard_file(shard_path)
+
+
+_SHAPES = st.lists(st.integers(0, 3000), max_size=4)
+_METADATA = st.one_of(st.none(), st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tensors=st.lists(st.tuples(st.sampled_from(sorted(DTYPES)), _SHAPES), min_size=1, max_size=12),
+    names=st.lists(st.one_of(st.none(), st.text(max_size=6)), min_size=12, max_size=12),
+    metadata=_METADATA,
+    align=st.sampled_from([8, 4096]),
+    at_least=st.sampled_from([0, 100, 5000]),
+)
+def test_header_bytes_are_the_json_dumps_text_byte_for_byte(
+    tensors: list[tuple[str, list[int]]],
+    names: list[str | None],
+    metadata: dict[str, str] | None,
+    align: int,
+    at_least: int,
+) -> None:
+    """Headers are formatted directly, not by json.dumps, and must stay the very same bytes: a
+    shard's id is the digest of its header, so the same tensors must make the same shard. Names
+    are digests, or (an export's) any text, a name twice included."""
+    named = [
+        (name if name is not None else f"{number:064x}", dtype, shape)
+        for number, ((dtype, shape), name) in enumerate(zip(tensors, names, strict=False))
+    ]
+    document: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    position = 0
+    for digest, dtype, shape in named:
+        end = position + byte_length(dtype, shape)
+        document[digest] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, end]}
+        position = end
+    text = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text += b" " * max(0, at_least - 8 - len(text))
+    text += b" " * (-(8 + len(text)) % align)
+    assert header_bytes(named, metadata, align=align, at_least=at_least) == struct.pack("<Q", len(text)) + text
+    digests_only = all(is_digest(name) for name, _, _ in named)
+    if digests_only and position and all(byte_length(dtype, shape) for _, dtype, shape in named):
+        assert parse_header(header_bytes(named)).entries == laid_out_entries(named)
