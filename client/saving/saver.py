@@ -108,6 +108,8 @@ class SaveRun:
         self.body = manifest_body(flat, self.tensors, self.digests, step, metrics, devices) if check_manifest else None
         self.stored_bytes = 0
         self.shards = 0
+        #: Small tensors handed to the store unhashed in one shard per kind (see :func:`surely_unstored`).
+        self.together: set[int] = set()
 
     def run(self) -> SaveResult:
         """Plan, write the changed tensors, hash-ask-send the rest, commit; returns the result."""
@@ -164,18 +166,21 @@ class SaveRun:
         lengths = [tensor.numel() * tensor.element_size() for tensor in self.tensors]
         marks: dict[int, Any] = {}
         likely_new = None
+        holders = _holders(self.tensors)
         if settings.transport.takes_unhashed:
             marks = settings.ledger.snapshot(self.tensors)
             changed = settings.ledger.changed(self.tensors, marks)
             frozen = [record.trainable is False for record in self.records]
-            unseen = surely_unstored(settings.transport, self.tensors, lengths, frozen)
+            unseen, self.together = surely_unstored(
+                settings.transport, self.tensors, lengths, frozen, holders, settings.shard_bytes
+            )
             likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
         plan = plan_save(
             lengths,
             self.known,
             shard_bytes=settings.shard_bytes,
             likely_new=likely_new,
-            holders=_holders(self.tensors),
+            holders=holders,
             committed=settings.ledger.committed,
         )
         return plan, marks
@@ -200,7 +205,7 @@ class SaveRun:
                 self.tensors[index],
                 nbytes,
                 frozen=self.frozen(index),
-                together=one_shard or nbytes < UNSEEN_MIN_BYTES,
+                together=one_shard or index in self.together,
             )
         uploader.flush()
         return taken
@@ -279,8 +284,13 @@ UNSEEN_MIN_BYTES = 64 << 10
 
 
 def surely_unstored(
-    transport: Transport, tensors: list[torch.Tensor], lengths: list[int], frozen: list[bool]
-) -> list[bool]:
+    transport: Transport,
+    tensors: list[torch.Tensor],
+    lengths: list[int],
+    frozen: list[bool],
+    holders: list[int],
+    shard_bytes: int,
+) -> tuple[list[bool], set[int]]:
     """For each tensor, whether it cannot be stored yet and is handed to the store unhashed:
     written at once and hashed once, by the store as it writes it, instead of hashed first to
     ask about it (a first save into a new store hashes every byte once, not twice).
@@ -292,37 +302,57 @@ def surely_unstored(
     - tensors of at least :data:`UNSEEN_MIN_BYTES` go unhashed when their samples
       (:func:`client.saving.hashing.samples`) match no other's of their size; the others are
       hashed first, as before;
-    - smaller ones go unhashed together, in one shard per kind (``frozen`` or not) that the
-      store deduplicates (:class:`client.saving.upload.ShardUploader`'s ``together``), when all
-      of their size are of one kind and that kind has at most ``MAX_TENSORS_PER_SHARD`` of them;
-      otherwise they are hashed first.
+    - smaller ones go unhashed together (the indexes returned second), in one shard per kind
+      (``frozen`` or not) that the store deduplicates (:class:`client.saving.upload.ShardUploader`'s
+      ``together``), when every small tensor of their kind can: of a size the store holds none of
+      and the other kind has none of, held under one key (``holders``), and all of them fit one
+      shard (at most ``MAX_TENSORS_PER_SHARD``, at most ``shard_bytes`` in all). Otherwise the
+      kind's small tensors are all hashed first, as before, so they share one shard still.
 
     A model of more distinct sizes than the store looks up at once is hashed first too.
     """
     flags = [False] * len(lengths)
     sizes = {nbytes for nbytes in lengths if nbytes > 0}
     if not sizes or len(sizes) > MAX_SIZES_PER_QUERY:
-        return flags
+        return flags, set()
     unseen = sizes - transport.sizes_held(sizes)
+    together = _small_together(lengths, frozen, holders, unseen, shard_bytes)
+    for index in together:
+        flags[index] = True
     by_size: dict[int, list[int]] = {}
     for index, nbytes in enumerate(lengths):
         if nbytes in unseen:
             by_size.setdefault(nbytes, []).append(index)
-    small_count = Counter(
-        frozen[i] for nbytes, indexes in by_size.items() if nbytes < UNSEEN_MIN_BYTES for i in indexes
-    )
     for nbytes, indexes in by_size.items():
         if nbytes < UNSEEN_MIN_BYTES:
-            kinds = {frozen[i] for i in indexes}
-            if len(kinds) == 1 and small_count[frozen[indexes[0]]] <= MAX_TENSORS_PER_SHARD:
-                for index in indexes:
-                    flags[index] = True
-            continue
+            continue  # decided above
         taken_now = samples([tensors[i] for i in indexes]) if len(indexes) > 1 else [b""]
         counts = Counter(taken_now)
         for index, taken in zip(indexes, taken_now, strict=True):
             flags[index] = counts[taken] == 1
-    return flags
+    return flags, together
+
+
+def _small_together(
+    lengths: list[int], frozen: list[bool], holders: list[int], unseen: set[int], shard_bytes: int
+) -> set[int]:
+    """The small tensors (under :data:`UNSEEN_MIN_BYTES`) that go unhashed in one shard per kind:
+    those of each kind whose small tensors all may (see :func:`surely_unstored`)."""
+    small = [i for i, nbytes in enumerate(lengths) if 0 < nbytes < UNSEEN_MIN_BYTES]
+    kinds_of_size: dict[int, set[bool]] = {}
+    for index in small:
+        kinds_of_size.setdefault(lengths[index], set()).add(frozen[index])
+    together = set()
+    for kind in (False, True):
+        mine = [i for i in small if frozen[i] == kind]
+        if (
+            mine
+            and len(mine) <= MAX_TENSORS_PER_SHARD
+            and sum(lengths[i] for i in mine) <= shard_bytes
+            and all(lengths[i] in unseen and holders[i] == 1 and len(kinds_of_size[lengths[i]]) == 1 for i in mine)
+        ):
+            together.update(mine)
+    return together
 
 
 def _holders(tensors: list[torch.Tensor]) -> list[int]:

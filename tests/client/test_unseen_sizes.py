@@ -99,11 +99,11 @@ def test_equal_small_tensors_of_a_new_size_go_unhashed_and_are_stored_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Small tensors are not told apart by samples: the store writes equal ones once, since
-    they all go in one shard, however small the shards are."""
+    they all go in one shard."""
     torch.manual_seed(0)
     tensors = {f"zeros_{n}": torch.zeros(64) for n in range(3)} | {f"noise_{n}": torch.randn(64) for n in range(3)}
     spy = Spy(monkeypatch)
-    with client.Client(home=tmp_path, shard_bytes=256) as ckpt:  # one small tensor a shard, were it cut by size
+    with client.Client(home=tmp_path, shard_bytes=6 * 64 * 4) as ckpt:  # all of them fit one shard
         result = ckpt.save("run", Buffers(tensors))
         assert sorted(spy.unhashed) == sorted(f"model/{name}" for name in tensors) and spy.hashed == []
         digests = stored_digests(embedded_store(ckpt).blobs)
@@ -117,7 +117,8 @@ def test_small_tensors_of_one_size_in_frozen_and_trainable_kinds_are_hashed_firs
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Frozen and trainable tensors never share a shard, so equal ones of the two kinds could
-    only be told apart by hashing: a size held by both kinds is hashed first."""
+    only be told apart by hashing: a size held by both kinds makes both kinds' small tensors
+    hashed first (all of a kind's small tensors go one way, so they share one shard)."""
     model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False), nn.Linear(4, 1, bias=False))
     model[0].weight.requires_grad_(False)
     with torch.no_grad():
@@ -126,8 +127,8 @@ def test_small_tensors_of_one_size_in_frozen_and_trainable_kinds_are_hashed_firs
     spy = Spy(monkeypatch)
     with client.Client(home=tmp_path) as ckpt:
         ckpt.save("run", model)
-        assert sorted(spy.hashed) == ["model/0.weight", "model/1.weight"]
-        assert spy.unhashed == ["model/2.weight"]
+        assert sorted(spy.hashed) == ["model/0.weight", "model/1.weight", "model/2.weight"]
+        assert spy.unhashed == []
         digests = stored_digests(embedded_store(ckpt).blobs)
         assert len(digests) == len(set(digests)) == 2
 
@@ -143,6 +144,30 @@ def test_more_small_tensors_than_a_shard_holds_are_hashed_first(
         assert spy.unhashed == [] and len(spy.hashed) == 5
         digests = stored_digests(embedded_store(ckpt).blobs)
         assert len(digests) == len(set(digests)) == 3
+
+
+@pytest.mark.parametrize("why", ["more bytes than a shard", "a tied weight", "a size the store holds"])
+def test_a_kind_whose_small_tensors_cannot_all_go_unhashed_is_hashed_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """Small tensors of a kind go one way or the other all together: a save does not split them
+    between a shard the store hashes and one the client hashed."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 8))  # small weights and biases, one kind
+    shard_bytes = 64 << 20
+    if why == "more bytes than a shard":
+        shard_bytes = 64
+    elif why == "a tied weight":
+        model.append(nn.Linear(4, 4))
+        model[2].weight = model[0].weight
+    spy = Spy(monkeypatch)
+    with client.Client(home=tmp_path, shard_bytes=shard_bytes) as ckpt:
+        if why == "a size the store holds":
+            ckpt.save("other", Buffers({"same_size_as_a_bias": torch.zeros(8)}))
+            spy.hashed.clear()
+            spy.unhashed.clear()
+        result = ckpt.save("run", model)
+        assert spy.unhashed == [] and sorted(set(spy.hashed)) == sorted(f"model/{k}" for k in model.state_dict())
+        assert result.tensors_total == len(model.state_dict())
 
 
 def test_tensors_of_sizes_the_store_holds_are_hashed_first_and_not_stored_again(

@@ -81,9 +81,7 @@ def test_a_step_later_every_changed_tensor_is_stored_unhashed_and_loads_exactly(
     spy = Spy(monkeypatch)
     with client.Client(home=tmp_path) as ckpt:
         first = ckpt.save("run", model, optim)
-        # Nothing known yet: each tensor hashed first, or (a small one of a size the store holds
-        # none of) handed over unhashed, once.
-        assert len(spy.hashed) + len(spy.unhashed) == first.tensors_total and spy.calls == 2
+        assert spy.calls == 0 and len(spy.hashed) == first.tensors_total  # nothing known yet: all hashed first
         before = manifest_digests(ckpt, "run")
         spy.reset()
         train(model, optim, range(1, 2))
@@ -257,10 +255,9 @@ def test_a_frozen_tensor_changed_while_it_was_hashed_is_hashed_again(
 
     monkeypatch.setattr(hashing, "digest_of", digest_then_change)
     with client.Client(home=tmp_path) as ckpt:
-        ckpt.save("sizes", TinyNet(seed=1))  # the store holds tensors of every size: all are hashed first
         with pytest.raises(IntegrityError, match="changed"):
             ckpt.save("run", model)
-        assert [run.run_id for run in ckpt.runs()] == ["sizes"]
+        assert ckpt.runs() == []
         ckpt.save("run", model)
         fresh = TinyNet()
         ckpt.load("run", model=fresh)
