@@ -19,15 +19,12 @@ def strict_decoder(error: type[InvalidInputError], what: str, *, floats: bool = 
     """
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result = dict(pairs)
-        if len(result) == len(pairs):
-            return result
-        seen: set[str] = set()
-        for key, _value in pairs:
-            if key in seen:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
                 raise error(f"{what} has the key {key[:80]!r} twice")
-            seen.add(key)
-        raise AssertionError("unreachable: fewer keys than pairs means a key came twice")
+            result[key] = value
+        return result
 
     def no_constant(name: str) -> Any:
         raise error(f"{what} contains {name}, which is not a JSON number")
