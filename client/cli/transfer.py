@@ -151,6 +151,7 @@ def import_(
             help="Store expanded (stride-0) tensors of .pt files as full tensors, each up to SIZE (e.g. 1GiB).",
         ),
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Store a checkpoint from disk as a new version: weights (frozen unless the source has
     optimizer state for them), and optimizer, scheduler and trainer state where the source has them.
@@ -170,11 +171,35 @@ def import_(
         imported = read_checkpoint(source, expand_limit=parse_size(allow_expanded) if allow_expanded else 0)
         with open_saving_client() as ckpt:
             result = save_imported(ckpt, imported, source, run_id, tags=tag or ())
+    report = imported.report()
+    if as_json:
+        echo_json({"run_id": result.run_id, "version": result.version, **report, "bytes": result.bytes_total})
+        return
     typer.echo(
         f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "
         f"{result.run_id}@{result.version}: {size(result.bytes_new)} new, {result.dedup_ratio:.1%} already stored, "
         f"in {result.seconds:.2f} s"
     )
+    for line in import_lines(report):
+        typer.echo(line)
+
+
+def import_lines(report: dict) -> list[str]:
+    """What an import stored and, by key, what it left out, for people."""
+    stored = [f"model: {report['model_tensors']} tensors"]
+    if report["optimizer_parameters"] is not None:
+        stored.append(f"optimizer: state of {report['optimizer_parameters']} parameters")
+    if report["scheduler"]:
+        stored.append("scheduler")
+    if report["step"] is not None:
+        stored.append(f"step {report['step']}")
+    if report["metrics"]:
+        stored.append("metrics " + ", ".join(f"{k}={v:.6g}" for k, v in sorted(report["metrics"].items())))
+    if report["extra"]:
+        stored.append("extra " + ", ".join(report["extra"]))
+    lines = ["  stored: " + "; ".join(stored)]
+    lines += [f"  left out: {key} ({why})" for key, why in report["left_out"].items()]
+    return lines
 
 
 def verify(

@@ -185,12 +185,24 @@ def save_imported(
     """Store what :func:`read_checkpoint` read from ``source`` as the next version of ``run_id``."""
     if not imported.model:
         raise InvalidInputError(f"{source} holds no tensors")
+    if imported.tree is not None:  # stored as the trainer's plug-in stores its checkpoints
+        rest = {key: value for key, value in imported.tree.items() if key != imported.weights_key}
+        return client.save_state_dict(
+            run_id,
+            imported.tree[imported.weights_key],
+            trainable=True,
+            tags=tags,
+            step=imported.step,
+            metrics=imported.metrics or None,
+            extra=rest,
+        )
     return client.save_state_dict(
         run_id,
         imported.model,
         trainable=False,
         tags=tags,
         step=imported.step,
+        metrics=imported.metrics or None,
         extra=imported.extra or None,
         optim_state=imported.optim,
         scheduler_state=imported.scheduler,

@@ -47,13 +47,36 @@ MAX_CONFIG_LAYERS = 1024
 
 @dataclass
 class Imported:
-    """Named state read from a foreign checkpoint."""
+    """Named state read from a foreign checkpoint, and what of the source was not kept.
+
+    ``tree`` is set for a source stored whole as a trainer plug-in stores its checkpoints
+    (a Lightning ``.ckpt``): the dict with the weights under ``weights_key`` and everything
+    else as extras; ``model`` then holds the same weights, for the report.
+    """
 
     model: dict[str, torch.Tensor]
     optim: dict[str, Any] | None = None
     scheduler: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: Each key of the source left out, with why (``"config": "a TrainingConfig, not JSON or tensors"``).
+    left_out: dict[str, str] = field(default_factory=dict)
+    tree: dict[str, Any] | None = None
+    weights_key: str = "state_dict"
+
+    def report(self) -> dict[str, Any]:
+        """What the import stores and what it leaves out, as JSON (``ckptstore import --json``)."""
+        optim = self.optim or {}
+        return {
+            "model_tensors": len(self.model),
+            "optimizer_parameters": len(optim.get("state", {})) if self.optim is not None else None,
+            "scheduler": self.scheduler is not None,
+            "step": self.step,
+            "metrics": dict(self.metrics),
+            "extra": sorted(self.extra) if self.tree is None else sorted(k for k in self.tree if k != self.weights_key),
+            "left_out": dict(self.left_out),
+        }
 
 
 def exists(path: Path) -> bool:
