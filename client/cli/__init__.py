@@ -13,22 +13,51 @@ save or load tensors, so listing and serving commands start without it.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from client.cli import inspect, manage, retention, transfer
 from client.cli.server import db_app, serve
 
+#: The distribution ``pyproject.toml`` names: ``--version`` prints its installed version.
+DISTRIBUTION = "ckptstore"
+
 app = typer.Typer(
     help="ckptstore: a checkpoint store for PyTorch training.",
     no_args_is_help=True,
+    # Inherited by every command's context: ``ckptstore ls -h`` as well as ``ckptstore -h``.
+    context_settings={"help_option_names": ["-h", "--help"]},
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
 
 
+def installed_version() -> str:
+    """The installed version of the ``ckptstore`` distribution (``unknown`` when run from a bare source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    """``--version``: print the installed version and exit 0 before any command runs."""
+    if value:
+        typer.echo(f"ckptstore {installed_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the installed version and exit."),
+    ] = False,
+) -> None:
     """Save, load and inspect PyTorch checkpoints."""
 
 
