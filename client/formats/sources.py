@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from client.formats import confined
+from client.formats import confined, lightning_ckpt
 from client.formats.dcp_folder import read_dcp_folder
 from client.formats.json_text import parse_json
+from client.formats.torch_dicts import read_layout, tensor_dict
 from client.formats.torch_files import read_torch_file
 from client.formats.torch_globals import RefusedTensor
 from service.errors import InvalidInputError
@@ -38,7 +39,6 @@ from service.errors import InvalidInputError
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 TRAINER_STATE = "trainer_state.json"
 DCP_METADATA = ".metadata"
-_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
 MAX_TRAINER_STATE_BYTES = 100 << 20
 MAX_CONFIG_BYTES = 10 << 20
 #: Most layers a config may ask for: the model is built (on the meta device) to learn its names.
@@ -84,37 +84,6 @@ def exists(path: Path) -> bool:
     return os.path.lexists(path)
 
 
-def _tensor_dict(value: Any, where: str) -> dict[str, torch.Tensor]:
-    if not isinstance(value, dict) or not value:
-        raise InvalidInputError(f"{where} is not a non-empty dict of tensors")
-    for key, tensor in value.items():
-        if isinstance(tensor, RefusedTensor):
-            raise InvalidInputError(f"{where}: tensor {str(key)[:80]!r} {tensor.reason}")
-    bad = [str(k)[:80] for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-    if bad:
-        raise InvalidInputError(f"{where} holds entries that are not tensors under names: {bad[:5]}")
-    return value
-
-
-def _state_dict_in(loaded: Any, path: Path) -> dict[str, torch.Tensor]:
-    """The model state_dict inside an object read from a pickled file."""
-    if (
-        isinstance(loaded, dict)
-        and loaded
-        and all(isinstance(v, (torch.Tensor, RefusedTensor)) for v in loaded.values())
-    ):
-        return _tensor_dict(loaded, str(path))
-    if isinstance(loaded, dict):
-        for key in _STATE_DICT_KEYS:
-            if key in loaded:
-                return _tensor_dict(loaded[key], f"{path}[{key!r}]")
-        keys = [str(k)[:40] for k in loaded][:10]
-        raise InvalidInputError(
-            f"{path} holds a dict with keys {keys}, none of which is a state_dict {_STATE_DICT_KEYS}"
-        )
-    raise InvalidInputError(f"{path} holds a {type(loaded).__name__}, not a state_dict")
-
-
 def check_tensors(value: Any, where: str) -> None:
     """Refuse a tensor anywhere in ``value`` that could not be made over its bytes, naming its path.
 
@@ -134,8 +103,18 @@ def check_tensors(value: Any, where: str) -> None:
 def read_pickled_file(path: Path, *, expand_limit: int = 0) -> Imported:
     """A ``.pt``/``.pth``/``.bin`` state_dict or a Lightning ``.ckpt``."""
     loaded = read_torch_file(path, expand_limit=expand_limit)
-    step = loaded.get("global_step") if isinstance(loaded, dict) else None
-    return Imported(_state_dict_in(loaded, path), step=step if isinstance(step, int) else None)
+    if lightning_ckpt.is_lightning_checkpoint(loaded):  # stored whole, as the Lightning plug-in stores one
+        return Imported(**lightning_ckpt.lightning_fields(loaded, str(path)))
+    layout = read_layout(loaded, str(path))
+    return Imported(
+        layout.model,
+        optim=layout.optim,
+        scheduler=plain_values(layout.scheduler),
+        extra=plain_values(layout.extra),
+        step=layout.step,
+        metrics=layout.metrics,
+        left_out=layout.left_out,
+    )
 
 
 def plain_values(value: Any) -> Any:
@@ -261,13 +240,23 @@ def add_tied(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[s
 
 
 def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor], *, expand_limit: int = 0) -> Imported:
-    """A Trainer checkpoint folder: ``model_tensors`` (its weights, read by the caller) and the rest."""
+    """A Trainer checkpoint folder: ``model_tensors`` (its weights, read by the caller) and the rest.
+
+    ``extra`` holds ``trainer_state`` (``trainer_state.json``), ``model_config`` (``config.json``,
+    which ``ckptstore export`` writes back) and ``rng_state``: each ``rng_state*.pth`` by file
+    stem, in the Trainer's own layout (``python``, ``numpy``, ``cpu``, ``cuda``), as
+    ``client.integrations.transformers.resume`` reads it.
+    """
     state_path = directory / TRAINER_STATE
     trainer_state = parse_json(
         confined.read_small(state_path, MAX_TRAINER_STATE_BYTES), str(state_path), floats=True, constants=True
     )
-    model = meta_model(directory)
-    imported = Imported(add_tied(model_tensors, model), extra={"trainer_state": trainer_state})
+    model = meta_model(directory)  # the config is checked here: parsed, built, no remote code
+    config_path = directory / "config.json"
+    model_config = parse_json(confined.read_small(config_path, MAX_CONFIG_BYTES), str(config_path), floats=True)
+    imported = Imported(
+        add_tied(model_tensors, model), extra={"trainer_state": trainer_state, "model_config": model_config}
+    )
     step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
     imported.step = step if isinstance(step, int) else None
     optimizer_path = directory / "optimizer.pt"
@@ -314,7 +303,7 @@ def read_dcp(directory: Path) -> Imported:
             f"{directory} is a DCP checkpoint without a 'model' entry (it holds {sorted(state)[:10]}); "
             "save {'model': model_state_dict, 'optim': optim_state_dict} as get_state_dict gives them"
         )
-    imported = Imported(_tensor_dict(state.pop("model"), f"{directory} 'model'"))
+    imported = Imported(tensor_dict(state.pop("model"), f"{directory} 'model'"))
     if "optim" in state:
         if not _by_name(state["optim"]):
             raise InvalidInputError(

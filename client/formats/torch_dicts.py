@@ -1,0 +1,312 @@
+"""The dicts training scripts ``torch.save``, understood: model, optimizer, scheduler, counters, metrics.
+
+A tutorial checkpoint is ``{"epoch": 3, "model_state_dict": ..., "optimizer_state_dict": ...,
+"loss": 0.5}``; others say ``model``/``optimizer``/``scheduler``, ``state_dict``/``optim``/
+``lr_scheduler``, ``net``, ``global_step``. :func:`read_layout` finds each part by those names
+and keeps the rest:
+
+- the model's tensors (the one dict of tensors under a model key, or the file itself);
+- the optimizer's state, re-keyed from parameter indices to parameter names
+  (:func:`name_optimizer_state`), so ``client.load(..., optim=...)`` restores it with the usual
+  placement rules; its parameters are then stored as trainable;
+- the scheduler's state; ``global_step``/``step`` as the version's step;
+- every other key in ``extra`` (``epoch`` and ``loss`` included: ``LoadResult.extra`` gives the
+  dict back as saved), numbers under metric-like names also as the version's metrics;
+- a value that cannot be stored (a ``set``, a string-keyed dict of odd keys jsonstate refuses)
+  is left out and reported by key, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from client import jsonstate
+from client.formats.torch_globals import RefusedTensor
+from service.errors import InvalidInputError, StateEncodingError
+from service.format.names import METRIC_PATTERN
+
+MODEL_KEYS = ("model_state_dict", "state_dict", "model", "net")
+OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optim")
+SCHEDULER_KEYS = ("scheduler_state_dict", "lr_scheduler", "scheduler")
+STEP_KEYS = ("global_step", "step")
+#: Names of buffers, never of parameters (the optimizer's indices count parameters only).
+BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked", "inv_freq", "position_ids")
+_METRIC_RE = re.compile(METRIC_PATTERN)
+_ADVICE = (
+    "save the optimizer keyed by parameter name (torch.distributed.checkpoint.state_dict.get_state_dict) "
+    "or store the run with client.save(run, model, optim)"
+)
+
+
+@dataclass
+class Layout:
+    """The parts of a ``torch.save`` dict (see the module docstring)."""
+
+    model: dict[str, torch.Tensor]
+    optim: dict[str, Any] | None = None
+    scheduler: Any = None
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+
+def tensor_dict(value: Any, where: str) -> dict[str, torch.Tensor]:
+    """``value`` as a non-empty dict of tensors by name, or a refusal naming what is wrong."""
+    if not isinstance(value, dict) or not value:
+        raise InvalidInputError(f"{where} is not a non-empty dict of tensors")
+    for key, tensor in value.items():
+        if isinstance(tensor, RefusedTensor):
+            raise InvalidInputError(f"{where}: tensor {str(key)[:80]!r} {tensor.reason}")
+    bad = [str(k)[:80] for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise InvalidInputError(f"{where} holds entries that are not tensors under names: {bad[:5]}")
+    return value
+
+
+def _is_tensor_dict(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(v, (torch.Tensor, RefusedTensor)) for v in value.values())
+    )
+
+
+def _one_of(loaded: dict[Any, Any], keys: Sequence[str], what: str, where: str) -> str | None:
+    """The one key of ``keys`` present in ``loaded`` (None if none); two present is ambiguous."""
+    present = [k for k in keys if k in loaded]
+    if len(present) > 1:
+        raise InvalidInputError(
+            f"{where} holds both {present[0]!r} and {present[1]!r}: which is the {what} is ambiguous; "
+            "save one of them under its own file"
+        )
+    return present[0] if present else None
+
+
+def read_layout(loaded: Any, where: str) -> Layout:
+    """The parts of an object read from a ``torch.save`` file (a state_dict, or a dict holding one)."""
+    if _is_tensor_dict(loaded):
+        return Layout(tensor_dict(loaded, where))
+    if not isinstance(loaded, dict):
+        raise InvalidInputError(f"{where} holds a {type(loaded).__name__}, not a state_dict")
+    model_key = _one_of(loaded, MODEL_KEYS, "model", where)
+    if model_key is None:
+        keys = [str(k)[:40] for k in loaded][:10]
+        raise InvalidInputError(f"{where} holds a dict with keys {keys}, none of which is a state_dict {MODEL_KEYS}")
+    layout = Layout(tensor_dict(loaded[model_key], f"{where}[{model_key!r}]"))
+    optim_key = _one_of(loaded, OPTIMIZER_KEYS, "optimizer", where)
+    if optim_key is not None:
+        layout.optim = name_optimizer_state(loaded[optim_key], layout.model, f"{where}[{optim_key!r}]")
+    scheduler_key = _one_of(loaded, SCHEDULER_KEYS, "scheduler", where)
+    if scheduler_key is not None:
+        scheduler = loaded[scheduler_key]
+        if isinstance(scheduler, dict):
+            layout.scheduler = scheduler
+        else:
+            layout.left_out[scheduler_key] = f"a {type(scheduler).__name__}, not one scheduler's state_dict"
+    step_key = _one_of(loaded, STEP_KEYS, "step", where)
+    if step_key is not None and type(loaded[step_key]) is int and loaded[step_key] >= 0:
+        layout.step = loaded[step_key]
+    taken = {model_key, optim_key, scheduler_key}
+    for key, value in loaded.items():
+        if key in taken:
+            continue
+        if not isinstance(key, str):
+            layout.left_out[str(key)[:80]] = "a key that is not a string"
+            continue
+        why = _unstorable(value, key)
+        if why is not None:
+            layout.left_out[key] = why
+            continue
+        layout.extra[key] = value
+        metric = _metric_value(value)
+        if key not in STEP_KEYS and key != "epoch" and metric is not None and _METRIC_RE.fullmatch(key):
+            layout.metrics[key] = metric
+    return layout
+
+
+def _metric_value(value: Any) -> float | None:
+    """A finite number (or a one-element floating tensor) as a float; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _unstorable(value: Any, key: str) -> str | None:
+    """Why ``value`` cannot go into a version's extra (None when it can)."""
+
+    def sink(tensor: torch.Tensor, path: str) -> str:
+        if isinstance(tensor, RefusedTensor):
+            raise StateEncodingError(tensor.reason)
+        return path
+
+    try:
+        jsonstate.encode(value, key, sink)
+    except StateEncodingError as exc:
+        return f"cannot be stored: {str(exc)[:160]}"
+    return None
+
+
+def _candidates(model: dict[str, torch.Tensor]) -> list[str]:
+    """The model's names that may be parameters, in order: floating tensors, tied names once,
+    known buffer names left out."""
+    seen: set[tuple[Any, ...]] = set()
+    names = []
+    for name, tensor in model.items():
+        if not (tensor.is_floating_point() or tensor.is_complex()) or name.endswith(BUFFER_SUFFIXES):
+            continue
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and identity in seen:  # a tied weight: one parameter under two names
+            continue
+        seen.add(identity)
+        names.append(name)
+    return names
+
+
+def _shapes(state: dict[str, Any]) -> set[tuple[int, ...]]:
+    """The shapes a parameter's optimizer state gives it (its tensors of a dimension or more)."""
+    return {tuple(v.shape) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+def _embed(pattern: list[Callable[[str], bool]], names: list[str]) -> list[int] | None:
+    """The one way to pick ``pattern`` in order out of ``names`` (indices), None if there is none
+    or more than one: the leftmost and rightmost embeddings agree exactly when it is unique."""
+    left: list[int] = []
+    at = 0
+    for fits in pattern:
+        while at < len(names) and not fits(names[at]):
+            at += 1
+        if at == len(names):
+            return None
+        left.append(at)
+        at += 1
+    right: list[int] = []
+    at = len(names) - 1
+    for fits in reversed(pattern):
+        while not fits(names[at]):
+            at -= 1
+        right.append(at)
+        at -= 1
+    return left if left == right[::-1] else None
+
+
+def name_optimizer_state(state: Any, model: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
+    """An optimizer state_dict keyed by parameter name, from one keyed by index (or by name already).
+
+    Indices count the optimizer's parameters in its groups' order. With one group they are
+    the model's parameters in order; with several, each group's parameters in the model's
+    order and the groups told apart by their shapes. Every parameter's state must have its
+    parameter's shape. Where the file leaves the mapping open (parameters and buffers of the
+    same shape, groups sharing shapes, a count that does not fit) the import is refused
+    saying why, never guessed.
+    """
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    by_index = state.get("state") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not isinstance(by_index, dict) or not all(isinstance(g, dict) for g in groups):
+        raise InvalidInputError(f"{where}: not an optimizer state_dict (a dict with 'state' and a 'param_groups' list)")
+    if not all(isinstance(s, dict) for s in by_index.values()):
+        raise InvalidInputError(f"{where}: a parameter's state is not a dict")
+    params = [g.get("params") for g in groups]
+    if all(isinstance(p, list) and all(isinstance(n, str) for n in p) for p in params):
+        return _checked_by_name(state, model, where)
+    if not all(isinstance(p, list) and all(type(i) is int for i in p) for p in params):
+        raise InvalidInputError(f"{where}: a param group's 'params' is not a list of indices or of names")
+    indices = [i for p in params for i in p]
+    if len(set(indices)) != len(indices):
+        raise InvalidInputError(f"{where}: a parameter index appears twice in the param groups")
+    unknown = [i for i in by_index if i not in set(indices)]
+    if unknown:
+        raise InvalidInputError(
+            f"{where}: state for parameter index {str(unknown[0])[:40]}, which no param group holds"
+        )
+    names = _candidates(model)
+    shapes = {name: tuple(model[name].shape) for name in names}
+    if len(groups) == 1:
+        pattern = [_fits(shapes, _shapes(by_index.get(i, {}))) for i in indices]
+        chosen = _embed(pattern, names)
+        if chosen is None:
+            raise InvalidInputError(
+                f"{where}: its {len(indices)} parameters cannot be told apart among the model's {len(names)} "
+                f"floating tensors by order and shape; {_ADVICE}"
+            )
+        named = dict(zip(indices, (names[c] for c in chosen), strict=True))
+    else:
+        named = _grouped(groups, by_index, names, shapes, where)
+    return {
+        "state": {named[i]: s for i, s in by_index.items()},
+        "param_groups": [{**g, "params": [named[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def _fits(shapes: dict[str, tuple[int, ...]], wanted: set[tuple[int, ...]]) -> Callable[[str], bool]:
+    if not wanted:
+        return lambda name: True
+    if len(wanted) > 1:
+        return lambda name: False
+    (shape,) = wanted
+    return lambda name: shapes[name] == shape
+
+
+def _grouped(
+    groups: list[dict[str, Any]],
+    by_index: dict[Any, Any],
+    names: list[str],
+    shapes: dict[str, tuple[int, ...]],
+    where: str,
+) -> dict[int, str]:
+    """Several groups: each parameter's group known by its shape, its place by the model's order."""
+    group_shapes: list[set[tuple[int, ...]]] = []
+    for group in groups:
+        found: set[tuple[int, ...]] = set()
+        for index in group["params"]:
+            own = _shapes(by_index.get(index, {}))
+            if len(own) != 1:
+                raise InvalidInputError(
+                    f"{where}: parameter {index} has no state that shows its shape, and with "
+                    f"{len(groups)} param groups its place in the model is not known; {_ADVICE}"
+                )
+            found |= own
+        group_shapes.append(found)
+    for a in range(len(groups)):
+        for b in range(a + 1, len(groups)):
+            if group_shapes[a] & group_shapes[b]:
+                raise InvalidInputError(
+                    f"{where}: param groups {a} and {b} both hold parameters of shape "
+                    f"{sorted(group_shapes[a] & group_shapes[b])[0]}, so which parameter each index is "
+                    f"is not known; {_ADVICE}"
+                )
+    named: dict[int, str] = {}
+    for group, own_shapes in zip(groups, group_shapes, strict=True):
+        pool = [n for n in names if shapes[n] in own_shapes]
+        pattern = [_fits(shapes, _shapes(by_index[i])) for i in group["params"]]
+        chosen = _embed(pattern, pool)
+        if chosen is None:
+            raise InvalidInputError(
+                f"{where}: a param group's {len(pattern)} parameters cannot be told apart among the model's "
+                f"{len(pool)} tensors of their shapes; {_ADVICE}"
+            )
+        named.update(zip(group["params"], (pool[c] for c in chosen), strict=True))
+    return named
+
+
+def _checked_by_name(state: dict[str, Any], model: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
+    """An optimizer state_dict already keyed by name: every name must be a tensor of the model."""
+    named = [n for g in state["param_groups"] for n in g["params"]]
+    absent = [n for n in named if n not in model]
+    if absent:
+        raise InvalidInputError(f"{where}: parameter {absent[0][:80]!r} is not in the model's state_dict")
+    if len(set(named)) != len(named):
+        raise InvalidInputError(f"{where}: a parameter name appears twice in the param groups")
+    stray = [k for k in state["state"] if k not in set(named)]
+    if stray:
+        raise InvalidInputError(f"{where}: state for {str(stray[0])[:80]!r}, which no param group holds")
+    return {"state": dict(state["state"]), "param_groups": list(state["param_groups"])}
