@@ -106,13 +106,11 @@ def _parse_json(text: str) -> Any:
 
 
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
-_INT = frozenset({int})
 
 
 def _naturals(values: list[Any]) -> bool:
     """Whether every value is a non-negative int (not a bool: an int subclass, which must not pass)."""
-    # Checked a type set at a time, in C: a header of 32,768 entries spent 0.1 s in per-value calls.
-    return not values or (set(map(type, values)) <= _INT and min(values) >= 0)
+    return all(type(v) is int and v >= 0 for v in values)
 
 
 def _parse_metadata(value: object) -> dict[str, str]:
@@ -300,21 +298,18 @@ def _entry_fields(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> list[str
     """Each tensor's ``"name":{...}`` as json.dumps writes it, byte for byte, formatted directly.
 
     Digest names and known dtypes need no escaping; any other string is quoted by json.dumps.
-    Each shape's size and text are worked out once. A shard of 32,768 tensors: 0.16 -> 0.08 s.
+    Each shape's text is worked out once. A shard of 32,768 tensors: 0.16 -> 0.08 s.
     """
     fields = []
-    known: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}
-    begin = 0
-    for name, dtype, shape in tensors:
-        layout = (dtype, tuple(shape))
-        size = known.get(layout)
-        if size is None:
-            size = known[layout] = (byte_length(dtype, shape), ",".join(map(str, shape)))
-        end = begin + size[0]
+    shape_texts: dict[tuple[int, ...], str] = {}
+    for name, dtype, shape, begin, end in _laid_out(tensors):
+        dims = tuple(shape)
+        text = shape_texts.get(dims)
+        if text is None:
+            text = shape_texts[dims] = ",".join(map(str, dims))
         quoted = f'"{name}"' if name.isascii() and name.isalnum() else json.dumps(name, ensure_ascii=True)
         kind = f'"{dtype}"' if dtype in DTYPES else json.dumps(dtype, ensure_ascii=True)
-        fields.append(f'{quoted}:{{"dtype":{kind},"shape":[{size[1]}],"data_offsets":[{begin},{end}]}}')
-        begin = end
+        fields.append(f'{quoted}:{{"dtype":{kind},"shape":[{text}],"data_offsets":[{begin},{end}]}}')
     return fields
 
 
