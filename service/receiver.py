@@ -20,6 +20,7 @@ from service.format.digest import TensorHasher, tensor_digest
 from service.format.safetensors_header import (
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
+    HeaderEntry,
     ShardHeader,
     header_length,
     parse_header,
@@ -92,22 +93,14 @@ class ShardReceiver:
             self._write_each(pieces, on_bytes)
             return
         entries = header.entries
-        handle = self._handle
-        assert handle is not None
         for number, piece in enumerate(pieces):
             index = self._entry
             view = piece.cast("B") if piece.format != "B" or piece.ndim != 1 else piece
             if index >= len(entries) or view.nbytes != entries[index].end - entries[index].begin:
                 self._write_each(pieces[number:], on_bytes)  # not one whole tensor: write() tells why
                 return
-            entry = entries[index]
-            self._check(entry.digest, tensor_digest(entry.dtype, entry.shape, view, parallel=False))
-            try:
-                handle.write(view)
-            except OSError as exc:
-                raise staging_error(exc) from exc
+            self._write_whole(entries[index], view)
             self.received += view.nbytes
-            self._entry = index + 1
             if on_bytes is not None:
                 on_bytes(view.nbytes)
 
@@ -172,11 +165,20 @@ class ShardReceiver:
             )
         entry = header.entries[self._entry]
         if position == entry.begin and position + view.nbytes == entry.end:
-            # An embedded save hands over whole tensors: one hash call, no slicing or hasher state.
-            self._check(entry.digest, tensor_digest(entry.dtype, entry.shape, view, parallel=False))
-            self._entry += 1
+            self._write_whole(entry, view)
         else:
             self._hash_pieces(view, position)
+            self._append(view)
+
+    def _write_whole(self, entry: HeaderEntry, view: memoryview) -> None:
+        """Check one whole tensor's bytes against its digest and append them: an embedded save
+        hands over whole tensors, each one hash call with no slicing or hasher state."""
+        self._check(entry.digest, tensor_digest(entry.dtype, entry.shape, view, parallel=False))
+        self._append(view)
+        self._entry += 1
+
+    def _append(self, view: memoryview) -> None:
+        assert self._handle is not None
         try:
             self._handle.write(view)
         except OSError as exc:
