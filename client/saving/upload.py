@@ -25,9 +25,6 @@ from client.transport import Transport
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor
 
-#: Most bytes of one shard of small tensors handed over together (see :meth:`ShardUploader.add_unhashed`).
-TOGETHER_BYTES = 4 << 30
-
 
 class ShardUploader:
     """Groups ``(digest, key, tensor)`` items into shards and sends them in the background.
@@ -61,7 +58,7 @@ class ShardUploader:
         self._sending: deque[Future[ShardReceipt]] = deque()
         self._packer: SeparatePacker[tuple[str, str, torch.Tensor]] = SeparatePacker(shard_bytes)
         self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(shard_bytes)
-        self._together: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(TOGETHER_BYTES)
+        self._together: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(shard_bytes)
 
     def __enter__(self) -> ShardUploader:
         return self
@@ -93,8 +90,8 @@ class ShardUploader:
         it appears in :attr:`digests` under ``index`` once stored. ``frozen`` as for :meth:`add`.
 
         ``together``: a small tensor that may equal another of this save; the tensors so marked
-        go in one shard per kind (up to ``MAX_TENSORS_PER_SHARD``, at most :data:`TOGETHER_BYTES`),
-        in which the store writes equal tensors once.
+        go in one shard per kind (up to ``MAX_TENSORS_PER_SHARD`` and the shard size: the saver marks
+        a kind's small tensors only when they fit one), in which the store writes equal tensors once.
         """
         packer = self._together if together else self._unhashed
         closed = packer.add((index, key, tensor), nbytes, frozen)
