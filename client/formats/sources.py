@@ -1,9 +1,9 @@
 """What ``ckptstore import`` reads: checkpoints in the formats users already have, as named state.
 
 - a ``.safetensors`` file or a Hugging Face weights folder (:mod:`client.formats.importing`);
-- a ``.pt`` / ``.pth`` / ``.bin`` file holding a state_dict (or a dict with one under
-  ``state_dict``, ``model_state_dict`` or ``model``), and a Lightning ``.ckpt`` (its
-  ``state_dict``; ``global_step`` becomes the version's step);
+- a ``.pt`` / ``.pth`` / ``.bin`` file holding a state_dict, or a training checkpoint dict
+  with its optimizer, scheduler, step, epoch and metrics (:mod:`client.formats.torch_dicts`),
+  and a Lightning ``.ckpt``;
 - a Hugging Face ``Trainer`` checkpoint folder (``trainer_state.json`` beside the weights):
   the weights, ``optimizer.pt`` with its state named by parameter, ``scheduler.pt``, and
   ``trainer_state.json`` and ``rng_state*.pth`` as extras;
