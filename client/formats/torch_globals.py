@@ -1,9 +1,11 @@
 """What a ``torch.save`` pickle may name, as the pickle reader's table, and the checks on each.
 
-Tensors (``_rebuild_tensor_v2`` / ``_rebuild_parameter`` over a storage of the file, checked
-in bounds, non-negative strides and no more bytes than the storage holds: an expanded or
-overlapping view becomes a :class:`RefusedTensor` the importer reports under its key, unless
-``expand_limit`` lets it through), ``OrderedDict`` (its ``_metadata`` dropped), ``torch.Size``,
+Tensors (``_rebuild_tensor_v2`` / ``_rebuild_parameter`` over a storage of the file, and
+``_rebuild_tensor_v3``, how torch writes the dtypes it has no typed storage for (uint16-64,
+float8), over an untyped storage read as its dtype; checked in bounds, non-negative strides and
+no more bytes than the storage holds: an expanded or overlapping view becomes a
+:class:`RefusedTensor` the importer reports under its key, unless ``expand_limit`` lets it
+through), ``OrderedDict`` (its ``_metadata`` dropped), ``torch.Size``,
 dtypes and storage types, sets, ``bytes()``, ``_codecs.encode`` to latin1 bytes, and, for RNG
 state only, numpy arrays and scalars of plain numeric dtypes rebuilt from their raw bytes.
 """
@@ -104,20 +106,30 @@ class _TensorRecord(Built):
     """``_rebuild_tensor_v2``'s arguments, checked; made into a view at the end of the read."""
 
     def __init__(
-        self, storage: Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], expand_limit: int
+        self,
+        storage: Storage,
+        offset: int,
+        size: tuple[int, ...],
+        stride: tuple[int, ...],
+        expand_limit: int,
+        dtype: torch.dtype | None = None,
     ):
         self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
         self.expand_limit = expand_limit
+        #: The dtype an untyped (byte) storage is read as (``_rebuild_tensor_v3``); None: the storage's own.
+        self.dtype = dtype
 
     def result(self) -> Any:
         numel = 1
         for dim in self.size:
             numel *= dim
-        size = itemsize(self.storage.dtype)
+        dtype = self.dtype or self.storage.dtype
+        size = itemsize(dtype)
+        elements = self.storage.nbytes // size
         extent = self.offset + sum((d - 1) * s for d, s in zip(self.size, self.stride, strict=True)) + 1
-        if numel and extent > self.storage.numel:
+        if numel and extent > elements:
             return RefusedTensor(
-                f"reaches element {extent} of a storage of {self.storage.numel} elements: it lies past its bytes"
+                f"reaches element {extent} of a storage of {elements} elements: it lies past its bytes"
             )
         claimed = numel * size
         if claimed > self.storage.nbytes and claimed > self.expand_limit:
@@ -129,7 +141,13 @@ class _TensorRecord(Built):
             )
         if self.storage.flat is None:
             raise InvalidInputError(f"storage {self.storage.key} has no bytes in the file")
-        return torch.as_strided(self.storage.flat, self.size, self.stride, self.offset)
+        flat = self.storage.flat
+        if dtype != flat.dtype:  # an untyped storage: its whole elements, read as the tensor's dtype
+            flat = flat[: elements * size]
+            if flat.data_ptr() % size:  # misaligned for the dtype: a copy of its own
+                flat = flat.clone()
+            flat = flat.view(dtype)
+        return torch.as_strided(flat, self.size, self.stride, self.offset)
 
 
 class _NumpyArray(Built):
@@ -243,12 +261,26 @@ class TorchFile:
             raise InvalidInputError(f"{self.where}: a tensor with backward hooks, which ckptstore never runs")
         return _TensorRecord(storage, offset, size, stride, self.expand_limit)
 
+    def rebuild_tensor_v3(self, args: tuple[Any, ...]) -> _TensorRecord:
+        """``_rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])``:
+        a tensor of ``dtype`` over an untyped storage, checked as :meth:`rebuild_tensor` checks one."""
+        dtype = _check_args(args, 7, "a tensor")[6]
+        if dtype not in _DTYPES.values():
+            raise InvalidInputError(f"{self.where}: a tensor of dtype {str(dtype)[:40]}, not one ckptstore reads")
+        record = self.rebuild_tensor(args[:6])
+        if record.storage.dtype != torch.uint8:
+            raise InvalidInputError(f"{self.where}: a tensor of dtype {dtype} over a typed storage, not an untyped one")
+        record.dtype = dtype
+        return record
+
     def globals_table(self) -> GlobalTable:
         """What this file's pickles may name."""
         table: dict[tuple[str, str], Any] = {
             ("collections", "OrderedDict"): Global("OrderedDict", call=_ordered_dict),
             ("torch._utils", "_rebuild_tensor_v2"): Global("tensor", call=self.rebuild_tensor),
             ("torch._utils", "_rebuild_tensor"): Global("tensor", call=self.rebuild_tensor),
+            ("torch._utils", "_rebuild_tensor_v3"): Global("tensor", call=self.rebuild_tensor_v3),
+            ("torch.storage", "UntypedStorage"): StorageType(torch.uint8),
             ("torch._utils", "_rebuild_parameter"): Global("parameter", call=_parameter),
             ("torch", "Size"): Global(
                 "torch.Size", call=lambda args: _dims(_check_args(args, 1, "torch.Size")[0], "a torch.Size")

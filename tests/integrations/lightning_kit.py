@@ -64,3 +64,24 @@ def trainer(root: Path, *, epochs: int, plugins: list[Any], callbacks: list[Any]
         plugins=plugins,
         callbacks=callbacks,
     )
+
+
+class LossRecorder(pl.Callback):
+    """Keeps the loss of every training step, as the step returned it."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].detach().clone())
+
+
+def training_state(fit: pl.Trainer) -> dict[str, Any]:
+    """What a resumed run must match bitwise: weights, optimizer state, scheduler state, step."""
+    module = fit.lightning_module
+    return {
+        "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "optimizer": fit.optimizers[0].state_dict()["state"],
+        "scheduler": fit.lr_scheduler_configs[0].scheduler.state_dict(),
+        "global_step": fit.global_step,
+    }
