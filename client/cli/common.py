@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
+#: How long a command keeps trying a server that has not answered yet (a mistyped or stopped
+#: ``CKPTSTORE_URL``), unless ``CKPTSTORE_RETRY_SECONDS`` is set: a training job's client waits
+#: the whole retry budget (60 s) to ride out a restart, a person at a prompt should not.
+REACH_SECONDS = 5.0
+#: How long a command waits for a server's answer to a metadata call (a listing, a manifest, a
+#: tag): a server that accepts connections but never answers. Transfers keep their timeouts.
+ANSWER_SECONDS = 10.0
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -132,6 +140,7 @@ def open_client(*, create: bool = False) -> Iterator[Connection]:
     from client.connection import Connection
 
     with Connection(server_url(), token=_token(), create=create) as opened:
+        _impatient(opened)
         yield opened
 
 
@@ -142,7 +151,19 @@ def open_saving_client() -> Iterator[Client]:
     from client.api import Client
 
     with Client(server_url(), token=_token(), create=True) as opened:
+        _impatient(opened)
         yield opened
+
+
+def _impatient(connection: Connection) -> None:
+    """Make a server's client give up within seconds when the server cannot be reached or does
+    not answer (:meth:`client.http.transport.HttpTransport.limit_waiting`); an embedded store has
+    nothing to wait for. A ``CKPTSTORE_RETRY_SECONDS`` that is set still says how long to keep trying."""
+    limit_waiting = getattr(connection.transport, "limit_waiting", None)
+    if limit_waiting is None:
+        return
+    explicit = (os.environ.get("CKPTSTORE_RETRY_SECONDS") or "").strip()
+    limit_waiting(reach_seconds=None if explicit else REACH_SECONDS, answer_seconds=ANSWER_SECONDS)
 
 
 def server_url() -> str | None:

@@ -97,11 +97,14 @@ class RetryPolicy:
         retries: at most this many retries of one request as well (None: as many as the budget allows).
         backoff_seconds: the first pause; each next one doubles, up to :data:`MAX_PAUSE_SECONDS`,
             and is drawn between half and all of that (jitter).
+        warn: log a request's first retry as a warning (a long wait may follow); False logs it
+            as info, for a short budget whose error, if it comes, says it all.
     """
 
     seconds: float = DEFAULT_RETRY_SECONDS
     retries: int | None = None
     backoff_seconds: float = 0.25
+    warn: bool = True
 
     @classmethod
     def configured(
@@ -164,7 +167,7 @@ class RetryPolicy:
         delay = self.pause(attempt, left, retry_after)
         # The first failure of a request is worth a warning: the call may now wait a while.
         log.log(
-            logging.WARNING if attempt == 0 else logging.INFO,
+            logging.WARNING if attempt == 0 and self.warn else logging.INFO,
             "ckptstore server at %s: %s; retrying in %.1f s (giving up after %.0f s; %s sets how long)",
             route.url,
             cause,
@@ -178,8 +181,9 @@ class RetryPolicy:
     def _unreachable(self, route: Route, exc: BaseException, attempt: int, started: float) -> str:
         """The message for a server that could not be reached: where, why, and what to check."""
         through = f" and the proxy {route.shown_proxy} (from the *_PROXY variables)" if route.proxy else ""
+        why = "it took the connection but sent no answer in time" if isinstance(exc, httpx.ReadTimeout) else exc
         return (
-            f"cannot reach the ckptstore server at {route.url}: {exc}. Is the server running at {route.url}? "
+            f"cannot reach the ckptstore server at {route.url}: {why}. Is the server running at {route.url}? "
             f"Check CKPTSTORE_URL{through} (gave up after {attempt + 1} tries in "
             f"{time.monotonic() - started:.1f} s; {RETRY_SECONDS_VARIABLE} sets how long to keep trying)"
         )

@@ -5,11 +5,17 @@ hand tensor memory to the socket and read answers straight into it (measured fas
 multi-MiB bodies). Both take the same :class:`client.http.route.Route` (the proxy the
 environment names, one TLS context), both are retried by the same
 :class:`client.http.retry.RetryPolicy`, and both answers pass :func:`client.http.errors.raise_for_error`.
+
+By default a session is patient, as a training job's client should be: each try may wait
+:data:`CONNECT_SECONDS` to connect and the session's timeout for an answer, and a request safe to
+repeat is retried for the policy's whole budget (a server restart). A command someone waits on
+calls :meth:`HttpSession.limit_waiting` to give up within seconds on a server it cannot reach.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import httpx
@@ -20,6 +26,11 @@ from client.http.retry import Reply, RetryPolicy
 from client.http.route import Route, route_for
 
 R = TypeVar("R", bound=Reply)
+
+#: How long one try waits for a TCP (and TLS) connection to the server, by default.
+CONNECT_SECONDS = 10.0
+#: What the server answers at once, asked whether it answers at all (see :meth:`HttpSession.limit_waiting`).
+HEALTH_PATH = "/healthz"
 
 
 class HttpSession:
@@ -38,10 +49,16 @@ class HttpSession:
     def __init__(self, url: str, headers: dict[str, str], policy: RetryPolicy, timeout_seconds: float) -> None:
         self.route: Route = route_for(url)
         self.policy = policy
+        self._timeout_seconds = timeout_seconds
+        #: The timeouts of a metadata call (see :meth:`request`): the session's until :meth:`limit_waiting`.
+        self._metadata_timeout = httpx.Timeout(timeout_seconds, connect=CONNECT_SECONDS)
+        #: The policy of requests sent before the server first answers (None: :attr:`policy`).
+        self._reaching: RetryPolicy | None = None
+        self._reached = False
         self._http = httpx.Client(
             base_url=self.route.url,
             headers=headers,
-            timeout=httpx.Timeout(timeout_seconds, connect=10.0),
+            timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_SECONDS),
             limits=httpx.Limits(max_connections=16, max_keepalive_connections=16),
             # The route already holds what the environment says (proxy, CA bundle): httpx is
             # told it rather than reading the environment again.
@@ -53,14 +70,44 @@ class HttpSession:
             BulkHttp(self.route, headers, timeout_seconds) if carries(self.route) else HttpxBulk(self._http)
         )
 
-    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def limit_waiting(self, *, reach_seconds: float | None, answer_seconds: float) -> None:
+        """Give up sooner on a server that cannot be reached or does not answer: for a command
+        someone waits on, not for a training job (whose client keeps the patient defaults).
+
+        Until the server first answers, a request is retried for at most ``reach_seconds`` (not
+        the policy's whole budget) and without a logged warning (the error says it all); every
+        try waits at most ``reach_seconds`` (up to :data:`CONNECT_SECONDS`) to connect, and a
+        metadata call at most ``answer_seconds`` for its answer. Shard transfers and the calls
+        that make the server work (commit, gc) keep the session's timeout for an answer; sent
+        before the server has answered, they are preceded by ``GET /healthz`` under these
+        limits (any answer will do). Once the server has answered, failures are retried for
+        the policy's whole budget.
+
+        Args:
+            reach_seconds: how long to keep trying a server that has not answered yet (None:
+                the policy's whole budget, as someone who set it asked).
+            answer_seconds: how long a metadata call waits for the server's answer.
+        """
+        connect = CONNECT_SECONDS
+        if reach_seconds is not None:
+            connect = min(CONNECT_SECONDS, max(reach_seconds, 0.1))
+            self._reaching = replace(self.policy, seconds=min(self.policy.seconds, reach_seconds), warn=False)
+        self._metadata_timeout = httpx.Timeout(answer_seconds, connect=connect)
+        self._http.timeout = httpx.Timeout(self._timeout_seconds, connect=connect)
+
+    def request(self, method: str, path: str, *, metadata: bool = False, **kwargs: Any) -> httpx.Response:
         """Send a request through httpx (``kwargs`` as ``httpx.Client.request`` takes them); returns its answer.
+
+        ``metadata`` marks a small call the server answers at once (a listing, a manifest, a
+        tag): after :meth:`limit_waiting` it waits only that long for its answer.
 
         Raises:
             CheckpointError: the class an error answer stands for; StorageError when the server
                 could not be reached.
         """
-        return self._run(method, path, lambda: self._http.request(method, path, **kwargs))
+        if metadata:
+            kwargs["timeout"] = self._metadata_timeout
+        return self._run(method, path, lambda: self._http.request(method, path, **kwargs), metadata=metadata)
 
     def put_bytes(self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], doing: str) -> Reply:
         """PUT the concatenation of ``pieces`` straight from memory; returns the answer, read.
@@ -91,9 +138,20 @@ class HttpSession:
         """
         return self._run("POST", path, lambda: self.bulk.post_into(path, body, headers, buffers), doing)
 
-    def _run(self, method: str, path: str, send: Callable[[], R], doing: str = "") -> R:
-        """One request under the policy; an error answer raised as its CheckpointError."""
-        reply = self.policy.run(self.route, method, path, send, doing)
+    def _run(self, method: str, path: str, send: Callable[[], R], doing: str = "", *, metadata: bool = False) -> R:
+        """One request under the policy (the reaching one until the server first answers); an error
+        answer raised as its CheckpointError."""
+        reaching = None if self._reached else self._reaching
+        if reaching is not None and not metadata:
+            # This call may rightly wait long for its answer (the server works, or bytes flow):
+            # whether the server answers at all is asked first, with a call it answers at once.
+            def probe() -> httpx.Response:
+                return self._http.get(HEALTH_PATH, timeout=self._metadata_timeout)
+
+            reaching.run(self.route, "GET", HEALTH_PATH, probe, doing).close()
+            self._reached, reaching = True, None
+        reply = (reaching or self.policy).run(self.route, method, path, send, doing)
+        self._reached = True
         raise_for_error(reply)
         return reply
 

@@ -99,7 +99,12 @@ def _ref(ref: int | str) -> str:
 
 
 class HttpTransport:
-    """Talks to a ckptstore server at ``url`` (``http://host:port``)."""
+    """Talks to a ckptstore server at ``url`` (``http://host:port``).
+
+    Patient by default, as a training job's client should be: a request safe to repeat is
+    retried for the whole retry budget (60 s unless set), long enough to ride out a server
+    restart. The command line calls :meth:`limit_waiting` to give up within seconds instead.
+    """
 
     #: A shard's upload URL names its id, so every tensor is hashed before it is sent.
     takes_unhashed = False
@@ -144,13 +149,31 @@ class HttpTransport:
         """The server's URL, secrets masked (the Transport protocol's ``location``)."""
         return mask_url(self.url)
 
+    def limit_waiting(self, *, reach_seconds: float | None, answer_seconds: float) -> None:
+        """Give up within seconds on a server that cannot be reached or does not answer, for a
+        command someone waits on (:meth:`client.http.session.HttpSession.limit_waiting`).
+
+        A training job's client should not call this: it keeps retrying for the whole retry
+        budget, so a server restart costs it a pause rather than its run. Transfers keep their
+        timeouts either way, and once the server has answered, the whole budget applies again.
+
+        Args:
+            reach_seconds: how long to keep trying a server that has not answered yet (None:
+                the whole retry budget).
+            answer_seconds: how long a metadata call (a listing, a manifest, a tag) waits for
+                the server's answer.
+        """
+        self.session.limit_waiting(reach_seconds=reach_seconds, answer_seconds=answer_seconds)
+
     @property
     def retry_seconds(self) -> float:
         """The retry budget: how long a request safe to repeat is tried again."""
         return self.policy.seconds
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.session.request(method, path, **kwargs)
+    def _json(self, method: str, path: str, *, metadata: bool = False, **kwargs: Any) -> Any:
+        """One JSON call, its answer decoded (None when empty); ``metadata`` marks a small one
+        the server answers at once (see :meth:`client.http.session.HttpSession.request`)."""
+        response = self.session.request(method, path, metadata=metadata, **kwargs)
         return response.json() if response.content else None
 
     # -- the Transport protocol ----------------------------------------------------------
@@ -204,13 +227,13 @@ class HttpTransport:
 
     def resolve(self, run_id: str, ref: int | str = "latest") -> int:
         """The version number ``ref`` names."""
-        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/refs/{_ref(ref)}")
+        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/refs/{_ref(ref)}", metadata=True)
         return int(data["version"])
 
     def manifest(self, run_id: str, ref: int | str = "latest") -> Manifest:
         """A version's manifest."""
         path = f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}"
-        return manifest_from_json(self.session.request("GET", path).content)
+        return manifest_from_json(self.session.request("GET", path, metadata=True).content)
 
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live."""
@@ -264,30 +287,30 @@ class HttpTransport:
 
     def runs(self) -> list[RunInfo]:
         """Every run."""
-        return [RunInfo.model_validate(item) for item in self._json("GET", "/v1/runs")]
+        return [RunInfo.model_validate(item) for item in self._json("GET", "/v1/runs", metadata=True)]
 
     def versions(self, run_id: str) -> list[VersionInfo]:
         """Every version of a run."""
-        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/versions")
+        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/versions", metadata=True)
         return [VersionInfo.model_validate(item) for item in data]
 
     def tag(self, run_id: str, ref: int | str, name: str) -> int:
         """Point a tag at a version."""
         path = f"/v1/runs/{quote(validate_run_id(run_id))}/tags/{quote(name, safe='')}"
-        return int(self._json("PUT", path, json={"version": ref})["version"])
+        return int(self._json("PUT", path, json={"version": ref}, metadata=True)["version"])
 
     def untag(self, run_id: str, name: str) -> None:
         """Remove a tag."""
-        self._json("DELETE", f"/v1/runs/{quote(validate_run_id(run_id))}/tags/{quote(name, safe='')}")
+        self._json("DELETE", f"/v1/runs/{quote(validate_run_id(run_id))}/tags/{quote(name, safe='')}", metadata=True)
 
     def delete_version(self, run_id: str, ref: int | str) -> int:
         """Delete a version."""
         path = f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}"
-        return int(self._json("DELETE", path)["version"])
+        return int(self._json("DELETE", path, metadata=True)["version"])
 
     def get_retention(self, run_id: str) -> RetentionPolicy:
         """A run's retention policy and what it would remove now."""
-        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/retention")
+        data = self._json("GET", f"/v1/runs/{quote(validate_run_id(run_id))}/retention", metadata=True)
         return RetentionPolicy.model_validate(data)
 
     def set_retention(
