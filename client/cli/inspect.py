@@ -32,6 +32,9 @@ STATE_TITLES = {"optim": "optimizer", "scheduler": "scheduler", "extra": "extra"
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
+#: ``ls RUN`` shows at most this many metric columns (the first by name); --json has them all.
+MAX_METRIC_COLUMNS = 8
+
 
 def _shape(shape: list[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
@@ -180,11 +183,22 @@ def _print_runs(runs: list[RunInfo]) -> None:
     table(("RUN", "VERSIONS", "LATEST", "LOGICAL", "STORED", "UPDATED"), rows, right=(1, 2, 3, 4))
 
 
+def metric_value(value: float) -> str:
+    """A metric as a table shows it: 4 significant digits (``0.1235``, ``1.235e+04``, ``12``)."""
+    return f"{value:.4g}"
+
+
 def _print_versions(versions: list[VersionInfo]) -> None:
+    """One row per version: its number, step, one column per metric (``-`` where a version has
+    none; at most :data:`MAX_METRIC_COLUMNS`, a note on stderr naming those left out), sizes,
+    dedup, time and tags."""
+    names = sorted({name for v in versions for name in v.metrics})
+    shown, hidden = names[:MAX_METRIC_COLUMNS], names[MAX_METRIC_COLUMNS:]
     rows = [
         (
             v.version,
             v.step,
+            *(metric_value(v.metrics[name]) if name in v.metrics else None for name in shown),
             size(v.bytes_total),
             size(v.bytes_new),
             f"{v.dedup_ratio:.1%}",
@@ -193,7 +207,11 @@ def _print_versions(versions: list[VersionInfo]) -> None:
         )
         for v in versions
     ]
-    table(("VERSION", "STEP", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"), rows, right=(0, 1, 2, 3, 4))
+    headers = ("VERSION", "STEP", *shown, "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS")
+    table(headers, rows, right=tuple(range(len(shown) + 5)))
+    if hidden:
+        listed = ", ".join(hidden[:5]) + (", ..." if len(hidden) > 5 else "")
+        typer.echo(f"note: {len(hidden)} more metrics not shown ({listed}); --json lists every metric", err=True)
 
 
 def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] | None:

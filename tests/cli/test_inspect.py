@@ -61,13 +61,34 @@ def test_ls_lists_runs_and_versions_as_tables_and_json(cli: Cli) -> None:
     assert {r["run_id"]: (r["versions"], r["latest_version"]) for r in runs} == {"run": (2, 2), "other": (1, 1)}
 
     header, first, second = cli.ok("ls", "run").splitlines()
-    assert header.split() == ["VERSION", "STEP", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"]
-    assert first.split()[:2] == ["1", "2"] and first.split()[-1] == "best"
-    assert second.split()[:2] == ["2", "4"]
+    # One column per metric, sorted; '-' where a version has none.
+    assert header.split() == ["VERSION", "STEP", "acc", "loss", "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS"]
+    assert first.split()[:4] == ["1", "2", "-", "1.5"] and first.split()[-1] == "best"
+    assert second.split()[:4] == ["2", "4", "0.5", "1.25"]
     versions = json.loads(cli.ok("ls", "run", "--json"))
     assert [set(v) for v in versions] == [VERSION_FIELDS, VERSION_FIELDS]
     assert [(v["version"], v["step"], v["tags"]) for v in versions] == [(1, 2, ["best"]), (2, 4, [])]
     assert versions[1]["metrics"] == {"loss": 1.25, "acc": 0.5}
+
+
+def test_ls_of_a_run_shows_at_most_eight_metrics_compactly_and_notes_the_rest(cli: Cli) -> None:
+    model = TinyNet()
+    metrics = {f"m{i:02d}": 1 / 3 + i * 1000 for i in range(11)}
+    cli.client.save("many", model, step=1, metrics=metrics)
+    cli.client.save("many", model, step=2, metrics={"m00": 123456789.0})
+    result = cli("ls", "many")
+    assert result.exit_code == 0, result.output
+    header, first, second = result.stdout.splitlines()
+    assert header.split()[:11] == ["VERSION", "STEP", *(f"m{i:02d}" for i in range(8)), "LOGICAL"]
+    assert first.split()[2:5] == ["0.3333", "1000", "2000"]
+    assert second.split()[2:5] == ["1.235e+08", "-", "-"]
+    assert "m08" not in result.stdout
+    assert result.stderr == "note: 3 more metrics not shown (m08, m09, m10); --json lists every metric\n"
+    assert json.loads(cli.ok("ls", "many", "--json"))[0]["metrics"] == metrics
+    # A run without metrics shows no metric column and no note.
+    cli.client.save("plain", model, step=1)
+    quiet = cli("ls", "plain")
+    assert quiet.stdout.split()[:3] == ["VERSION", "STEP", "LOGICAL"] and quiet.stderr == ""
 
 
 def test_ls_of_an_empty_store_and_of_an_unknown_run(cli: Cli) -> None:
