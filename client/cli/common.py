@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
@@ -122,6 +123,57 @@ def reported(*, invalid_input: int = EXIT_FAILED) -> Iterator[None]:
         fail(str(exc))
     except OSError as exc:
         fail(str(exc))
+
+
+def check_folder(directory: Path) -> None:
+    """Refuse a folder to write into that is a file, or lies under one, before any work is done.
+
+    Raises:
+        UsageProblem: ``directory`` or a folder above it exists and is not a folder.
+    """
+    for path in (directory, *directory.parents):
+        if path.exists():  # the nearest that exists (following links) must be a folder
+            if path.is_dir():
+                return
+            if path == directory:
+                raise UsageProblem(
+                    f"{directory} exists and is not a folder: name a folder to write into (made if absent)"
+                )
+            raise UsageProblem(
+                f"{path} exists and is not a folder, so {directory} cannot be made in it: name another folder"
+            )
+
+
+def write_problem(exc: OSError, directory: Path) -> str | None:
+    """One clear line for a file-system error writing into ``directory``; None when the error
+    names no path in it or above it (the store's own files, say): that is reported as it is."""
+    named = exc.filename2 if exc.filename2 is not None else exc.filename
+    if named is None:
+        return None
+    path = Path(os.fsdecode(named))
+    where, top = Path(os.path.abspath(path)), Path(os.path.abspath(directory))
+    if not (where.is_relative_to(top) or top.is_relative_to(where)):
+        return None
+    if isinstance(exc, IsADirectoryError):
+        return f"{path} exists and is a folder, so no file can be written there: move it away or write elsewhere"
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        return f"{path} exists and is not a folder: move it away or write into another folder"
+    if isinstance(exc, PermissionError):
+        return f"cannot write {path}: permission denied; write into a folder you may write to"
+    return f"cannot write {path}: {exc.strerror or exc}"
+
+
+@contextmanager
+def writing_into(directory: Path) -> Iterator[None]:
+    """Report a file-system error writing into ``directory`` as one clear line (exit 1): which
+    path, what is wrong with it, and what to do, rather than ``[Errno 17] File exists: …``."""
+    try:
+        yield
+    except OSError as exc:
+        message = write_problem(exc, directory)
+        if message is None:
+            raise
+        fail(message)
 
 
 @contextmanager

@@ -6,8 +6,9 @@ The work is done in :mod:`client.formats.exporting`, :mod:`client.formats.import
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,6 +16,7 @@ from client.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
     UsageProblem,
+    check_folder,
     echo_json,
     open_client,
     open_saving_client,
@@ -23,8 +25,22 @@ from client.cli.common import (
     reported,
     size,
     table,
+    writing_into,
 )
+from service.errors import CheckpointError
 from service.format.names import validate_run_id
+
+if TYPE_CHECKING:
+    from client.cli.common import Target
+    from client.formats.exporting import ExportResult
+    from client.transport import Transport
+
+#: What torch.distributed.checkpoint warns of on every single-process save, which is what a DCP
+#: export is: its "no process group" notice and, for an existing folder, "overwriting".
+DCP_NOTICES = (
+    r"torch\.distributed is disabled, unavailable or uninitialized",
+    r"Detected an existing checkpoint in .*, overwriting",
+)
 
 
 class _Bar:
@@ -81,9 +97,10 @@ def export(
     with reported():
         parsed = parse_target(target)
         limit = parse_size(max_shard_size)
+        check_folder(directory)
         bar = _Bar("export")
         try:
-            with open_client() as ckpt:
+            with open_client() as ckpt, writing_into(directory):
                 result = export_version(
                     ckpt.transport,
                     parsed.run_id,
@@ -114,22 +131,46 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
     """``export --format peft|dcp`` (:mod:`client.formats.export_formats`)."""
     import json
 
-    from client.formats.export_formats import export_dcp, export_peft
+    from client.formats.export_formats import export_peft
 
     with reported():
         parsed = parse_target(target)
-        with open_client() as ckpt:
+        check_folder(directory)
+        with open_client() as ckpt, writing_into(directory):
             if as_format == "peft":
                 settings = json.loads(config.read_text(encoding="utf-8")) if config is not None else None
                 result = export_peft(ckpt.transport, parsed.run_id, parsed.ref, directory, config=settings, keys=keys)
             elif as_format == "dcp" and keys is None:
-                result = export_dcp(ckpt.transport, parsed.run_id, parsed.ref, directory)
+                result = _export_dcp(ckpt.transport, parsed, directory)
             else:
                 raise UsageProblem(f"--format {as_format!r}: use hf, peft or dcp (dcp takes no --keys)")
     typer.echo(
         f"exported {result.run_id}@{result.version} to {directory} as {as_format}: {result.tensors} tensors, "
         f"{size(result.bytes)} in {result.seconds:.2f} s"
     )
+
+
+def _export_dcp(transport: Transport, parsed: Target, directory: Path) -> ExportResult:
+    """``export --format dcp``, without torch's notices of a single-process save, and with the
+    error that stopped the save raised as itself rather than inside torch's CheckpointException
+    (so a file in the way is reported as :func:`~client.cli.common.writing_into` does)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from client.formats.export_formats import export_dcp
+
+    try:
+        with warnings.catch_warnings():
+            for notice in DCP_NOTICES:
+                warnings.filterwarnings("ignore", message=notice, category=UserWarning)
+            return export_dcp(transport, parsed.run_id, parsed.ref, directory)
+    except CheckpointException as exc:
+        causes = [failure[0] for failure in exc.failures.values()]
+        cause = causes[0] if causes else None
+        if isinstance(cause, Exception) and not isinstance(cause, CheckpointException):
+            if isinstance(cause, (OSError, CheckpointError)):
+                raise cause from None
+            raise CheckpointError(f"writing the DCP folder {directory} failed: {cause}") from cause
+        raise CheckpointError(f"writing the DCP folder {directory} failed") from exc
 
 
 def import_(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ from client.cli.common import UsageProblem, parse_size
 from client.formats.exporting import plan_files
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal, train
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def assert_same_tensors(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -133,11 +138,57 @@ def test_export_notes_a_missing_config_and_refuses_bad_sizes(cli: Cli, tmp_path:
         bad = cli("export", "run", tmp_path / "bad", "--max-shard-size", size)
         assert bad.exit_code == 2 and bad.stderr.startswith("error: size"), size
     assert not (tmp_path / "bad").exists()
+    assert cli("export", "nope", tmp_path / "x").exit_code == 1
+
+
+@pytest.mark.parametrize("as_format", ["hf", "dcp", "peft"])
+def test_export_onto_a_file_is_one_clear_usage_error(cli: Cli, tmp_path: Path, as_format: str) -> None:
+    cli.client.save("run", TinyNet())
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    failed = cli("export", "run", blocked)
-    assert failed.exit_code == 1 and failed.stderr.startswith("error: ")
-    assert cli("export", "nope", tmp_path / "x").exit_code == 1
+    for directory, message in (
+        (blocked, f"error: {blocked} exists and is not a folder: name a folder to write into"),
+        (blocked / "sub", f"error: {blocked} exists and is not a folder, so {blocked / 'sub'} cannot be made in it"),
+    ):
+        failed = cli("export", "run", str(directory), "--format", as_format)
+        assert failed.exit_code == 2, failed.output
+        assert failed.stderr.startswith(message) and len(failed.stderr.splitlines()) == 1, failed.stderr
+        assert "Errno" not in failed.stderr and failed.stdout == ""
+    assert blocked.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize(("as_format", "name"), [("hf", "model.safetensors"), ("dcp", ".metadata")])
+def test_export_over_a_folder_where_a_file_goes_names_it(cli: Cli, tmp_path: Path, as_format: str, name: str) -> None:
+    cli.client.save("run", TinyNet())
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    failed = cli("export", "run", str(out), "--format", as_format)
+    assert failed.exit_code == 1, failed.output
+    assert failed.stderr.startswith(f"error: {out / name} exists and is a folder, so no file can be written there")
+    assert len(failed.stderr.splitlines()) == 1 and "Errno" not in failed.stderr, failed.stderr
+    assert not [p for p in out.iterdir() if p.name.endswith(".incomplete")]
+
+
+@pytest.mark.slow  # a subprocess, so that torch's warnings reach its stderr as a user's terminal sees them
+def test_a_dcp_export_prints_no_torch_warnings(cli: Cli, tmp_path: Path) -> None:
+    cli.client.save("run", TinyNet())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
+    env["CKPTSTORE_HOME"] = str(cli.env["CKPTSTORE_HOME"])
+    out = tmp_path / "dcp"
+    for _ in range(2):  # the second writes over the first, which torch also warns of
+        done = subprocess.run(
+            [sys.executable, "-W", "default", "-m", "client.cli", "export", "run", str(out), "--format", "dcp"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("exported run@1 to ")
+        assert done.stderr == ""
+    assert (out / ".metadata").is_file()
 
 
 def test_parse_size_follows_hugging_face_units() -> None:
