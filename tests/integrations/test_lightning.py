@@ -1,5 +1,6 @@
 """Lightning through CkptstoreCheckpointIO: ModelCheckpoint's top-k and last as tagged versions,
-bit-exact resume from the store, callback state with its dtypes and devices, refusals."""
+the ``best`` tag, bit-exact resume from the store, callback state with its dtypes and devices,
+load_from_checkpoint from a version, refusals."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ pl = pytest.importorskip("lightning.pytorch")  # the .[lightning] extra; install
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import client  # noqa: E402
-from client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
+from client.formats.importing import import_weights  # noqa: E402
+from client.integrations.lightning import (  # noqa: E402
+    BEST,
+    CkptstoreCheckpointIO,
+    ResumeStateCallback,
+    load_from_checkpoint,
+)
 from client.integrations.paths import tag_for_path  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
 from tests.integrations.lightning_kit import VAL_SCORES, TinyModule, loaders, trainer  # noqa: E402
@@ -45,7 +52,8 @@ def test_top_k_and_last_are_tagged_versions_and_dropped_ones_are_deleted(ckpt: c
     assert [Path(p).name for p in best] == ["epoch=3-step=16.ckpt", "epoch=1-step=8.ckpt"]
     versions = ckpt.versions("lt")
     by_tag = {tag: v for v in versions for tag in v.tags}
-    assert set(by_tag) == {tag_for_path(best[0]), tag_for_path(best[1]), "last"}
+    assert set(by_tag) == {tag_for_path(best[0]), tag_for_path(best[1]), "last", BEST}
+    assert by_tag[BEST].version == by_tag[tag_for_path(best[0])].version
     assert len(versions) == 3
     assert by_tag[tag_for_path(best[0])].metrics == {"val_loss": VAL_SCORES[3]}
     assert by_tag[tag_for_path(best[1])].metrics == {"val_loss": VAL_SCORES[1]}
@@ -97,6 +105,126 @@ def test_resume_from_the_store_is_bitwise_identical(ckpt: client.Client, tmp_pat
     # The resumed job saved epochs 2 and 3 again: like files overwritten, their names now hold
     # the new versions and the first job's are gone.
     assert [(v.version, v.step) for v in ckpt.versions("full")] == [(1, 4), (2, 8), (5, 12), (6, 16)]
+    assert all(BEST not in v.tags for v in ckpt.versions("full")), "no monitor, no best"
+
+
+def top_k_fit(io: CkptstoreCheckpointIO, root: Path, epochs: int, ckpt_path: str | None = None) -> ModelCheckpoint:
+    callback = ModelCheckpoint(monitor="val_loss", save_top_k=2, mode="min", save_last=True)
+    fit = trainer(root, epochs=epochs, plugins=[io], callbacks=[callback, ResumeStateCallback()])
+    fit.fit(TinyModule(scripted_val=True), *loaders(), ckpt_path=ckpt_path)
+    return callback
+
+
+def test_the_best_tag_follows_model_checkpoint_across_a_resume(store: client.Client, tmp_path: Path) -> None:
+    io = CkptstoreCheckpointIO("bt", client=store)
+    first = top_k_fit(io, tmp_path, epochs=2)
+    (best,) = [v for v in store.versions("bt") if BEST in v.tags]
+    assert tag_for_path(first.best_model_path) in best.tags and best.metrics == {"val_loss": VAL_SCORES[1]}
+    assert io.load_checkpoint("ckptstore://bt@best")["epoch"] == 1
+
+    # Resumed to 5 epochs: epoch 3's 0.5 becomes the best; epoch 4's 4.0 is not in the top 2,
+    # and saving `last` after it leaves the tag where it is.
+    second = top_k_fit(io, tmp_path, epochs=5, ckpt_path="ckptstore://bt@last")
+    assert Path(second.best_model_path).name == "epoch=3-step=16.ckpt"
+    by_tag = {tag: v for v in store.versions("bt") for tag in v.tags}
+    assert set(by_tag) == {BEST, "last", tag_for_path(second.best_model_path), tag_for_path(first.best_model_path)}
+    assert by_tag[BEST].version == by_tag[tag_for_path(second.best_model_path)].version
+    assert len(store.versions("bt")) == 3  # the top 2 and last: the best tag keeps nothing alive
+    best_checkpoint = io.load_checkpoint("ckptstore://bt@best")
+    assert best_checkpoint["epoch"] == 3 and best_checkpoint["global_step"] == 16
+
+    # The README's way: the module as it was at the best checkpoint.
+    module = load_from_checkpoint(TinyModule, "ckptstore://bt@best", client=store)
+    for name, value in best_checkpoint["state_dict"].items():
+        assert tensors_equal(module.state_dict()[name], value), name
+
+
+def test_a_checkpoint_file_named_best_keeps_its_own_tag(store: client.Client, tmp_path: Path) -> None:
+    callback = ModelCheckpoint(monitor="val_loss", filename="best", save_top_k=1, save_last=True)
+    fit = trainer(tmp_path, epochs=5, plugins=[CkptstoreCheckpointIO("own", client=store)], callbacks=[callback])
+    fit.fit(TinyModule(scripted_val=True), *loaders())
+    assert sorted(tag for v in store.versions("own") for tag in v.tags) == [BEST, "last"]
+    assert CkptstoreCheckpointIO("own", client=store).load_checkpoint("ckptstore://own@best")["epoch"] == 3
+
+
+def trained(root: Path, plugins: list[Any]) -> tuple[TinyModule, pl.Trainer]:
+    torch.manual_seed(0)
+    module = TinyModule(width=6, lr=0.02)
+    fit = trainer(root, epochs=1, plugins=plugins, callbacks=[])
+    fit.fit(module, *loaders())
+    return module, fit
+
+
+def assert_built_from(loaded: TinyModule, trained_module: TinyModule) -> None:
+    assert dict(loaded.hparams) == {"width": 6, "lr": 0.02, "scripted_val": False}
+    assert loaded.net[0].out_features == 6
+    for name, value in trained_module.state_dict().items():
+        assert tensors_equal(loaded.state_dict()[name], value), name
+
+
+def test_load_from_checkpoint_builds_the_module_from_a_version_the_plug_in_saved(
+    store: client.Client, tmp_path: Path
+) -> None:
+    module, fit = trained(tmp_path, plugins=[CkptstoreCheckpointIO("lfc", client=store)])
+    fit.save_checkpoint("ckptstore://lfc@manual")
+    fresh = TinyModule(width=6)
+    assert not tensors_equal(fresh.net[0].weight, module.net[0].weight)  # differs before
+
+    loaded = load_from_checkpoint(TinyModule, "ckptstore://lfc@manual", client=store)
+    assert_built_from(loaded, module)
+    assert loaded.net[0].weight.device.type == "cpu"
+    overridden = load_from_checkpoint(TinyModule, "ckptstore://lfc@latest", client=store, lr=0.5)
+    assert overridden.hparams["lr"] == 0.5 and overridden.hparams["width"] == 6
+    on_cpu = load_from_checkpoint(TinyModule, "ckptstore://lfc@manual", client=store, map_location="cpu")
+    assert_built_from(on_cpu, module)
+    with pytest.raises(client.InvalidInputError, match="map_location"):
+        load_from_checkpoint(TinyModule, "ckptstore://lfc@manual", client=store, map_location=lambda s, loc: s)
+    with pytest.raises(client.InvalidInputError, match="ckptstore://RUN@REF"):
+        load_from_checkpoint(TinyModule, str(tmp_path / "manual.ckpt"), client=store)
+    with pytest.raises(client.NotFoundError):
+        load_from_checkpoint(TinyModule, "ckptstore://lfc@nope", client=store)
+
+
+def test_load_from_checkpoint_of_an_imported_ckpt_matches_lightnings_own(store: client.Client, tmp_path: Path) -> None:
+    module, fit = trained(tmp_path, plugins=[])
+    path = tmp_path / "trained.ckpt"
+    fit.save_checkpoint(path)
+    import_weights(store, path, "imported")
+
+    from_store = load_from_checkpoint(TinyModule, "ckptstore://imported@latest", client=store)
+    from_file = TinyModule.load_from_checkpoint(path)
+    assert_built_from(from_store, module)
+    assert_built_from(from_file, module)
+    assert dict(from_store.hparams) == dict(from_file.hparams)
+
+
+class Data(pl.LightningDataModule):
+    """A datamodule with hyperparameters and state of its own."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.seen = 0
+
+    def train_dataloader(self) -> Any:
+        self.seen += 1
+        return loaders()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seen = state_dict["seen"]
+
+
+def test_load_from_checkpoint_builds_a_datamodule_too(store: client.Client, tmp_path: Path) -> None:
+    fit = trainer(tmp_path, epochs=1, plugins=[CkptstoreCheckpointIO("dm", client=store)], callbacks=[])
+    fit.fit(TinyModule(), datamodule=Data(batch_size=4))
+    fit.save_checkpoint("ckptstore://dm@manual")
+    data = load_from_checkpoint(Data, "ckptstore://dm@manual", client=store)
+    assert data.hparams["batch_size"] == 4 and data.seen == 1
+    with pytest.raises(TypeError, match="neither"):
+        load_from_checkpoint(torch.nn.Linear, "ckptstore://dm@manual", client=store)
 
 
 class StatefulCallback(pl.Callback):
