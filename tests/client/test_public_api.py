@@ -111,7 +111,7 @@ def test_home_defaults_to_the_user_folder(tmp_path: Path, monkeypatch: pytest.Mo
 #: moves inside the client.
 SUBPACKAGE_NAMES = {
     "client.distributed": {"StoreReader", "StoreWriter"},
-    "client.integrations.lightning": {"CkptstoreCheckpointIO", "ResumeStateCallback"},
+    "client.integrations.lightning": {"CkptstoreCheckpointIO", "ResumeStateCallback", "load_from_checkpoint"},
     "client.integrations.transformers": {"CkptstoreCallback", "resume"},
     "client.integrations.accelerate": {"save_state", "load_state"},
 }
