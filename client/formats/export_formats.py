@@ -4,9 +4,11 @@
   ``peft.PeftModel.from_pretrained(base, folder)``: the version's adapter tensors (names with
   ``lora_``, or those the caller's ``keys`` select) under PEFT's file names, which leave out the
   adapter's name (``…q_proj.lora_A.default.weight`` is written as ``…q_proj.lora_A.weight``).
-  The config is the one given, or the JSON the version holds as ``extra["peft_config"]`` (save
-  it with ``extra={"peft_config": model.peft_config["default"].to_dict()}``, sets as lists);
-  export never invents one.
+  The config is the one given, or the JSON the version holds: ``extra["peft_configs"][adapter]``
+  when it holds several adapters' configs, else ``extra["peft_config"]`` (the Trainer plug-in
+  stores both, a PEFT folder import the latter; by hand: ``extra={"peft_config":
+  model.peft_config["default"].to_dict()}``, sets as lists); export never invents one.
+  ``ckptstore import`` of the folder stores it back (:mod:`client.formats.peft_folder`).
 - **DCP folder**, readable by ``torch.distributed.checkpoint.load``: ``{"model": state_dict,
   "optim": optimizer state by parameter name}``, the layout ``get_state_dict`` gives and
   ``set_state_dict`` takes.
@@ -22,14 +24,21 @@ from typing import Any
 
 import torch
 
-from client.formats.exporting import FILE_METADATA, ExportResult, write_safetensors, write_text_atomically
+from client.formats.exporting import (
+    FILE_METADATA,
+    ExportResult,
+    stored_json,
+    write_safetensors,
+    write_text_atomically,
+)
+from client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
 from client.loading import restore, selection
 from client.loading.reader import TensorReader
 from client.transport import Transport
 from service.errors import InvalidInputError, StateMismatchError
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "ADAPTER_KEYS", "export_dcp", "export_peft", "peft_file_name"]
+
 ADAPTER_KEYS = ("*lora_*",)
 
 
@@ -52,8 +61,10 @@ def export_peft(
     started = time.perf_counter()
     manifest = transport.manifest(run_id, ref)
     if config is None:
-        extra = manifest.state.get("extra")
-        found = extra.get("peft_config") if isinstance(extra, dict) else None
+        by_adapter = stored_json(manifest, "peft_configs")
+        found = by_adapter.get(adapter) if isinstance(by_adapter, dict) else None
+        if found is None:
+            found = stored_json(manifest, "peft_config")
         if not isinstance(found, dict):
             raise InvalidInputError(
                 f"version {manifest.version} of {run_id!r} holds no extra['peft_config']; pass the adapter's "

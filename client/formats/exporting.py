@@ -2,9 +2,11 @@
 
 ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` files plus
 ``model.safetensors.index.json`` when the model is larger than the shard limit, loadable by
-``safetensors.torch.load_file`` and by ``transformers``' ``from_pretrained`` (given the model's
-``config.json``, which export never invents). With the optimizer: ``optimizer.safetensors``
-(tensors under their manifest keys less ``optim/``) and ``optimizer.json`` (the state tree).
+``safetensors.torch.load_file`` and by ``transformers``' ``from_pretrained``: ``config.json`` is
+written from the version's ``extra["model_config"]`` where it holds one (the Trainer plug-in
+stores it, and a Trainer folder import keeps the folder's), and never invented. With the
+optimizer: ``optimizer.safetensors`` (tensors under their manifest keys less ``optim/``) and
+``optimizer.json`` (the state tree).
 
 Tensors are read through :class:`TensorReader` (every byte verified) and written straight to
 their place in the file, one read span at a time, so memory stays near the largest tensor.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client import jsonstate
 from client.loading import selection
 from client.loading.reader import TensorReader
 from client.tensors import byte_view, host_contiguous
@@ -36,6 +39,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_STATE_FILE = "optimizer.json"
+CONFIG_FILE = "config.json"
 SHARD_NAME = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
 #: What transformers expects in ``__metadata__`` of a PyTorch safetensors file.
 FILE_METADATA = {"format": "pt"}
@@ -135,6 +139,22 @@ def model_entries(manifest: Manifest, patterns: Sequence[str] | None = None) -> 
     return [(name, entries[key]) for name, key in selected.items()]
 
 
+def stored_json(manifest: Manifest, key: str) -> Any:
+    """The JSON value version ``manifest`` holds as ``extra[key]`` (None when it holds none).
+
+    Raises:
+        StateMismatchError: the value refers to a tensor (a config is JSON only).
+    """
+    extra = manifest.state.get("extra")
+    if not isinstance(extra, dict) or key not in extra:
+        return None
+
+    def no_tensors(ref: str) -> Any:
+        raise StateMismatchError(f"version {manifest.version}'s extra[{key!r}] refers to tensor {ref!r}, not JSON")
+
+    return jsonstate.decode(extra[key], no_tensors)
+
+
 def _strip_refs(value: Any, prefix: str) -> Any:
     """The JSON tree with tensor references renamed to their names in the exported file."""
     if isinstance(value, dict):
@@ -167,7 +187,8 @@ def export_version(
     on_total: Callable[[int], object] | None = None,
     keys: Sequence[str] | None = None,
 ) -> ExportResult:
-    """Write version ``ref`` of ``run_id`` to ``directory`` in the Hugging Face layout.
+    """Write version ``ref`` of ``run_id`` to ``directory`` in the Hugging Face layout, with
+    ``config.json`` when the version holds ``extra["model_config"]``.
 
     ``keys`` (glob patterns over state_dict names, as :meth:`Client.load` takes them) writes
     only the model tensors they select, e.g. ``["*lora_*"]``.
@@ -204,6 +225,10 @@ def export_version(
         write_text_atomically(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
         result.files.append(INDEX_FILE)
     _remove_stale(directory, set(result.files))
+    config = stored_json(manifest, "model_config")
+    if isinstance(config, dict):
+        write_text_atomically(directory / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        result.files.append(CONFIG_FILE)
     if optimizer:
         write_safetensors(directory / OPTIMIZER_FILE, optim, reader, FILE_METADATA)
         state = _strip_refs(manifest.state["optim"], "optim/")

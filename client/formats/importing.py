@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from client.api import Client
-from client.formats import confined, sources
+from client.formats import confined, peft_folder, sources
 from client.formats.json_text import parse_json
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
@@ -151,6 +151,8 @@ def read_checkpoint(source: Path, *, expand_limit: int = 0) -> sources.Imported:
         imported = sources.read_dcp(source)
     elif sources.exists(source / sources.TRAINER_STATE):
         imported = sources.read_trainer_folder(source, read_source(source), expand_limit=expand_limit)
+    elif sources.exists(source / peft_folder.ADAPTER_CONFIG):
+        imported = peft_folder.read_peft_folder(source, open_safetensors)
     else:
         imported = sources.Imported(read_source(source))
     for part, value in (("optimizer", imported.optim), ("scheduler", imported.scheduler), ("extra", imported.extra)):

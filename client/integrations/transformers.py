@@ -4,13 +4,18 @@
 save a ``checkpoint-N`` folder, a version instead: the model (a PEFT model's frozen base is
 stored once, so each version costs about the adapter and its optimizer state), the optimizer,
 the LR scheduler, the ``TrainerState`` (JSON) and the random number generators' state, with the
-step and the metrics logged at that step. No checkpoint folder is written. ``save_total_limit``
-becomes the run's retention policy (keep the last N versions, plus the best by
-``metric_for_best_model`` when set).
+step and the metrics logged at that step. The model's config travels with it as
+``extra["model_config"]`` (what ``save_pretrained`` writes as ``config.json``) and a PEFT model's
+adapter config as ``extra["peft_config"]`` (what ``adapter_config.json`` holds), so ``ckptstore
+export`` writes folders ``from_pretrained`` loads. No checkpoint folder is written.
+``save_total_limit`` becomes the run's retention policy (keep the last N versions, plus the best
+by ``metric_for_best_model`` when set).
 
 ``resume(trainer, "my-run")`` is ``trainer.train(resume_from_checkpoint=...)`` from a version: the
 Trainer fast-forwards its data and restores its state as from a folder, so the run continues
-bit for bit.
+bit for bit. A version imported from a Trainer's own ``checkpoint-N`` folder (``ckptstore
+import``) resumes the same way: its RNG state is kept as the Trainer wrote it
+(``extra["rng_state"]``) and read in that layout.
 """
 
 from __future__ import annotations
@@ -25,18 +30,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    PreTrainedConfig,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import SaveStrategy
 
 from client import jsonstate
 from client.api import Client
-from client.integrations.rng import capture_rng, restore_rng
+from client.integrations.rng import capture_rng, from_trainer_layout, restore_rng
 from client.integrations.wrapped import inner_optimizer, inner_scheduler
 from service.errors import InvalidInputError, StateMismatchError
 from service.format.names import LATEST, METRIC_PATTERN, validate_run_id
 
 #: What the Trainer reads from a checkpoint folder besides the tensors (transformers' TRAINER_STATE_NAME).
 TRAINER_STATE_FILE = "trainer_state.json"
+#: Where a version imported from a Trainer folder keeps its ``rng_state*.pth`` files, by file stem.
+IMPORTED_RNG = "rng_state"
 _METRIC_RE = re.compile(METRIC_PATTERN)
 
 
@@ -62,6 +76,41 @@ def logged_metrics(state: TrainerState) -> dict[str, float]:
     return metrics
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` as plain JSON values: sets become sorted lists (as in a PEFT ``adapter_config.json``)."""
+
+    def plain(item: Any) -> Any:
+        if isinstance(item, (set, frozenset)):
+            return sorted(item, key=repr)
+        raise TypeError(f"a {type(item).__name__} in a config is not JSON")
+
+    return json.loads(json.dumps(value, default=plain))
+
+
+def model_configs(model: Any) -> dict[str, Any]:
+    """The configs that describe ``model``, as JSON, for a version's ``extra``.
+
+    ``model_config``: a transformers model's config as ``save_pretrained`` writes ``config.json``
+    (every field, not the difference from the defaults). For a PEFT model, ``peft_config``: the
+    active adapter's config as ``adapter_config.json`` holds it (what ``ckptstore export --format
+    peft`` writes), and ``peft_configs``: every adapter's config by name, when it has several.
+    """
+    extras: dict[str, Any] = {}
+    config = getattr(model, "config", None)
+    if isinstance(config, PreTrainedConfig):
+        extras["model_config"] = json.loads(config.to_json_string(use_diff=False))
+    adapters = getattr(model, "peft_config", None)
+    if isinstance(adapters, dict) and adapters and all(hasattr(c, "to_dict") for c in adapters.values()):
+        by_name = {str(name): _as_json(c.to_dict()) for name, c in adapters.items()}
+        active = getattr(model, "active_adapter", None)
+        if not isinstance(active, str) or active not in by_name:  # not one adapter by name: the first
+            active = next(iter(by_name))
+        extras["peft_config"] = by_name[active]
+        if len(by_name) > 1:
+            extras["peft_configs"] = by_name
+    return extras
+
+
 class CkptstoreCallback(TrainerCallback):
     """Saves a version of ``run_id`` wherever the Trainer would save a checkpoint folder.
 
@@ -69,6 +118,9 @@ class CkptstoreCallback(TrainerCallback):
     them, and before the next step changes anything. ``save_strategy="best"`` is refused (the
     Trainer decides it after every callback has run); keep the best versions with
     ``metric_for_best_model`` and ``save_total_limit`` instead.
+
+    Each version's ``extra`` holds ``trainer_state``, ``rng`` and the model's configs
+    (:func:`model_configs`).
 
     Args:
         run_id: the run every checkpoint becomes a version of.
@@ -132,16 +184,17 @@ class CkptstoreCallback(TrainerCallback):
     def _save(self, args: TrainingArguments, state: TrainerState, kw: dict) -> None:
         self._due = None
         optimizer = kw.get("optimizer")
+        model = kw["model"]
         limit = args.save_total_limit
         best = args.metric_for_best_model
         if best is not None and not best.startswith("eval_"):
             best = f"eval_{best}"
         result = self.client.save(
             self.run_id,
-            kw["model"],
+            model,
             inner_optimizer(optimizer) if optimizer is not None else None,
             scheduler=inner_scheduler(kw.get("lr_scheduler")),
-            extra={"trainer_state": dataclasses.asdict(state), "rng": capture_rng()},
+            extra={"trainer_state": dataclasses.asdict(state), "rng": capture_rng(), **model_configs(model)},
             step=state.global_step,
             metrics=logged_metrics(state),
             keep_last=limit,
@@ -152,8 +205,45 @@ class CkptstoreCallback(TrainerCallback):
         self.saved.append(result.version)
 
 
+RngReader = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def rng_reader(extra: dict[str, Any], args: TrainingArguments, where: str) -> RngReader:
+    """How to find this process's RNG state in a version's loaded ``extra``, checked from the
+    manifest before anything is loaded.
+
+    A version saved by :class:`CkptstoreCallback` holds ``extra["rng"]`` (:func:`capture_rng`'s
+    layout); one imported from a Trainer folder holds each ``rng_state*.pth`` file under
+    ``extra["rng_state"][<file stem>]`` in the Trainer's layout, and this process reads the file
+    the Trainer would: ``rng_state`` alone, ``rng_state_<process index>`` in a distributed run.
+
+    Raises:
+        StateMismatchError: the version holds no RNG state for this process (``where`` names it).
+    """
+    if "rng" in extra:
+        return lambda loaded: loaded["rng"]
+    files = extra.get(IMPORTED_RNG)
+    if isinstance(files, dict) and files:
+        stem = f"rng_state_{args.process_index}" if args.world_size > 1 else "rng_state"
+        if stem not in files:
+            raise StateMismatchError(
+                f"{where} was imported from a Trainer folder without {stem}.pth (it holds "
+                f"{', '.join(f'{name}.pth' for name in sorted(files))}): the RNG state of this process "
+                f"(index {args.process_index} of {args.world_size}) is not stored, so the run cannot continue "
+                "bit for bit; resume with the number of processes that saved it"
+            )
+        return lambda loaded: from_trainer_layout(loaded[IMPORTED_RNG][stem])
+    raise StateMismatchError(
+        f"{where} holds no random number generator state (extra['rng'] as CkptstoreCallback saves it, or "
+        "extra['rng_state'] from an imported Trainer folder with its rng_state.pth), so the run cannot "
+        "continue bit for bit; nothing was loaded"
+    )
+
+
 @contextmanager
-def _loading_from_store(trainer: Trainer, client: Client, run_id: str, version: int) -> Iterator[None]:
+def _loading_from_store(
+    trainer: Trainer, client: Client, run_id: str, version: int, read_rng: RngReader
+) -> Iterator[None]:
     """The Trainer's checkpoint readers, on this instance, read ``version`` from the store.
 
     ``Trainer.train(resume_from_checkpoint=folder)`` reads the weights, then (once the optimizer
@@ -171,7 +261,7 @@ def _loading_from_store(trainer: Trainer, client: Client, run_id: str, version: 
             optim=inner_optimizer(optimizer) if optimizer is not None else None,
             scheduler=inner_scheduler(trainer.lr_scheduler),
         )
-        saved_rng.update(result.extra["rng"])
+        saved_rng.update(read_rng(result.extra))
 
     def load_rng(checkpoint: Any) -> None:
         if not saved_rng:
@@ -202,12 +292,22 @@ def resume(
     scheduler, ``TrainerState`` and RNG state come from the store, every byte verified, and the
     Trainer fast-forwards its data loader past the steps already trained. Only the
     ``TrainerState`` passes through a temporary folder, as the JSON file the Trainer reads.
+    The version may come from :class:`CkptstoreCallback` or from ``ckptstore import`` of a
+    Trainer ``checkpoint-N`` folder.
+
+    Raises:
+        StateMismatchError: the version holds no ``TrainerState`` or no RNG state for this
+            process; nothing is loaded.
     """
     store = _client(client)
     manifest = store.transport.manifest(validate_run_id(run_id), ref)
+    where = f"version {manifest.version} of {run_id!r}"
     extra = manifest.state.get("extra")
     if not isinstance(extra, dict) or "trainer_state" not in extra:
-        raise StateMismatchError(f"version {manifest.version} of {run_id!r} was not saved by CkptstoreCallback")
+        raise StateMismatchError(
+            f"{where} holds no TrainerState: save with CkptstoreCallback, or import a Trainer checkpoint folder"
+        )
+    read_rng = rng_reader(extra, trainer.args, where)
 
     def no_tensors(key: str) -> Any:
         raise StateMismatchError(f"the stored TrainerState refers to tensor {key!r}")
@@ -215,5 +315,5 @@ def resume(
     trainer_state = jsonstate.decode(extra["trainer_state"], no_tensors)
     with tempfile.TemporaryDirectory(prefix="ckptstore-resume-") as folder:
         (Path(folder) / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state))
-        with _loading_from_store(trainer, store, run_id, manifest.version):
+        with _loading_from_store(trainer, store, run_id, manifest.version, read_rng):
             return trainer.train(resume_from_checkpoint=folder, **train_kwargs)

@@ -1,5 +1,7 @@
 """``ckptstore export --format peft|dcp``: a PEFT adapter folder PeftModel.from_pretrained loads
-onto its base, and a DCP folder dcp.load reads; both bitwise."""
+onto its base, and a DCP folder dcp.load reads; both bitwise. Versions the Trainer plug-in saved
+carry their configs: the Hugging Face export writes ``config.json`` (from_pretrained loads the
+folder) and the PEFT export the adapter's config."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ from pathlib import Path
 import peft
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from client.integrations.transformers import CkptstoreCallback
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal
 from tests.client.test_lora import lora_llama, train_steps
 from tests.client.wrapping import assert_bitwise, state_by_name, trained
+from tests.integrations.hf_kit import Tokens, arguments, tiny_gpt2
 
 
 def _base() -> torch.nn.Module:
@@ -67,3 +72,51 @@ def test_dcp_folder_is_read_by_dcp_load(cli: Cli, tmp_path: Path) -> None:
     dcp.load(state, checkpoint_id=out, no_dist=True)
     set_state_dict(fresh, fresh_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert_bitwise(state_by_name(fresh, fresh_optim), expected)
+
+
+def _train_with_callback(model: torch.nn.Module, cli: Cli, output: Path) -> transformers.Trainer:
+    """Three Trainer steps, the last saved as a version of ``run`` by the plug-in."""
+    args = arguments(output, max_steps=3, save_steps=3)
+    callbacks = [CkptstoreCallback("run", client=cli.client)]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+def test_trainer_versions_export_a_folder_from_pretrained_loads(cli: Cli, tmp_path: Path) -> None:
+    trainer = _train_with_callback(tiny_gpt2(seed=0), cli, tmp_path / "out")
+    out = tmp_path / "hf"
+    assert "config.json" in cli.ok("export", "run", out)
+
+    written = json.loads((out / "config.json").read_text())
+    assert written == json.loads(trainer.model.config.to_json_string(use_diff=False))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    found, expected = loaded.state_dict(), trainer.model.state_dict()
+    assert found.keys() == expected.keys()
+    assert all(tensors_equal(found[k], v) for k, v in expected.items())
+
+
+def test_a_version_without_a_config_exports_no_config(cli: Cli, tmp_path: Path) -> None:
+    model, _ = trained()
+    cli.client.save("net", model)
+    out = tmp_path / "hf"
+    (out / "config.json").parent.mkdir()
+    result = cli("export", "net", out)
+    assert result.exit_code == 0 and "has no config.json" in result.stderr
+    assert not (out / "config.json").exists()
+
+
+def test_peft_trainer_versions_export_their_adapter_config(cli: Cli, tmp_path: Path) -> None:
+    trainer = _train_with_callback(lora_llama(seed=0), cli, tmp_path / "out")
+    extra = cli.client.transport.manifest("run", "latest").state["extra"]
+    assert extra["model_config"]["model_type"] == "llama"
+    assert "peft_configs" not in extra  # one adapter
+
+    out = tmp_path / "adapter"
+    cli.ok("export", "run", out, "--format", "peft")  # no --peft-config: the version's own
+    restored = peft.PeftModel.from_pretrained(_base(), out)
+    assert restored.peft_config["default"].target_modules == trainer.model.peft_config["default"].target_modules
+    found, expected = restored.state_dict(), trainer.model.state_dict()
+    assert found.keys() == expected.keys()
+    assert all(tensors_equal(found[k], v) for k, v in expected.items())

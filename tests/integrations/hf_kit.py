@@ -60,3 +60,26 @@ def arguments(output: Path, **overrides: Any) -> transformers.TrainingArguments:
     }
     settings.update(overrides)
     return transformers.TrainingArguments(**settings)
+
+
+def losses(trainer: transformers.Trainer) -> list[tuple[int, float]]:
+    """The training losses the Trainer logged, by step."""
+    return [(int(entry["step"]), entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's state_dict flattened to ``index/name`` -> value (tensors and numbers), and its groups."""
+    state = optimizer.state_dict()
+    flat: dict[str, Any] = {
+        f"{index}/{name}": value for index, s in state["state"].items() for name, value in s.items()
+    }
+    flat["param_groups"] = state["param_groups"]
+    return flat
+
+
+def checkpoint_folder(output: Path, **overrides: Any) -> tuple[transformers.Trainer, Path]:
+    """A tiny GPT-2 trained by the Trainer to ``output`` (6 steps, folders at 3 and 6); the trainer
+    and its ``checkpoint-3`` folder, as ``Trainer`` wrote them."""
+    trainer = transformers.Trainer(model=tiny_gpt2(seed=0), args=arguments(output, **overrides), train_dataset=Tokens())
+    trainer.train()
+    return trainer, output / "checkpoint-3"

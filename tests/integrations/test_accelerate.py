@@ -1,5 +1,6 @@
 """Accelerate through save_state / load_state: bit-exact resume (AdamW with a scheduler, and
-Prodigy keeping tensors in param_groups), placement on an accelerator (meta), refusals."""
+Prodigy keeping tensors in param_groups, and over epochs with gradient accumulation, the
+version's step counting optimizer updates), placement on an accelerator (meta), refusals."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_resume_is_bitwise_identical(ckpt: client.Client, factory: Factory) -> N
     fresh = prepared(5, factory)
     torch.manual_seed(77)  # a different stream: load_state puts the saved one back
     loaded = load_state(fresh[0], "acc", client=ckpt)
-    assert loaded.step == 0 and fresh[4].seen == K
+    assert loaded.step == K and fresh[4].seen == K  # the optimizer updates made
     run(*fresh, range(K, N))
 
     for key, value in objects[1].state_dict().items():
@@ -161,3 +162,47 @@ def test_several_models_are_stored_by_index_and_a_mismatch_is_refused(store: cli
     two_optimizers.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters()))
     with pytest.raises(client.InvalidInputError, match="2 optimizers"):
         save_state(two_optimizers, "two", client=store)
+
+
+def epochs(seed: int) -> tuple[Any, nn.Module, Any, Any]:
+    """An accelerator accumulating gradients over 2 batches, on a loader of 5 batches: 3 optimizer
+    updates an epoch (the last batch of an epoch always updates)."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = Net(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6, generator=torch.Generator().manual_seed(3)))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    return accelerator, *accelerator.prepare(model, optim, loader)
+
+
+def train_epoch(accelerator: Any, model: nn.Module, optim: Any, loader: Any) -> None:
+    model.train()
+    for (x,) in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)))
+            optim.step()
+            optim.zero_grad()
+
+
+def test_epoch_end_versions_count_optimizer_updates_across_epochs_and_resume(store: client.Client) -> None:
+    full = epochs(0)
+    torch.manual_seed(1)
+    for _ in range(3):
+        train_epoch(*full)
+        assert full[0].step == 0  # Accelerate's accumulation counter starts over every epoch
+        save_state(full[0], "epochs", client=store)
+    assert [v.step for v in store.versions("epochs")] == [3, 6, 9]
+
+    resumed = epochs(5)
+    torch.manual_seed(77)
+    assert not tensors_equal(resumed[1].state_dict()["body.0.weight"], full[1].state_dict()["body.0.weight"])
+    assert load_state(resumed[0], "epochs", 1, client=store).step == 3
+    for _ in range(2):
+        train_epoch(*resumed)
+        save_state(resumed[0], "resumed", client=store)
+    assert [v.step for v in store.versions("resumed")] == [6, 9]  # counting on from the version's
+    for key, value in full[1].state_dict().items():
+        assert tensors_equal(resumed[1].state_dict()[key], value), f"{key} differs after resume"
+    found = resumed[2].optimizer.state_dict()["state"]
+    for index, state in full[2].optimizer.state_dict()["state"].items():
+        assert all(tensors_equal(found[index][k], v) for k, v in state.items()), f"optimizer state {index}"

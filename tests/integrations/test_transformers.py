@@ -1,8 +1,10 @@
 """Hugging Face Trainer through CkptstoreCallback and resume(): versions at save steps with
-metrics, save_total_limit as retention, bit-exact resume, PEFT adapters stored by their new bytes."""
+metrics and the model's configs, save_total_limit as retention, bit-exact resume, PEFT adapters
+stored by their new bytes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")  # the .[transformers] extra; installed in CI
 
 import client  # noqa: E402
-from client.integrations.transformers import CkptstoreCallback, resume  # noqa: E402
+from client.integrations.transformers import CkptstoreCallback, model_configs, resume  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
 from tests.integrations.hf_kit import Tokens, arguments, tiny_gpt2  # noqa: E402
 
@@ -48,6 +50,9 @@ def test_versions_at_save_steps_with_metrics_and_no_folders(ckpt: client.Client,
     assert not list((tmp_path / "out").glob("checkpoint-*")), "the Trainer wrote no checkpoint folder"
     manifest = ckpt.transport.manifest("gpt2", 1)
     assert manifest.state["extra"]["trainer_state"]["global_step"] == 3
+    # The config save_pretrained would write as config.json, every field.
+    config = json.loads(trainer.model.config.to_json_string(use_diff=False))
+    assert manifest.state["extra"]["model_config"] == config and "peft_config" not in manifest.state["extra"]
     assert any(e.key.startswith("optim/state/transformer.h.0.attn.c_attn.weight/exp_avg") for e in manifest.tensors)
 
 
@@ -147,3 +152,21 @@ def test_peft_versions_store_the_adapters_new_bytes_and_resume_bitwise(store: cl
     resumed, _ = train(fresh, arguments(tmp_path / "b"), store, "lora-resumed")
     resume(resumed, "lora", 1, client=store)
     assert_same_weights(full.model, resumed.model)
+
+
+def test_peft_versions_carry_each_adapters_config(store: client.Client, tmp_path: Path) -> None:
+    trainer, _ = train(lora_llama(0), arguments(tmp_path / "out", max_steps=1, save_steps=1), store, "lora")
+    trainer.train()
+    extra = store.transport.manifest("lora", "latest").state["extra"]
+    adapter = trainer.model.peft_config["default"]
+    assert extra["peft_config"]["target_modules"] == sorted(adapter.target_modules) == ["q_proj", "v_proj"]
+    assert peft.LoraConfig.from_peft_type(**extra["peft_config"]) == adapter
+    assert extra["model_config"]["model_type"] == "llama" and "peft_configs" not in extra
+
+    model = lora_llama(0)
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["k_proj"]))
+    model.set_adapter("other")
+    configs = model_configs(model)
+    assert configs["peft_config"]["target_modules"] == ["k_proj"]  # the active adapter's
+    assert sorted(configs["peft_configs"]) == ["default", "other"]
+    assert configs["peft_configs"]["default"]["target_modules"] == ["q_proj", "v_proj"]
