@@ -67,11 +67,17 @@ class Imported:
 
     def report(self) -> dict[str, Any]:
         """What the import stores and what it leaves out, as JSON (``ckptstore import --json``)."""
-        optim = self.optim or {}
+        optimizers = [self.optim] if self.optim is not None else []
+        scheduler = self.scheduler is not None
+        if self.tree is not None:  # a trainer's checkpoint: its optimizers and schedulers by position
+            states = self.tree.get("optimizer_states")
+            optimizers = [s for s in states if isinstance(s, dict)] if isinstance(states, list) else []
+            scheduler = bool(self.tree.get("lr_schedulers"))
+        counts = [len(o["state"]) for o in optimizers if isinstance(o.get("state"), dict)]
         return {
             "model_tensors": len(self.model),
-            "optimizer_parameters": len(optim.get("state", {})) if self.optim is not None else None,
-            "scheduler": self.scheduler is not None,
+            "optimizer_parameters": sum(counts) if counts else None,
+            "scheduler": scheduler,
             "step": self.step,
             "metrics": dict(self.metrics),
             "extra": sorted(self.extra) if self.tree is None else sorted(k for k in self.tree if k != self.weights_key),

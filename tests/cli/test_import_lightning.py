@@ -108,6 +108,7 @@ def test_import_json_reports_the_kept_keys_and_what_it_left_out(cli: Cli, tmp_pa
     assert report["left_out"] == {"seen_ids": "seen_ids: cannot store a value of type builtins.set"}
     assert set(report["extra"]) == RESUME_KEYS | {"hyper_parameters", "hparams_name", "note"}
     assert report["model_tensors"] == 4 and report["step"] == 8
+    assert report["optimizer_parameters"] == 4 and report["scheduler"] is True  # Adam over 4 tensors, StepLR
     assert report["metrics"] == {"val_loss": pytest.approx(best.current_score.item())}
     version = cli.client.versions("run")[0]
     assert version.step == 8 and version.metrics == report["metrics"]
