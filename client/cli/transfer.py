@@ -6,9 +6,8 @@ The work is done in :mod:`client.formats.exporting`, :mod:`client.formats.import
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -27,20 +26,7 @@ from client.cli.common import (
     table,
     writing_into,
 )
-from service.errors import CheckpointError
 from service.format.names import validate_run_id
-
-if TYPE_CHECKING:
-    from client.cli.common import Target
-    from client.formats.exporting import ExportResult
-    from client.transport import Transport
-
-#: What torch.distributed.checkpoint warns of on every single-process save, which is what a DCP
-#: export is: its "no process group" notice and, for an existing folder, "overwriting".
-DCP_NOTICES = (
-    r"torch\.distributed is disabled, unavailable or uninitialized",
-    r"Detected an existing checkpoint in .*, overwriting",
-)
 
 
 class _Bar:
@@ -131,7 +117,7 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
     """``export --format peft|dcp`` (:mod:`client.formats.export_formats`)."""
     import json
 
-    from client.formats.export_formats import export_peft
+    from client.formats.export_formats import export_dcp, export_peft
 
     with reported():
         parsed = parse_target(target)
@@ -141,36 +127,13 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
                 settings = json.loads(config.read_text(encoding="utf-8")) if config is not None else None
                 result = export_peft(ckpt.transport, parsed.run_id, parsed.ref, directory, config=settings, keys=keys)
             elif as_format == "dcp" and keys is None:
-                result = _export_dcp(ckpt.transport, parsed, directory)
+                result = export_dcp(ckpt.transport, parsed.run_id, parsed.ref, directory)
             else:
                 raise UsageProblem(f"--format {as_format!r}: use hf, peft or dcp (dcp takes no --keys)")
     typer.echo(
         f"exported {result.run_id}@{result.version} to {directory} as {as_format}: {result.tensors} tensors, "
         f"{size(result.bytes)} in {result.seconds:.2f} s"
     )
-
-
-def _export_dcp(transport: Transport, parsed: Target, directory: Path) -> ExportResult:
-    """``export --format dcp``, without torch's notices of a single-process save, and with the
-    error that stopped the save raised as itself rather than inside torch's CheckpointException
-    (so a file in the way is reported as :func:`~client.cli.common.writing_into` does)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from client.formats.export_formats import export_dcp
-
-    try:
-        with warnings.catch_warnings():
-            for notice in DCP_NOTICES:
-                warnings.filterwarnings("ignore", message=notice, category=UserWarning)
-            return export_dcp(transport, parsed.run_id, parsed.ref, directory)
-    except CheckpointException as exc:
-        causes = [failure[0] for failure in exc.failures.values()]
-        cause = causes[0] if causes else None
-        if isinstance(cause, Exception) and not isinstance(cause, CheckpointException):
-            if isinstance(cause, (OSError, CheckpointError)):
-                raise cause from None
-            raise CheckpointError(f"writing the DCP folder {directory} failed: {cause}") from cause
-        raise CheckpointError(f"writing the DCP folder {directory} failed") from exc
 
 
 def import_(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,17 @@ from client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
 from client.loading import restore, selection
 from client.loading.reader import TensorReader
 from client.transport import Transport
-from service.errors import InvalidInputError, StateMismatchError
+from service.errors import CheckpointError, InvalidInputError, StateMismatchError, StorageError
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "ADAPTER_KEYS", "export_dcp", "export_peft", "peft_file_name"]
 
 ADAPTER_KEYS = ("*lora_*",)
+#: What torch.distributed.checkpoint warns of on every single-process save, which an export is:
+#: that no process group runs, and, over an earlier export, that it overwrites it.
+DCP_NOTICES = (
+    r"torch\.distributed is disabled, unavailable or uninitialized",
+    r"Detected an existing checkpoint in .*, overwriting",
+)
 
 
 def peft_file_name(name: str, adapter: str) -> str:
@@ -91,9 +98,13 @@ def export_peft(
 
 
 def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Path) -> ExportResult:
-    """Write version ``ref`` to ``directory`` as a DCP checkpoint (``model`` and, if stored, ``optim``)."""
-    import torch.distributed.checkpoint as dcp
+    """Write version ``ref`` to ``directory`` as a DCP checkpoint (``model`` and, if stored, ``optim``).
 
+    Raises:
+        OSError: a file or folder in ``directory`` could not be written (as itself, not inside
+            torch's CheckpointException).
+        StorageError: the save failed otherwise.
+    """
     started = time.perf_counter()
     manifest = transport.manifest(run_id, ref)
     reader = TensorReader(transport, manifest)
@@ -104,7 +115,7 @@ def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Pat
     optim = restore.restore_section(reader, "optim", cpu, on_cpu)
     if optim is not None:
         state["optim"] = optim
-    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    _save_dcp(state, directory)
     tensors = [e for e in manifest.tensors if e.key.startswith(("model/", "optim/"))]
     return ExportResult(
         run_id=manifest.run_id,
@@ -115,3 +126,23 @@ def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Pat
         bytes=sum(e.nbytes for e in tensors),
         seconds=time.perf_counter() - started,
     )
+
+
+def _save_dcp(state: dict[str, Any], directory: Path) -> None:
+    """``dcp.save`` in this one process, without torch's notices of a single-process save
+    (:data:`DCP_NOTICES`, silenced for this call only); the error that stopped the save is raised
+    as itself (a file-system or ckptstore error) rather than inside torch's CheckpointException."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            for notice in DCP_NOTICES:
+                warnings.filterwarnings("ignore", message=notice, category=UserWarning)
+            dcp.save(state, checkpoint_id=directory, no_dist=True)
+    except CheckpointException as exc:
+        causes = [cause for cause, _ in exc.failures.values()]
+        if causes and isinstance(causes[0], (OSError, CheckpointError)):
+            raise causes[0] from exc
+        why = f": {type(causes[0]).__name__}: {causes[0]}" if causes else ""
+        raise StorageError(f"writing the DCP folder {directory} failed{why}") from exc
