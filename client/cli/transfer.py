@@ -72,8 +72,9 @@ def export(
     """Write a version's model as Hugging Face safetensors files under their state_dict names.
 
     One model.safetensors, or model-0000N-of-0000M.safetensors files with
-    model.safetensors.index.json beyond --max-shard-size. Loadable by safetensors and, with the
-    model's config.json in DIR (never invented), by transformers' from_pretrained.
+    model.safetensors.index.json beyond --max-shard-size, and config.json when the version holds
+    the model's config (a Trainer plug-in version or Trainer-folder import; never invented).
+    Loadable by safetensors and, with config.json, by transformers' from_pretrained.
     """
     from client.formats.exporting import export_version
 
@@ -143,7 +144,8 @@ def import_(
             metavar="DIR_OR_FILE",
             exists=True,
             help="A .safetensors, .pt, .pth, .bin or Lightning .ckpt file; a folder with model.safetensors"
-            "[.index.json] or pytorch_model.bin; a Trainer checkpoint folder; a DCP checkpoint folder.",
+            "[.index.json] or pytorch_model.bin; a Trainer checkpoint folder; a PEFT adapter folder; a DCP "
+            "checkpoint folder.",
         ),
     ],
     run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run to add the version to (created if new).")],
@@ -159,6 +161,7 @@ def import_(
 ) -> None:
     """Store a checkpoint from disk as a new version: weights (frozen unless the source has
     optimizer state for them), and optimizer, scheduler and trainer state where the source has them.
+    Prints what it stored and, by key or file, what it left out (--json: the same for scripts).
 
     The source is untrusted input: pickled files are read by ckptstore's own allow-list reader
     (tensors, dicts, lists, numbers, strings; nothing is ever called), every file it names must

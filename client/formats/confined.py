@@ -13,9 +13,26 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path, PurePosixPath
 
 from service.errors import InvalidInputError
+
+_opened: ContextVar[set[Path] | None] = ContextVar("ckptstore_opened_files", default=None)
+
+
+@contextmanager
+def recording() -> Iterator[set[Path]]:
+    """A set that collects every path :func:`open_regular` opens in this context, as named
+    (what an import read, so it can say which files of a folder it did not)."""
+    opened: set[Path] = set()
+    token = _opened.set(opened)
+    try:
+        yield opened
+    finally:
+        _opened.reset(token)
 
 
 def inside(root: Path, name: object, *, named_in: str) -> Path:
@@ -63,6 +80,9 @@ def open_regular(path: Path) -> int:
         OSError: the file cannot be opened.
     """
     target = confined_file(path)
+    opened = _opened.get()
+    if opened is not None:
+        opened.add(path)
     fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode

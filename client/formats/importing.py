@@ -35,6 +35,9 @@ MAX_HEADER_BYTES = 100 << 20
 MAX_INDEX_BYTES = 100 << 20
 #: Most tensors one safetensors file may hold (counted in the header's bytes before parsing).
 MAX_FILE_TENSORS = 1 << 18
+#: Why a folder's file or subfolder the import did not read is in the report.
+UNREAD_FILE = "not read: no part of this format's checkpoint (tokenizers, training_args.bin and notes are not stored)"
+UNREAD_FOLDER = "not read: a folder inside the source"
 
 
 def _entries(path: Path, header: Any, data_length: int) -> list[tuple[str, str, tuple[int, ...], int, int]]:
@@ -147,17 +150,25 @@ def read_checkpoint(source: Path, *, expand_limit: int = 0) -> sources.Imported:
             imported = sources.read_pickled_file(source, expand_limit=expand_limit)
         else:
             imported = sources.Imported(open_safetensors(source))
-    elif sources.exists(source / sources.DCP_METADATA):
-        imported = sources.read_dcp(source)
-    elif sources.exists(source / sources.TRAINER_STATE):
-        imported = sources.read_trainer_folder(source, read_source(source), expand_limit=expand_limit)
-    elif sources.exists(source / peft_folder.ADAPTER_CONFIG):
-        imported = peft_folder.read_peft_folder(source, open_safetensors)
     else:
-        imported = sources.Imported(read_source(source))
+        with confined.recording() as opened:
+            imported = _read_folder(source, expand_limit)
+        for entry in sorted(source.iterdir()):
+            if entry not in opened:
+                imported.left_out[entry.name] = UNREAD_FILE if entry.is_file() else UNREAD_FOLDER
     for part, value in (("optimizer", imported.optim), ("scheduler", imported.scheduler), ("extra", imported.extra)):
         sources.check_tensors(value, f"{source} ({part})")
     return imported
+
+
+def _read_folder(source: Path, expand_limit: int) -> sources.Imported:
+    if sources.exists(source / sources.DCP_METADATA):
+        return sources.read_dcp(source)
+    if sources.exists(source / sources.TRAINER_STATE):
+        return sources.read_trainer_folder(source, read_source(source), expand_limit=expand_limit)
+    if sources.exists(source / peft_folder.ADAPTER_CONFIG):
+        return peft_folder.read_peft_folder(source, open_safetensors)
+    return sources.Imported(read_source(source))
 
 
 def import_weights(

@@ -48,6 +48,8 @@ def test_import_and_export_commands(cli: Cli, tmp_path: Path, monkeypatch: pytes
         assert words[0] == "ckptstore"
         cli.ok(*words[1:])
         ran += 1
-    assert ran == 5
-    assert {r.run_id for r in cli.client.runs()} == {"from-pt", "from-dcp"}
+    assert ran == 6
+    assert {r.run_id for r in cli.client.runs()} == {"from-pt", "from-training", "from-dcp"}
+    assert cli.client.versions("from-training")[0].metrics == {"loss": 0.5}
+    assert cli.client.load("from-training").extra == {"epoch": 1, "loss": 0.5}
     assert os.path.isfile(tmp_path / "dcp-folder" / ".metadata")
