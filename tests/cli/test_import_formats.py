@@ -120,3 +120,30 @@ def trainer_rng(folder: Path) -> dict[str, torch.Tensor]:
 
     with safe_globals():
         return torch.load(folder / "rng_state.pth", weights_only=True)  # noqa: TID251 - the file under test
+
+
+def test_training_goes_on_from_an_imported_dcp_folder_as_from_dcp_load(cli: Cli, tmp_path: Path) -> None:
+    """dcp.load + set_state_dict of the folder, and client.load of its import, train on bitwise alike."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from tests.client.models import train
+
+    model, optim = trained()
+    model_state, optim_state = get_state_dict(model, optim)
+    folder = tmp_path / "dcp"
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder, no_dist=True)
+    cli.ok("import", folder, "run")
+
+    theirs = TinyNet(seed=8)
+    their_optim = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    blank_model, blank_optim = get_state_dict(theirs, their_optim)
+    dcp.load({"model": blank_model, "optim": blank_optim}, checkpoint_id=folder, no_dist=True)
+    set_state_dict(theirs, their_optim, model_state_dict=blank_model, optim_state_dict=blank_optim)
+    ours = TinyNet(seed=9)
+    our_optim = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    cli.client.load("run", model=ours, optim=our_optim)
+
+    for net, opt in ((theirs, their_optim), (ours, our_optim)):
+        torch.manual_seed(3)  # the same dropout draws on both sides
+        train(net, opt, range(3, 6))
+    assert_bitwise(state_by_name(ours, our_optim), state_by_name(theirs, their_optim))

@@ -114,3 +114,25 @@ def test_a_pickled_adapter_is_refused_with_the_fix(cli: Cli, tmp_path: Path) -> 
     (folder / "adapter_model.bin").write_bytes(b"\x80\x02}q\x00.")
     failed = cli("import", folder, "run")
     assert failed.exit_code == 2 and "safe_serialization=True" in failed.stderr
+
+
+def test_training_goes_on_from_an_imported_adapter_as_from_its_folder(cli: Cli, tmp_path: Path) -> None:
+    """Fine-tuning continued from the import and from peft's own load of the folder is bitwise the same."""
+    _trained_adapter(tmp_path / "saved")
+    cli.ok("import", tmp_path / "saved", "lora")
+
+    theirs = peft.PeftModel.from_pretrained(_base(), tmp_path / "saved", is_trainable=True)
+    ours = lora_llama(seed=0)  # the same base; its adapter is the untrained one until the load
+    before = {k: v.clone() for k, v in _adapter(ours).items()}
+    cli.client.load("lora", model=ours, keys=["*lora_*"])
+    assert not all(tensors_equal(before[k], v) for k, v in _adapter(ours).items())
+    runs = []
+    for model in (theirs, ours):
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        train_steps(model, optim, range(2, 5))
+        runs.append((_adapter(model), [s for s in optim.state_dict()["state"].values()]))
+    (their_adapter, their_state), (our_adapter, our_state) = runs
+    assert their_adapter.keys() == our_adapter.keys()
+    assert all(tensors_equal(our_adapter[k], v) for k, v in their_adapter.items())
+    assert len(our_state) == len(their_state) == 16
+    assert all(tensors_equal(o[k], t[k]) for o, t in zip(our_state, their_state, strict=True) for k in t)
