@@ -165,6 +165,13 @@ def _read_folder(source: Path, expand_limit: int) -> sources.Imported:
     if sources.exists(source / sources.DCP_METADATA):
         return sources.read_dcp(source)
     if sources.exists(source / sources.TRAINER_STATE):
+        if sources.exists(source / peft_folder.ADAPTER_CONFIG):
+            raise InvalidInputError(
+                f"{source} is a Trainer checkpoint of a PEFT model: its optimizer.pt is indexed over the "
+                "adapter's parameters in the model's order, which its files do not record; import its "
+                f"{peft_folder.ADAPTER_CONFIG} and adapter weights as a PEFT folder of their own, or train "
+                "with CkptstoreCallback, whose versions resume"
+            )
         return sources.read_trainer_folder(source, read_source(source), expand_limit=expand_limit)
     if sources.exists(source / peft_folder.ADAPTER_CONFIG):
         return peft_folder.read_peft_folder(source, open_safetensors)

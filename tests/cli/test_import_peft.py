@@ -136,3 +136,12 @@ def test_training_goes_on_from_an_imported_adapter_as_from_its_folder(cli: Cli, 
     assert all(tensors_equal(our_adapter[k], v) for k, v in their_adapter.items())
     assert len(our_state) == len(their_state) == 16
     assert all(tensors_equal(o[k], t[k]) for o, t in zip(our_state, their_state, strict=True) for k in t)
+
+
+def test_a_peft_trainer_checkpoint_folder_is_refused_saying_what_to_import(cli: Cli, tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoint-2"
+    _trained_adapter(folder)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    failed = cli("import", folder, "run")
+    assert failed.exit_code == 2 and "Trainer checkpoint of a PEFT model" in failed.stderr
+    assert failed.stderr.count("\n") == 1 and cli.client.runs() == []
