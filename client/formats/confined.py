@@ -6,6 +6,10 @@ symbolic link is followed only when it also ends inside the folder. :func:`open_
 opens without following a final link and without blocking (a FIFO must not hang the import),
 then refuses anything but a regular file. :func:`map_file` maps one read-only, so pages come
 from the page cache as they are used and a region is checked against the file's size first.
+
+One layout widens the fence: a Hugging Face cache snapshot (``<repo>/snapshots/<revision>``),
+whose files are links into ``<repo>/blobs``; within :func:`links_within` its links may resolve
+anywhere inside the repo folder, and nowhere else.
 """
 
 from __future__ import annotations
@@ -21,6 +25,30 @@ from pathlib import Path, PurePosixPath
 from service.errors import InvalidInputError
 
 _opened: ContextVar[set[Path] | None] = ContextVar("ckptstore_opened_files", default=None)
+#: A folder above the source that its links may also resolve into (a Hugging Face cache repo).
+_wider: ContextVar[Path | None] = ContextVar("ckptstore_link_root", default=None)
+
+
+def cache_repo(source: Path) -> Path | None:
+    """The Hugging Face cache repo folder (``models--org--name``) of a snapshot folder, else None.
+
+    The hub's cache keeps each file once in ``<repo>/blobs/`` and a snapshot's files are links
+    to them (``snapshots/<revision>/model.safetensors -> ../../blobs/<sha256>``).
+    """
+    parent = source.parent
+    if parent.name == "snapshots" and (parent.parent / "blobs").is_dir() and parent.parent.name.count("--") >= 1:
+        return parent.parent.resolve()
+    return None
+
+
+@contextmanager
+def links_within(root: Path | None) -> Iterator[None]:
+    """In this context, links may also resolve anywhere inside ``root`` (None: only the folder itself)."""
+    token = _wider.set(root)
+    try:
+        yield
+    finally:
+        _wider.reset(token)
 
 
 @contextmanager
@@ -54,7 +82,9 @@ def inside(root: Path, name: object, *, named_in: str) -> Path:
     base = root.resolve()
     resolved = (base / relative).resolve()
     if resolved != base and base not in resolved.parents:
-        raise InvalidInputError(f"{named_in}: {name[:120]!r} is a link that points outside {root}")
+        wider = _wider.get()
+        if wider is None or wider not in resolved.parents or wider not in base.parents:
+            raise InvalidInputError(f"{named_in}: {name[:120]!r} is a link that points outside {root}")
     return resolved
 
 

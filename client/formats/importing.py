@@ -151,7 +151,7 @@ def read_checkpoint(source: Path, *, expand_limit: int = 0) -> sources.Imported:
         else:
             imported = sources.Imported(open_safetensors(source))
     else:
-        with confined.recording() as opened:
+        with confined.recording() as opened, confined.links_within(confined.cache_repo(source)):
             imported = _read_folder(source, expand_limit)
         for entry in sorted(source.iterdir()):
             if entry not in opened:
