@@ -79,6 +79,15 @@ class BlobStore(ABC):
         """
         return StaleUploads()
 
+    def read_url(self, blob_id: str, expires_seconds: int) -> str | None:
+        """A URL anyone holding it may GET the blob's bytes from (ranged reads included) for
+        ``expires_seconds``, or None where the backend has no such URLs (local folders, memory).
+
+        Clients read shards from such URLs directly, so a server's CPU and network carry no
+        shard bytes; every byte read is verified against its digest by the client.
+        """
+        return None
+
     def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in turn with the blob's consecutive bytes starting at ``offset``.
 

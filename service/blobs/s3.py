@@ -334,6 +334,21 @@ class S3BlobStore(BlobStore):
         finally:
             body.close()
 
+    def read_url(self, blob_id: str, expires_seconds: int) -> str | None:
+        """A presigned GET URL of the blob's object, valid for ``expires_seconds``.
+
+        Signed locally with the store's credentials (no request is made); the URL carries the
+        signature, so it is handed only to a caller allowed to read and never logged.
+        """
+        key = self._key(blob_id)
+        try:
+            url: str = self.client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_seconds
+            )
+        except _BOTO_ERRORS as exc:
+            raise StorageError(f"could not sign a read of {self._where(key)}: {exc}") from exc
+        return url
+
     def delete(self, blob_id: str) -> None:
         """Delete the object; deleting an absent blob is not an error.
 
