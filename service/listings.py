@@ -7,7 +7,10 @@ a thousand short rows. Statements are Core selects built once and read as plain 
 
 from __future__ import annotations
 
-from sqlalchemy import bindparam, func, select
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import bindparam, case, func, literal, select, union
 from sqlalchemy.orm import Session
 
 from service.db import Database
@@ -140,13 +143,174 @@ def overview(*, db: Database) -> list[tuple[RunInfo, VersionInfo | None, list[tu
     return [(run, latest.get(run.run_id), tags.get(run.run_id, [])) for run in runs]
 
 
+# -- filtered, sorted and sampled listings of one run (the run page) -------------------------------
+
+#: Columns a filtered listing sorts by, besides a metric.
+SORTABLE = {
+    "version": _VERSIONS.c.version,
+    "step": _VERSIONS.c.step,
+    "bytes_total": _VERSIONS.c.bytes_total,
+    "bytes_new": _VERSIONS.c.bytes_new,
+}
+
+
+@dataclass(frozen=True)
+class VersionFilter:
+    """Which versions of a run a listing keeps; every field left None keeps them all.
+
+    ``tag`` is a glob over the run's tag names (``*`` any text, ``?`` one character; case is
+    ignored): a version is kept when a tag matching it points at the version. ``metric`` with
+    ``low`` and ``high`` (inclusive, either may be None) keeps versions whose metric lies in the
+    range; a version without the metric is left out. ``having`` keeps versions that report that
+    metric at all.
+    """
+
+    tag: str | None = None
+    metric: str | None = None
+    low: float | None = None
+    high: float | None = None
+    having: str | None = None
+
+
+def like_pattern(glob: str) -> str:
+    """A glob (``*``, ``?``) as a LIKE pattern escaped with a backslash, lower case."""
+    escaped = glob.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped.replace("*", "%").replace("?", "_")
+
+
+def _metric(table: Any, name: str) -> Any:
+    return table.c.metrics[name].as_float()
+
+
+def _conditions(table: Any, run_id: str, where: VersionFilter) -> list[Any]:
+    conditions = [table.c.run_id == run_id]
+    if where.tag is not None:
+        tagged = select(_TAGS.c.version).where(
+            _TAGS.c.run_id == run_id, func.lower(_TAGS.c.name).like(like_pattern(where.tag), escape="\\")
+        )
+        conditions.append(table.c.version.in_(tagged))
+    if where.metric is not None:
+        value = _metric(table, where.metric)
+        conditions.append(value.is_not(None))
+        if where.low is not None:
+            conditions.append(value >= where.low)
+        if where.high is not None:
+            conditions.append(value <= where.high)
+    if where.having is not None:
+        conditions.append(_metric(table, where.having).is_not(None))
+    return conditions
+
+
+def _with_tags(connection: Any, run_id: str, rows: Any) -> list[VersionInfo]:
+    found = list(rows)
+    tags = tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id})) if found else {}
+    return [VersionInfo.from_summary(row, tags.get(row[1], [])) for row in found]
+
+
+def version_span(*, db: Database, run_id: str, where: VersionFilter) -> tuple[int, int | None, int | None]:
+    """(count, lowest, highest version number) of the run's versions ``where`` keeps.
+
+    NotFoundError if there is no such run. One aggregate statement: the count is worked out in
+    the database, no row comes back per version.
+    """
+    statement = select(func.count(), func.min(_VERSIONS.c.version), func.max(_VERSIONS.c.version)).where(
+        *_conditions(_VERSIONS, run_id, where)
+    )
+    with db.transaction() as session:
+        require_run(session, run_id)
+        count, lowest, highest = session.connection().execute(statement).one()
+    return int(count), lowest, highest
+
+
+def sorted_versions(
+    *,
+    db: Database,
+    run_id: str,
+    where: VersionFilter,
+    sort: str = "version",
+    metric: str | None = None,
+    descending: bool = True,
+    offset: int = 0,
+    limit: int = 50,
+) -> list[VersionInfo]:
+    """``limit`` of the versions ``where`` keeps from ``offset`` on, sorted in the database.
+
+    The order is by ``metric`` when given, else by the :data:`SORTABLE` column ``sort``; ties go
+    by version number in the same direction, and versions without a value (no step, no such
+    metric) come last, newest first.
+    """
+    key = _metric(_VERSIONS, metric) if metric is not None else SORTABLE[sort]
+    missing = key.is_(None)
+    number = _VERSIONS.c.version
+    statement = (
+        select(*SUMMARY_COLUMNS)
+        .where(*_conditions(_VERSIONS, run_id, where))
+        .order_by(
+            missing,
+            key.desc() if descending else key.asc(),
+            case((missing, -number), else_=-number if descending else number),
+        )
+        .offset(offset)
+        .limit(limit)
+    )
+    with db.transaction() as session:
+        connection = session.connection()
+        return _with_tags(connection, run_id, connection.execute(statement))
+
+
+def sampled_versions(
+    *, db: Database, run_id: str, where: VersionFilter, lowest: int, highest: int, width: int
+) -> list[VersionInfo]:
+    """Some of the versions ``where`` keeps, oldest first: the first kept version in each run of
+    ``width`` version numbers from ``lowest`` to ``highest``, and the newest kept version (at
+    most ``(highest - lowest) // width + 2`` versions).
+
+    Each pick is an index seek from the start of its run of numbers that stops at the first
+    version kept, so the statement reads a bounded number of rows when every version is kept,
+    whatever the run's history. With a filter, the database may step over the versions it
+    leaves out, but returns no more rows.
+    """
+    width = max(1, width)
+    buckets = (highest - lowest) // width + 1
+    start = select(literal(0).label("k")).cte("buckets", recursive=True)
+    start = start.union_all(select(start.c.k + 1).where(start.c.k + 1 < buckets))
+    picked = _VERSIONS.alias("picked")
+    low_edge = lowest + start.c.k * width
+    first = (
+        select(picked.c.version)
+        .where(*_conditions(picked, run_id, where), picked.c.version >= low_edge, picked.c.version < low_edge + width)
+        .order_by(picked.c.version)
+        .limit(1)
+        .scalar_subquery()
+    )
+    newest = _VERSIONS.alias("newest")
+    last = (
+        select(newest.c.version).where(*_conditions(newest, run_id, where)).order_by(newest.c.version.desc()).limit(1)
+    )
+    wanted = union(select(first).select_from(start), select(last.scalar_subquery()))
+    statement = (
+        select(*SUMMARY_COLUMNS)
+        .where(_VERSIONS.c.run_id == run_id, _VERSIONS.c.version.in_(wanted))
+        .order_by(_VERSIONS.c.version)
+    )
+    with db.transaction() as session:
+        connection = session.connection()
+        return _with_tags(connection, run_id, connection.execute(statement))
+
+
 __all__ = [
+    "SORTABLE",
     "SUMMARY_COLUMNS",
+    "VersionFilter",
     "all_runs",
     "latest_versions",
+    "like_pattern",
     "list_runs",
     "list_versions",
     "one_version",
+    "sampled_versions",
+    "sorted_versions",
+    "version_span",
     "overview",
     "run_versions",
     "version_summary",
