@@ -8,7 +8,8 @@ database. :func:`mask_url` is what they show of it:
   (user-info up to the last ``@`` before the first ``/``, ``?`` or ``#``) and SQLAlchemy (a
   password runs to the first ``@`` and may hold ``/``, ``?`` and ``#``); the user name is kept;
 - the value of every query parameter whose name, in any case and after percent-decoding, is
-  ``password`` or ``sslpassword`` or contains ``pass``, ``secret``, ``token`` or ``key``.
+  ``password`` or ``sslpassword`` or contains ``pass``, ``secret``, ``token``, ``key``,
+  ``signature`` or ``credential`` (a presigned S3 URL's ``X-Amz-Signature`` and ``X-Amz-Credential``).
 
 A URL it cannot read (no ``scheme://``, a control character, a port that is not a number, an
 ``@`` after its user-info) is shown as its scheme and ``***`` alone, never half-masked.
@@ -25,7 +26,7 @@ from urllib.parse import unquote, unquote_plus
 MASK = "***"
 #: Parts of a query parameter's name that make its value a secret (``password`` and
 #: ``sslpassword`` contain ``pass``).
-SECRET_WORDS = ("pass", "secret", "token", "key")
+SECRET_WORDS = ("pass", "secret", "token", "key", "signature", "credential")
 #: Percent-decoding rounds a name goes through (``%2570`` is ``p`` after two).
 _DECODE_ROUNDS = 4
 

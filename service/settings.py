@@ -64,6 +64,13 @@ class Settings(BaseSettings):
     #: Bytes of downloads (shards, range batches, tensors) read from blob storage and not yet taken
     #: by the clients' sockets, per worker; a piece waits for room (:mod:`service.api.streaming`).
     max_unsent_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    #: Seconds a signed read URL of a shard stays valid, where the blobs are in S3: clients then
+    #: read shard bytes from S3 directly (``POST /v1/shards/urls``). 0: every read goes through the server.
+    read_url_seconds: int = Field(default=900, ge=0, le=7 * 24 * 3600)
+    #: Seconds the signed URLs of a shard upload stay valid, where the blobs are in S3: clients then
+    #: send shard bytes to S3 directly and the server verifies them there (``POST
+    #: /v1/shards/<id>/uploads``). 0: every upload goes through the server.
+    upload_url_seconds: int = Field(default=900, ge=0, le=7 * 24 * 3600)
 
     @property
     def home_path(self) -> Path:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from service import ingest, lookup
+from service import direct_uploads, ingest, lookup
 from service.blobs import BlobStore, LocalBlobStore
-from service.blobs.base import READ_CHUNK_BYTES
+from service.blobs.base import READ_CHUNK_BYTES, UploadPlan
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.db import Database
 from service.errors import InvalidInputError, NotFoundError
@@ -226,6 +226,37 @@ class Store:
         )
         return written.header, written.digests
 
+    # -- uploads straight to the blob store (S3) --------------------------------------
+
+    def start_upload(self, shard_id: str, size: int, *, max_bytes: int, expires_seconds: int) -> UploadPlan:
+        """Stage an upload of shard ``shard_id`` (``size`` bytes) the client sends to the blob store
+        itself, and sign its URLs for ``expires_seconds``; see :mod:`service.direct_uploads`.
+
+        Raises:
+            DirectUploadsUnavailable: the blob store has no staging area (not S3), or
+                ``expires_seconds`` is 0.
+        """
+        return direct_uploads.start_upload(
+            blobs=self.blobs, shard_id=shard_id, size=size, max_bytes=max_bytes, expires_seconds=expires_seconds
+        )
+
+    def complete_upload(self, shard_id: str, token: str, size: int, *, max_bytes: int) -> ShardReceipt:
+        """Verify the staged upload ``token`` of shard ``shard_id`` as a proxied upload is verified,
+        then publish and record it; idempotent. See :func:`service.direct_uploads.complete_upload`."""
+        return direct_uploads.complete_upload(
+            db=self.db,
+            blobs=self.blobs,
+            shard_id=shard_id,
+            token=token,
+            size=size,
+            max_bytes=max_bytes,
+            max_header_bytes=self.max_header_bytes,
+        )
+
+    def abort_upload(self, shard_id: str, token: str) -> None:
+        """Remove the staged upload ``token`` of shard ``shard_id``, a client having given up on it."""
+        direct_uploads.abort_upload(blobs=self.blobs, shard_id=shard_id, token=token)
+
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new).
 
@@ -291,6 +322,20 @@ class Store:
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live; NotFoundError names any the store lacks."""
         return lookup.locate(db=self.db, digests=digests)
+
+    def read_urls(self, shard_ids: Iterable[str], expires_seconds: int) -> dict[str, str]:
+        """A URL to read each shard's bytes from directly for ``expires_seconds``, where the blob
+        store hands them out (S3); empty where it does not (a local folder). Signing makes no
+        request to the blob store; a URL of a shard the store does not hold reads nothing."""
+        urls: dict[str, str] = {}
+        if expires_seconds <= 0:
+            return urls
+        for shard_id in dict.fromkeys(shard_ids):
+            url = self.blobs.read_url(_shard_id(shard_id), expires_seconds)
+            if url is None:
+                return {}
+            urls[shard_id] = url
+        return urls
 
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from shard ``shard_id`` starting at byte ``offset``."""

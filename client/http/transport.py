@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,16 +24,22 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
+from client.http.direct_reads import DirectReads
 from client.http.retry import RetryPolicy
 from client.http.session import HttpSession
 from service import __version__
-from service.errors import IntegrityError, RangeNotSatisfiableError
+from service.errors import CheckpointError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.secrets_mask import mask_url
 from service.shard_writer import UnhashedTensor
+
+log = logging.getLogger(__name__)
+#: A range this large is read from the blob store directly when the server signs URLs; smaller
+#: ones go together in one request to the server, where one GET each would cost more round trips.
+DIRECT_MIN_BYTES = 256 << 10
 
 #: Upload staging folders were ``<tmp>/ckptstore-upload-<pid>-<random>`` (clients no longer make them).
 STAGING_PREFIX = "ckptstore-upload-"
@@ -141,6 +148,8 @@ class HttpTransport:
         self.url = url.rstrip("/")
         self.policy = RetryPolicy.configured(retry_seconds, retries, backoff_seconds)
         self.session = HttpSession(self.url, headers, self.policy, timeout_seconds)
+        #: Shard bytes straight from the blob store where the server signs read URLs (S3).
+        self.direct_reads = DirectReads(self.session, timeout_seconds)
         # Older clients staged uploads in temporary folders; one killed mid-save left its folder.
         remove_stale_staging()
 
@@ -241,7 +250,14 @@ class HttpTransport:
         if not wanted:
             return {}
         answer = self.session.request("POST", "/v1/tensors/locate", json={"digests": wanted})
-        return _locations().validate_json(answer.content)
+        locations = _locations().validate_json(answer.content)
+        try:  # the reads that follow go to the blob store where the server signs URLs for them
+            self.direct_reads.learn(location.shard_id for location in locations.values())
+        except NotFoundError:  # a server that predates read URLs: it serves every read
+            self.direct_reads.offered = False
+        except CheckpointError as exc:
+            log.debug("no read URLs this time (%s); reads go through the server", exc)
+        return locations
 
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from a byte range of a shard."""
@@ -256,7 +272,7 @@ class HttpTransport:
             IntegrityError: the server ignored the range or sent too few or too many bytes.
         """
         length = sum(buffer.nbytes for buffer in buffers)
-        if length == 0:
+        if length == 0 or self.direct_reads.read(shard_id, offset, buffers):
             return
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         answer = self.session.get_into(f"/v1/shards/{shard_id}", headers, buffers, f"reading shard {shard_id}")
@@ -273,6 +289,15 @@ class HttpTransport:
         Raises:
             IntegrityError: the server sent too few or too many bytes.
         """
+        if self.direct_reads.offered:  # the large ranges straight from the blob store, the rest in one request
+            ranges = [
+                (shard_id, offset, buffers)
+                for shard_id, offset, buffers in ranges
+                if sum(b.nbytes for b in buffers) < DIRECT_MIN_BYTES
+                or not self.direct_reads.read(shard_id, offset, buffers)
+            ]
+            if not ranges:
+                return
         wanted = [
             {"shard_id": shard_id, "offset": offset, "length": sum(b.nbytes for b in buffers)}
             for shard_id, offset, buffers in ranges
@@ -353,6 +378,7 @@ class HttpTransport:
 
     def close(self) -> None:
         """Close connections."""
+        self.direct_reads.close()
         self.session.close()
 
 

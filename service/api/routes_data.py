@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from service import range_batch
 from service.api import ranges
 from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
-from service.api.schemas import DigestList, MissingResponse, RangeBatch
+from service.api.schemas import DigestList, MissingResponse, RangeBatch, ReadUrls, ShardList
 from service.api.streaming import PIECE_BYTES
 from service.api.strict_json import StrictJSONRoute
 from service.api.uploads import receive_shard
@@ -55,6 +55,16 @@ async def upload_shard(
     if not receipt.created:
         response.status_code = 200
     return receipt
+
+
+@router.post("/shards/urls", dependencies=[CanRead])
+async def shard_read_urls(body: ShardList, store: StoreDep, settings: SettingsDep) -> ReadUrls:
+    """Signed URLs to GET these shards' bytes from the blob store directly (S3), so the bytes of a
+    load never pass through this server; ``urls`` is empty where there are none (local blobs,
+    ``read_url_seconds`` 0). Every byte read is checked against its digest by the client."""
+    seconds = settings.read_url_seconds
+    urls = await run_in_threadpool(store.read_urls, body.shards, seconds)
+    return ReadUrls(urls=urls, expires_in=seconds if urls else 0)
 
 
 RangeHeader = Annotated[str | None, Header(alias="range", description="bytes=start-end, bytes=start- or bytes=-length")]

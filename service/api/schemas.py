@@ -32,6 +32,24 @@ class DigestList(_Strict):
     digests: Annotated[list[Digest], Field(max_length=MAX_DIGESTS, fail_fast=True)]
 
 
+#: Most shards one ``POST /v1/shards/urls`` may ask about (a version's shards, a few at a time).
+MAX_URL_SHARDS = 1024
+
+
+class ShardList(_Strict):
+    """A list of shard ids."""
+
+    shards: Annotated[list[Digest], Field(max_length=MAX_URL_SHARDS, fail_fast=True)]
+
+
+class ReadUrls(_Strict):
+    """Signed URLs clients GET shard bytes from directly, valid for ``expires_in`` seconds;
+    ``urls`` is empty where the server has none to give (reads then go through it)."""
+
+    urls: dict[str, str]
+    expires_in: int
+
+
 class ShardRange(_Strict):
     """``length`` bytes of shard ``shard_id`` from byte ``offset``."""
 

@@ -34,6 +34,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from service.blobs.base import READ_CHUNK_BYTES, BlobStore, StaleUploads, check_blob_id, flat_bytes
+from service.blobs.s3_staging import S3Staging
 from service.blobs.s3_uploads import abort_idle_uploads
 from service.errors import IntegrityError, InvalidInputError, NotFoundError, StorageError
 from service.format.digest import is_digest
@@ -66,6 +67,7 @@ def make_client(endpoint_url: str | None = None, checksum: str = "when_required"
         StorageError: boto3 could not build a client (e.g. an unknown ``AWS_PROFILE``).
     """
     config = Config(
+        signature_version="s3v4",  # also for presigned URLs, which botocore would sign with SigV2 in us-east-1
         request_checksum_calculation=checksum,
         response_checksum_validation=checksum,
         retries={"max_attempts": 5, "mode": "standard"},
@@ -348,6 +350,11 @@ class S3BlobStore(BlobStore):
         except _BOTO_ERRORS as exc:
             raise StorageError(f"could not sign a read of {self._where(key)}: {exc}") from exc
         return url
+
+    def staging(self) -> S3Staging:
+        """Uploads clients send straight to ``<prefix>/staging/`` with presigned URLs, copied to
+        blob keys once the server has verified them (:mod:`service.blobs.s3_staging`)."""
+        return S3Staging(self.client, self.bucket, self._base, self.part_bytes, self._key)
 
     def delete(self, blob_id: str) -> None:
         """Delete the object; deleting an absent blob is not an error.
