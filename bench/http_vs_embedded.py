@@ -1,0 +1,210 @@
+"""ckptstore over HTTP against its embedded store, and many readers of one server on S3 blobs.
+
+Prints, in one run:
+
+1. **Save and load.** A fp32 transformer (``--size``, default 512 MiB): the first save into a
+   fresh store and a load into an existing model, embedded and through ``ckptstore serve`` on a
+   local folder and on S3 (a ``moto_server`` process stands in for S3 here; MinIO in
+   docker-compose), alternating, medians of ``--rounds``. Each ratio is the embedded time over
+   the HTTP time (1.0x: as fast as embedded).
+2. **Many readers.** ``--readers`` processes (default 8) loading the same version (``--read-size``,
+   default 1 GiB) at once through one server on S3 blobs, with signed read URLs (the bytes come
+   from S3 directly) and with ``CKPTSTORE_READ_URL_SECONDS=0`` (every byte through the server):
+   the aggregate load throughput and the CPU seconds the server's processes spent.
+
+The server and moto run as processes of their own; server start-up is not timed. Page cache:
+warm (the store's files were just written). On a 2-core machine the S3 stand-in itself takes a
+core, so compare the server's CPU seconds more than the throughput.
+
+    .venv/bin/python bench/http_vs_embedded.py --quick      # 128 MiB, 256 MiB read by 4 readers, 1 round
+    .venv/bin/python bench/http_vs_embedded.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import boto3
+import psutil
+import torch
+
+from client import Client
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Shape, build_model, layers_for  # noqa: E402
+
+MIB = 1 << 20
+RUN = "bench"
+READER = """
+import sys, time
+from client import Client
+started = time.perf_counter()
+with Client(sys.argv[1]) as ckpt:
+    state = ckpt.load(sys.argv[2]).state_dict
+print(time.perf_counter() - started, sum(t.numel() * t.element_size() for t in state.values()))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait(url: str, server: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while True:  # a harness polls; the timed work starts once it answers
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError as exc:
+            if getattr(exc, "code", None) is not None:  # an HTTP answer: it is up
+                return
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError(f"{url} did not come up") from None
+            time.sleep(0.05)
+
+
+@contextmanager
+def s3_stand_in() -> Iterator[str]:
+    """A ``moto_server`` process on loopback; yields its URL (credentials set in this environment)."""
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, server)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@contextmanager
+def served(home: Path, s3: str | None, **settings: str) -> Iterator[tuple[str, psutil.Process]]:
+    """``ckptstore serve`` (2 workers) on ``home``, its blobs in a fresh bucket of ``s3`` when given."""
+    port = _free_port()
+    env = {**os.environ, "CKPTSTORE_HOME": str(home), "CKPTSTORE_PORT": str(port), "CKPTSTORE_WORKERS": "2"}
+    env.pop("CKPTSTORE_URL", None)
+    env.update({f"CKPTSTORE_{k.upper()}": v for k, v in settings.items()})
+    if s3 is not None:
+        bucket = f"bench-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=s3).create_bucket(Bucket=bucket)
+        env.update(CKPTSTORE_BLOBS=f"s3://{bucket}/ckpt", AWS_ENDPOINT_URL=s3)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(f"{url}/healthz", server)
+        yield url, psutil.Process(server.pid)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    """CPU seconds (user + system) of ``process`` and its children (the server's workers)."""
+    total = 0.0
+    for each in [process, *process.children(recursive=True)]:
+        try:
+            times = each.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def timed(action: object) -> float:
+    started = time.perf_counter()
+    action()  # type: ignore[operator]
+    return time.perf_counter() - started
+
+
+def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
+    """Section 1: embedded, HTTP on a local folder and HTTP on S3, alternating."""
+    vocab, hidden = 32000, 1024
+    model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
+    target = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "zeros")
+    found: dict[str, dict[str, list[float]]] = {}
+    for number in range(rounds):
+        for name in ("embedded", "http, local folder", "http, S3"):
+            home = root / f"{name.replace(' ', '_').replace(',', '')}-{number}"
+            times = found.setdefault(name, {"save": [], "load": []})
+            if name == "embedded":
+                with Client(home=home) as ckpt:
+                    times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
+                with Client(home=home) as ckpt:
+                    times["load"].append(timed(lambda ckpt=ckpt: ckpt.load(RUN, model=target)))
+                continue
+            with served(home, s3 if "S3" in name else None) as (url, _):
+                with Client(url) as ckpt:
+                    times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
+                with Client(url) as ckpt:
+                    times["load"].append(timed(lambda ckpt=ckpt: ckpt.load(RUN, model=target)))
+    base = {what: statistics.median(found["embedded"][what]) for what in ("save", "load")}
+    print(f"\n## Save and load, {size / MIB:.0f} MiB fp32, medians of {rounds} (warm page cache)")
+    print(f"{'store':<22}{'save s':>9}{'vs embedded':>13}{'load s':>9}{'vs embedded':>13}")
+    for name, times in found.items():
+        save, load = statistics.median(times["save"]), statistics.median(times["load"])
+        print(f"{name:<22}{save:>9.2f}{base['save'] / save:>12.2f}x{load:>9.2f}{base['load'] / load:>12.2f}x")
+
+
+def many_readers(root: Path, s3: str, size: int, readers: int) -> None:
+    """Section 2: ``readers`` processes loading one version at once, direct and proxied."""
+    vocab, hidden = 32000, 1024
+    model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
+    print(f"\n## {readers} readers of one {size / MIB:.0f} MiB version, one server on S3 blobs (moto)")
+    print(f"{'reads':<34}{'aggregate MB/s':>16}{'slowest s':>11}{'server CPU s':>14}")
+    for label, settings in (("signed URLs: bytes from S3", {}), ("through the server", {"read_url_seconds": "0"})):
+        with served(root / f"readers-{len(settings)}", s3, **settings) as (url, server):
+            with Client(url) as ckpt:
+                ckpt.save(RUN, model)
+            before = cpu_seconds(server)
+            started = time.perf_counter()
+            procs = [
+                subprocess.Popen([sys.executable, "-c", READER, url, RUN], stdout=subprocess.PIPE, text=True)
+                for _ in range(readers)
+            ]
+            outputs = [proc.communicate()[0].split() for proc in procs]
+            wall = time.perf_counter() - started
+            spent = cpu_seconds(server) - before
+        loaded = sum(int(out[1]) for out in outputs)
+        slowest = max(float(out[0]) for out in outputs)
+        print(f"{label:<34}{loaded / wall / 1e6:>16.0f}{slowest:>11.2f}{spent:>14.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=512, help="MiB of the save/load model")
+    parser.add_argument("--read-size", type=int, default=1024, help="MiB of the version the readers load")
+    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="128 MiB, 256 MiB read by 4 readers, 1 round")
+    args = parser.parse_args()
+    if args.quick:
+        args.size, args.read_size, args.readers, args.rounds = 128, 256, 4, 1
+    print(f"cores: {os.cpu_count()}, torch {torch.__version__}")
+    with tempfile.TemporaryDirectory(prefix="ckptstore-bench-http-") as scratch, s3_stand_in() as s3:
+        save_and_load(Path(scratch), s3, args.size * MIB, args.rounds)
+        many_readers(Path(scratch), s3, args.read_size * MIB, args.readers)
+
+
+if __name__ == "__main__":
+    main()
