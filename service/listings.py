@@ -240,16 +240,18 @@ def sorted_versions(
     metric) come last, newest first.
     """
     key = _metric(_VERSIONS, metric) if metric is not None else SORTABLE[sort]
-    missing = key.is_(None)
     number = _VERSIONS.c.version
+    order: list[Any]
+    if key is number:  # never missing: the primary key's order, read from the index
+        order = [number.desc() if descending else number.asc()]
+    else:
+        missing = key.is_(None)
+        tie = case((missing, -number), else_=-number if descending else number)
+        order = [missing, key.desc() if descending else key.asc(), tie]
     statement = (
         select(*SUMMARY_COLUMNS)
         .where(*_conditions(_VERSIONS, run_id, where))
-        .order_by(
-            missing,
-            key.desc() if descending else key.asc(),
-            case((missing, -number), else_=-number if descending else number),
-        )
+        .order_by(*order)
         .offset(offset)
         .limit(limit)
     )
