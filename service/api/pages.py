@@ -27,9 +27,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
-from service.api import pages_data, redact
+from service.api import pages_data, pages_format, redact
 from service.api.deps import QUERY_TOKEN_NAMES, StoreDep, StreamerDep
 from service.api.errors import public_message
+from service.api.pages_runs import plural
+from service.api.tensor_values import MAX_COMPARED_BYTES
 from service.auth import MAX_TOKEN_CHARS, TokenSet
 from service.errors import AuthenticationError, CheckpointError, InvalidInputError, PermissionDeniedError
 from service.format.manifest import manifest_to_json
@@ -55,13 +57,20 @@ _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
 )
 _env.filters.update(
-    size=pages_data.human_size,
-    pct=pages_data.percent,
-    num=pages_data.number,
-    when=pages_data.when,
-    shape=pages_data.shape,
+    sized=pages_format.sized,
+    size=pages_format.human_size,
+    pct=pages_format.percent,
+    num=pages_format.number,
+    when=pages_format.when,
+    shape=pages_format.shape,
 )
-_env.globals.update(run_url=pages_data.run_url, version_url=pages_data.version_url, app_version=__version__)
+_env.globals.update(
+    run_url=pages_data.run_url,
+    version_url=pages_data.version_url,
+    plural=plural,
+    max_compared=MAX_COMPARED_BYTES,
+    app_version=__version__,
+)
 templates = Jinja2Templates(env=_env)
 
 
@@ -162,11 +171,22 @@ RunId = Annotated[str, Path(max_length=128)]
 Ref = Annotated[str, Path(max_length=64)]
 
 
+Order = Annotated[pages_data.Order, Query()]
+MetricQuery = Annotated[str | None, Query(max_length=128)]
+
+
 @router.get("/", dependencies=CanReadPages)
-async def runs_page(request: Request, store: StoreDep) -> Response:
-    """Every run with its size, newest version and tags."""
-    runs = await run_in_threadpool(pages_data.runs_index, store)
-    return render(request, "runs.html", runs=runs)
+async def runs_page(
+    request: Request,
+    store: StoreDep,
+    q: Annotated[str, Query(max_length=100, description="text in a run id or a tag")] = "",
+    sort: Annotated[str, Query(max_length=20)] = "saved",
+    order: Order = "desc",
+    metric: MetricQuery = None,
+) -> Response:
+    """Every run (those whose id or a tag holds ``q``) with its sizes, newest version, metric and tags."""
+    index = await run_in_threadpool(pages_data.runs_index, store, q=q, sort=sort, order=order, metric=metric)
+    return render(request, "runs.html", index=index)
 
 
 @router.get("/runs/{run_id}", dependencies=CanReadPages)
@@ -177,20 +197,32 @@ async def run_page(
     page: Annotated[int, Query(ge=1, le=10**9)] = 1,
     per_page: Annotated[int, Query(ge=1, le=500)] = pages_data.PER_PAGE,
     sort: Annotated[str, Query(max_length=140)] = "version",
-    order: Annotated[pages_data.Order, Query()] = "desc",
+    order: Order = "desc",
+    tag: Annotated[str | None, Query(max_length=64, description="a tag name or glob")] = None,
+    metric: MetricQuery = None,
+    low: Annotated[str | None, Query(alias="min", max_length=40)] = None,
+    high: Annotated[str | None, Query(alias="max", max_length=40)] = None,
 ) -> Response:
-    """A run's versions, sorted over all of them and paginated."""
+    """A run's charts and versions, filtered, sorted over all of them and paginated."""
+    chosen = pages_data.RunFilter.parse(tag, metric, low, high)
     data = await run_in_threadpool(
-        pages_data.run_page, store, run_id, page=page, per_page=per_page, sort=sort, order=order
+        pages_data.run_page, store, run_id, page=page, per_page=per_page, sort=sort, order=order, filter=chosen
     )
     return render(request, "run.html", run=data)
 
 
 @router.get("/runs/{run_id}/versions/{ref}", dependencies=CanReadPages)
-async def version_page(request: Request, run_id: RunId, ref: Ref, store: StoreDep) -> Response:
-    """One version: its figures and its tensors by section."""
-    data = await run_in_threadpool(pages_data.version_page, store, run_id, ref)
-    return render(request, "version.html", run_id=run_id, v=data)
+async def version_page(
+    request: Request,
+    run_id: RunId,
+    ref: Ref,
+    store: StoreDep,
+    q: Annotated[str, Query(max_length=200, description="text in a tensor key, or a glob")] = "",
+) -> Response:
+    """One version: its figures, how to load it and its tensors by section (those matching ``q``)."""
+    data = await run_in_threadpool(pages_data.version_page, store, run_id, ref, q)
+    server = str(request.base_url).rstrip("/")
+    return render(request, "version.html", run_id=run_id, v=data, server=server)
 
 
 @router.get("/runs/{run_id}/versions/{ref}/manifest.json", dependencies=CanReadPages)
@@ -229,11 +261,12 @@ async def diff_page(
     b: Annotated[str | None, Query(max_length=64)] = None,
     v: Annotated[list[str] | None, Query(description="the rows ticked in the run page's form")] = None,
     show_all: Annotated[bool, Query(alias="all")] = False,
+    values: Annotated[bool, Query(description="read and compare the changed tensors' values")] = False,
 ) -> Response:
     """What changed between versions ``a`` and ``b`` (or the two ticked rows, older first)."""
     first, second, by_number = pages_data.pick_pair(a, b, v or [])
     data = await run_in_threadpool(
-        pages_data.diff_page, store, run_id, first, second, by_number=by_number, show_all=show_all
+        pages_data.diff_page, store, run_id, first, second, by_number=by_number, show_all=show_all, compare=values
     )
     return render(request, "diff.html", d=data)
 

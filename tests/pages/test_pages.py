@@ -65,13 +65,21 @@ def test_runs_index_lists_each_run_with_versions_sizes_and_tags(client: TestClie
     assert (alpha_logical, alpha_stored) == (875, 603)
     assert rows["alpha"][1:3] == ["2", "v2"]
     assert rows["alpha"][3].endswith(" UTC")
-    assert rows["alpha"][4:7] == ["875 B", "603 B", "31.1%"]
-    assert rows["alpha"][7] == "best v2 first v1"
+    assert table.header()[3:] == [
+        "Latest saved",
+        "Latest metric",
+        "Logical size",
+        "Stored by this run",
+        "Shared",
+        "Tags",
+    ]
+    assert rows["alpha"][4:8] == ["loss 1.5", "875 B", "603 B", "272 B (31.1%)"]
+    assert rows["alpha"][8] == "best v2 first v1"
     assert rows["lora-sweep"][1:3] == [str(LONG_VERSIONS), f"v{LONG_VERSIONS}"]
     # 120 versions of a 16 KiB frozen base stored once, plus 512 new bytes (adapter, exp_avg) each.
     assert (120 * (16384 + 512), 16384 + 120 * 512) == (2_027_520, 77_824)
-    assert rows["lora-sweep"][4:7] == ["1.9 MiB", "76.0 KiB", "96.2%"]
-    assert rows["lora-sweep"][7] == "lowest-loss v120 release-1 v100"
+    assert rows["lora-sweep"][4:8] == [f"loss {long_loss(LONG_VERSIONS):g}", "1.9 MiB", "76.0 KiB", "1.9 MiB (96.2%)"]
+    assert rows["lora-sweep"][8] == "lowest-loss v120 release-1 v100"
     links = dict(table.links())
     assert links["/runs/alpha"] == "alpha"
     assert links["/runs/alpha/versions/best"] == "best v2"
@@ -230,7 +238,8 @@ def test_version_page_groups_tensors_and_marks_what_the_parent_shares(client: Te
     facts = doc.one("div", class_="facts").text
     for fact in ("Step 20", "Logical size 455 B", "New bytes stored 183 B", "Shared with parent 272 B"):
         assert fact in facts
-    assert "Model 368 B Trainable 112 B (30.4%) Frozen 256 B" in facts
+    # One denominator on every page: the logical size (455 B), as the run page's Trainable column.
+    assert "Model 368 B Trainable 112 B (24.6% of the logical size) Frozen 256 B" in facts
     assert [dt.text for dt in doc.one("dl", id="metrics").all("dt")] == ["acc", "loss"]
     assert ("/runs/alpha/versions/1", "v1") in doc.one("dd", id="parent").links()
     assert ("/runs/alpha/versions/best", "best") in doc.one("h1").links()
@@ -256,7 +265,10 @@ def test_version_page_links_the_manifest_json_and_each_tensors_bytes(client: Tes
     assert client.get(hrefs[FC_W2.digest]).content == FC_W2.data
     hostile = client.get(hrefs[HOSTILE1.digest])  # the key is '<script>…' and goes through the query string
     assert hostile.status_code == 200 and hostile.content == HOSTILE1.data
-    assert hostile.headers["content-disposition"] == f'attachment; filename="{HOSTILE1.digest[:16]}.i64.bin"'
+    # Named by the key, with only letters, digits, '.', '_' and '-' left of it.
+    assert hostile.headers["content-disposition"] == 'attachment; filename="extra._script_alert_1_.script.i64.bin"'
+    plain = client.get(hrefs[FC_W2.digest])
+    assert plain.headers["content-disposition"] == 'attachment; filename="model.fc.weight.f32.bin"'
 
 
 def test_tensor_download_of_an_unknown_key_is_a_404_page(client: TestClient) -> None:
@@ -319,15 +331,16 @@ def test_diff_page_counts_each_status_and_lists_what_differs(client: TestClient)
         "optim/state/fc.weight/exp_avg",
         "optim/state/fc.weight/step",
     }
-    assert tensors["extra/rng"] == ["removed", "extra/rng", "U8[16]", "—", "16 B"]
-    assert tensors["model/head.weight"] == ["added", "model/head.weight", "—", "F32[2,4]", "32 B"]
+    assert tensors["extra/rng"] == ["removed", "extra/rng", "U8[16]", "—", "16 B", "—"]
+    assert tensors["model/head.weight"] == ["added", "model/head.weight", "—", "F32[2,4]", "32 B", "—"]
+    assert tensors["model/fc.weight"][4:] == ["64 B", "64 B"]  # stored whole: every byte is in the new piece
     assert tensors["model/fc.weight"][0] == "changed"
     values = {row[0]: row[1:] for row in doc.one("table", id="values").rows()}
     assert values == {
-        "metrics/acc": ["0.125", "0.5"],
-        "metrics/loss": ["2.5", "1.5"],
-        "optim/param_groups/0/lr": ["0.1", "0.05"],
-        "step": ["10", "20"],
+        "metrics/acc": ["0.125", "0.5", "+0.375", "+300.0%"],
+        "metrics/loss": ["2.5", "1.5", "−1", "−40.0%"],
+        "optim/param_groups/0/lr": ["0.1", "0.05", "−0.05", "−50.0%"],
+        "step": ["10", "20", "+10", "+100.0%"],
     }
     assert ("/runs/alpha/diff?a=1&b=2&all=1", "show all 9") in doc.links()
 

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import math
+import re
+import struct
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from service.api.pages_data import Order, RunPage, human_size, number, percent, section_of, shape, sort_versions, when
+from service.api import tensor_values
+from service.api.charts import byte_ticks, line_chart, nice_ticks
+from service.api.pages_data import (
+    RunFilter,
+    RunPage,
+    download_name,
+    human_size,
+    number,
+    percent,
+    section_of,
+    shape,
+    when,
+)
+from service.api.pages_format import delta, full_json, reading_json
 from service.errors import InvalidInputError
-from service.records import VersionInfo
+from tests.pages import kit
 
 
 @pytest.mark.parametrize(
@@ -63,38 +79,6 @@ def test_sort_urls_toggle_and_leave_defaults_out() -> None:
     assert current.url(page=1, sort="version", order="desc") == "/runs/r?per_page=20"
 
 
-def info(version: int, step: int | None, **metrics: float) -> VersionInfo:
-    return VersionInfo(
-        run_id="r",
-        version=version,
-        parent=None,
-        created_at=datetime(2025, 1, 1),
-        tags=[],
-        step=step,
-        metrics=metrics,
-        tensors_total=0,
-        tensors_new=0,
-        bytes_total=0,
-        bytes_new=0,
-        bytes_trainable=0,
-    )
-
-
-def test_sorting_puts_missing_values_last_in_either_order() -> None:
-    versions = [info(1, 10, loss=3.0), info(2, None, loss=1.0), info(3, 30), info(4, 40, loss=1.0)]
-
-    def order(sort: str, how: Order) -> list[int]:
-        return [v.version for v in sort_versions(versions, sort, how)]
-
-    assert order("metric:loss", "asc") == [2, 4, 1, 3]  # ties by version
-    assert order("metric:loss", "desc") == [1, 4, 2, 3]
-    assert order("step", "asc") == [1, 3, 4, 2]
-    assert order("step", "desc") == [4, 3, 1, 2]
-    assert order("version", "desc") == [4, 3, 2, 1]
-    with pytest.raises(InvalidInputError, match="cannot sort by 'metric:'"):
-        sort_versions(versions, "metric:", "asc")
-
-
 def test_sections_of_keys() -> None:
     assert section_of("model/fc.weight") == ("Model", "model/")
     assert section_of("optim/state/fc.weight/exp_avg") == ("Optimizer state", "optim/state/")
@@ -102,3 +86,112 @@ def test_sections_of_keys() -> None:
     assert section_of("optim/other") == ("Optimizer state", "optim/")
     assert section_of("scheduler/last_epoch") == ("Scheduler", "scheduler/")
     assert section_of("extra/rng") == ("Extra", "extra/")
+
+
+def test_values_read_rounded_with_their_change() -> None:
+    assert reading_json(0.0022499999999999994) == "0.00225"
+    assert reading_json([0.9, 0.9990000000000001]) == "[0.9, 0.999]"
+    assert reading_json({"b": 1 / 3, "a": "x"}) == '{"a": "x", "b": 0.333333}'
+    assert (reading_json(None), reading_json(True), reading_json(12000)) == ("—", "true", "12,000")
+    assert full_json(0.0022499999999999994) == "0.0022499999999999994"
+    assert delta(0.0025, 0.0022499999999999994) == ("−0.00025", repr(0.0022499999999999994 - 0.0025), "−10.0%")
+    assert delta(0, 5) == ("+5", "5", "—")
+    assert delta(2, 2) == ("±0", "0", "+0.0%")
+    assert delta(-4.0, -2.0) == ("+2", "2.0", "+50.0%")  # over the magnitude of the old value
+    assert delta([1], [2]) is None and delta(True, False) is None and delta("a", 1) is None
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "ticks"),
+    [
+        (0, 10, [0, 2, 4, 6, 8, 10]),
+        (0.013, 0.097, [0.02, 0.04, 0.06, 0.08]),
+        (100, 12000, [2500, 5000, 7500, 10000]),
+        (3, 3, [3]),
+    ],
+)
+def test_axis_ticks_are_round_numbers(low: float, high: float, ticks: list[float]) -> None:
+    assert nice_ticks(low, high) == ticks
+
+
+def test_byte_axis_ticks_step_in_binary_units() -> None:
+    assert [human_size(t) for t in byte_ticks(16_896)] == ["0 B", "5.0 KiB", "10.0 KiB", "15.0 KiB", "20.0 KiB"]
+    assert [human_size(t) for t in byte_ticks(3 << 20)] == ["0 B", "1.0 MiB", "2.0 MiB", "3.0 MiB"]
+    assert byte_ticks(1) == [0, 1]
+
+
+def test_a_line_chart_places_each_point_inside_the_plot() -> None:
+    chart = line_chart("loss", [(100.0, 2.0, 1, "a"), (300.0, 1.0, 3, "c"), (200.0, 4.0, 2, "b")], "step")
+    assert [m.version for m in chart.marks] == [1, 2, 3]  # by x
+    assert all(chart.left <= m.x <= chart.right and chart.top <= m.y <= chart.bottom for m in chart.marks)
+    assert chart.marks[1].y < chart.marks[0].y < chart.marks[2].y  # higher values are drawn higher
+    single = line_chart("loss", [(5.0, 1.0, 1, "only")], "step")
+    assert len(single.marks) == 1 and single.line.count(",") == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("model/fc.weight", "model.fc.weight.f32.bin"),
+        ("extra/<script>alert(1)</script>", "extra._script_alert_1_.script.f32.bin"),
+        ('extra/"; filename=evil.exe', "extra._filename_evil.exe.f32.bin"),
+        ("extra/../../etc/passwd", "extra.etc.passwd.f32.bin"),
+        ("extra/ünïcödé", "extra._n_c_d.f32.bin"),
+    ],
+)
+def test_download_names_keep_only_safe_characters_of_the_key(key: str, name: str) -> None:
+    trainable = True if key.startswith("model/") else None
+    assert download_name(kit.entry(key, kit.raw(1), trainable=trainable)) == name
+
+
+def test_a_long_key_is_cut_and_told_apart_by_its_digest() -> None:
+    tensor = kit.raw(1)
+    name = download_name(kit.entry("extra/" + "a" * 300, tensor))
+    assert name == "extra." + "a" * 114 + "-" + tensor.digest[:12] + ".f32.bin"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "data", "values"),
+    [
+        ("F16", struct.pack("<3e", 1.5, -2.0, 65504.0), [1.5, -2.0, 65504.0]),
+        ("BF16", struct.pack("<f", 3.0)[2:] + struct.pack("<f", -0.5)[2:], [3.0, -0.5]),
+        ("F8_E4M3", bytes([0x38, 0xB8, 0x7E, 0x01]), [1.0, -1.0, 448.0, 2**-9]),
+        ("F8_E5M2", bytes([0x3C, 0x7B, 0x7C]), [1.0, 57344.0, math.inf]),
+        ("F8_E4M3FNUZ", bytes([0x40, 0x7F]), [1.0, 240.0]),
+        ("F8_E5M2FNUZ", bytes([0x40, 0x7F]), [1.0, 57344.0]),
+        ("I16", struct.pack("<2h", -3, 7), [-3, 7]),
+        ("BOOL", bytes([0, 1]), [0, 1]),
+    ],
+)
+def test_values_decode_without_torch(dtype: str, data: bytes, values: list[float]) -> None:
+    assert list(tensor_values.decode(dtype, data)) == values
+
+
+def test_float8_nans() -> None:
+    assert math.isnan(tensor_values.decode("F8_E4M3", bytes([0x7F]))[0])
+    assert math.isnan(tensor_values.decode("F8_E4M3FNUZ", bytes([0x80]))[0])
+    assert math.isnan(tensor_values.decode("F8_E5M2", bytes([0x7D]))[0])
+    assert not tensor_values.comparable("C64")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("<b>", None, None, None), "tag filter '<b>' may hold"),
+        ((None, "bad metric", None, None), "metric 'bad metric' cannot name a metric"),
+        ((None, "loss", "1e999", None), "min must be a finite number such as 0.5, not '1e999'"),
+        ((None, None, None, "2"), "min and max need a metric"),
+        ((None, "loss", "3", "2"), "min (3) is above max (2)"),
+    ],
+)
+def test_run_filters_refuse_what_they_cannot_mean(args: tuple[str | None, ...], says: str) -> None:
+    with pytest.raises(InvalidInputError, match=re.escape(says)):
+        RunFilter.parse(*args)
+
+
+def test_run_filters_read_a_form() -> None:
+    assert RunFilter.parse("", " ", "", "") == RunFilter()
+    chosen = RunFilter.parse(" best ", "loss", "0.5", "")
+    assert chosen == RunFilter("best", "loss", 0.5, None)
+    assert chosen.describe() == "tagged 'best', loss at least 0.5"
+    assert chosen.query() == {"tag": "best", "metric": "loss", "min": "0.5", "max": None}

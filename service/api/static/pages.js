@@ -31,3 +31,24 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   update();
 });
+
+// Version page: a Copy button beside each snippet (without this script the text is still there to select).
+document.addEventListener("DOMContentLoaded", () => {
+  if (!navigator.clipboard) return;  // only on https or localhost
+  for (const figure of document.querySelectorAll("figure.snippet")) {
+    const code = figure.querySelector("pre");
+    const caption = figure.querySelector("figcaption");
+    if (!code || !caption) continue;
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy";
+    button.textContent = "Copy";
+    button.addEventListener("click", () => {
+      navigator.clipboard.writeText(code.innerText).then(
+        () => { button.textContent = "Copied"; },
+        () => { button.textContent = "Select the text to copy"; },
+      );
+    });
+    caption.append(button);
+  }
+});
