@@ -44,6 +44,9 @@ in that window fails and must be retried.
 Uploads a writer killed part-way left in the blob store (incomplete S3 multipart uploads, see
 :mod:`service.blobs.s3_uploads`) are reported when nothing was added to them within the grace
 period, and aborted with the orphans; a live upload caught by a grace of 0 fails and is retried.
+So are uploads clients sent to the blob store themselves and never finished or had verified
+(staged objects and their multipart uploads, :meth:`service.blobs.base.StagingArea.sweep`): they
+count as stale uploads, and go with the orphans once idle past the grace period.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, aliased
 
-from service.blobs import BlobStore
+from service.blobs import BlobStore, StaleUploads
 from service.db import Database
 from service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, utcnow
 from service.db.session import insert_new
@@ -215,6 +218,18 @@ def _orphans(db: Database, blobs: BlobStore) -> list[str]:
     return found
 
 
+def _stale_uploads(blobs: BlobStore, cutoff: datetime, *, dry_run: bool) -> StaleUploads:
+    """Unfinished blob uploads and staged client uploads idle since ``cutoff``, aborted unless ``dry_run``."""
+    found = blobs.abort_stale_uploads(cutoff, dry_run=dry_run)
+    staging = blobs.staging()
+    if staging is None:
+        return found
+    staged = staging.sweep(cutoff, dry_run=dry_run)
+    return StaleUploads(
+        found=found.found + staged.found, bytes=found.bytes + staged.bytes, aborted=found.aborted + staged.aborted
+    )
+
+
 def collect(
     db: Database,
     blobs: BlobStore,
@@ -264,7 +279,7 @@ def collect(
     orphan_ids = _orphans(db, blobs)
     orphan_bytes = sum(blobs.size(blob_id) or 0 for blob_id in orphan_ids)
     orphans_swept = _delete_unrecorded_blobs(db, blobs, orphan_ids) if orphans and not dry_run else 0
-    uploads = blobs.abort_stale_uploads(cutoff, dry_run=dry_run or not orphans)
+    uploads = _stale_uploads(blobs, cutoff, dry_run=dry_run or not orphans)
     return GcReport(
         dry_run=dry_run,
         grace_seconds=grace_seconds,

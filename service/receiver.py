@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from service.direct_file import DirectFileWriter
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
@@ -64,7 +65,7 @@ class ShardReceiver:
         self.received = 0
         self.header: ShardHeader | None = None
         self._head = bytearray()
-        self._handle: DirectFileWriter | None = None
+        self._handle: _Sink | None = None
         self._entry = 0  # index of the tensor the next data byte belongs to
         self._hasher: TensorHasher | None = None  # None until the tensor's first bytes arrive
 
@@ -145,7 +146,7 @@ class ShardReceiver:
         """Where the header ends, from the length prefix (refusing oversized headers)."""
         return PREFIX_BYTES + header_length(self._head, max_header_bytes=self.max_header_bytes)
 
-    def _open(self) -> DirectFileWriter:
+    def _open(self) -> _Sink:
         try:
             # Its buffer also turns the many small tensors of an adapter's shard into few writes.
             in_flight = UPLOAD_IN_FLIGHT if self.write_behind else 0
@@ -241,6 +242,56 @@ class ShardReceiver:
             except OSError:
                 pass
         self.path.unlink(missing_ok=True)
+
+
+class _Sink(Protocol):
+    """Where a receiver's bytes go once checked: its staging file (:class:`DirectFileWriter`)."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class _Nowhere:
+    """A sink that keeps nothing: the bytes a :class:`ShardVerifier` checks are stored elsewhere."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Drop ``data``."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def abort(self) -> None:
+        """Nothing to give up."""
+
+
+class ShardVerifier(ShardReceiver):
+    """Checks a shard given in order to :meth:`write` exactly as :class:`ShardReceiver` does (the
+    header, the shard id, the size, every tensor's digest), writing no file: for bytes already
+    stored elsewhere, such as a shard a client uploaded to S3 itself (:mod:`service.direct_uploads`).
+
+    Not for :meth:`service.store.Store.ingest_received`, which stores a receiver's file. What
+    it saves over a receiver writing a file is measured in :mod:`service.direct_uploads`.
+    """
+
+    def __init__(
+        self, *, expected_id: str | None = None, max_bytes: int | None = None, max_header_bytes: int = MAX_HEADER_BYTES
+    ) -> None:
+        super().__init__(
+            Path("/nonexistent/ckptstore-verify-only"),
+            expected_id=expected_id,
+            max_bytes=max_bytes,
+            max_header_bytes=max_header_bytes,
+        )
+
+    def _open(self) -> _Sink:
+        self._handle = _Nowhere()
+        return self._handle
+
+    def discard(self) -> None:
+        """Nothing to remove: no file was written."""
 
 
 def staging_error(exc: OSError) -> StorageError:

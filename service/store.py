@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from service import direct_uploads, ingest, lookup
 from service.blobs import BlobStore, LocalBlobStore
-from service.blobs.base import READ_CHUNK_BYTES, UploadPlan
+from service.blobs.base import READ_CHUNK_BYTES
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.db import Database
 from service.errors import InvalidInputError, NotFoundError
@@ -226,36 +226,11 @@ class Store:
         )
         return written.header, written.digests
 
-    # -- uploads straight to the blob store (S3) --------------------------------------
-
-    def start_upload(self, shard_id: str, size: int, *, max_bytes: int, expires_seconds: int) -> UploadPlan:
-        """Stage an upload of shard ``shard_id`` (``size`` bytes) the client sends to the blob store
-        itself, and sign its URLs for ``expires_seconds``; see :mod:`service.direct_uploads`.
-
-        Raises:
-            DirectUploadsUnavailable: the blob store has no staging area (not S3), or
-                ``expires_seconds`` is 0.
-        """
-        return direct_uploads.start_upload(
-            blobs=self.blobs, shard_id=shard_id, size=size, max_bytes=max_bytes, expires_seconds=expires_seconds
-        )
-
-    def complete_upload(self, shard_id: str, token: str, size: int, *, max_bytes: int) -> ShardReceipt:
-        """Verify the staged upload ``token`` of shard ``shard_id`` as a proxied upload is verified,
-        then publish and record it; idempotent. See :func:`service.direct_uploads.complete_upload`."""
-        return direct_uploads.complete_upload(
-            db=self.db,
-            blobs=self.blobs,
-            shard_id=shard_id,
-            token=token,
-            size=size,
-            max_bytes=max_bytes,
-            max_header_bytes=self.max_header_bytes,
-        )
-
-    def abort_upload(self, shard_id: str, token: str) -> None:
-        """Remove the staged upload ``token`` of shard ``shard_id``, a client having given up on it."""
-        direct_uploads.abort_upload(blobs=self.blobs, shard_id=shard_id, token=token)
+    @property
+    def uploads(self) -> direct_uploads.StagedUploads:
+        """Shard uploads clients send to the blob store directly (S3), verified here before they are
+        stored: :meth:`~service.direct_uploads.StagedUploads.start`, ``complete``, ``abort``."""
+        return direct_uploads.StagedUploads(self.db, self.blobs, self.max_header_bytes)
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new).

@@ -5,7 +5,17 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from service import __version__
-from service.api import docs, pages, redact, routes_admin, routes_data, routes_ops, routes_retention, routes_runs
+from service.api import (
+    docs,
+    pages,
+    redact,
+    routes_admin,
+    routes_data,
+    routes_ops,
+    routes_retention,
+    routes_runs,
+    routes_uploads,
+)
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
@@ -59,6 +69,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.state.streamer = Streamer(settings.max_unsent_bytes, settings.write_timeout)
     install_error_handlers(app)
     app.include_router(routes_data.router)
+    app.include_router(routes_uploads.router)
     app.include_router(routes_runs.router)
     app.include_router(routes_retention.router)
     app.include_router(routes_admin.router)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from service.errors import InvalidInputError
 from service.format.digest import is_digest
 
 READ_CHUNK_BYTES = 4 << 20
@@ -88,6 +90,12 @@ class BlobStore(ABC):
         """
         return None
 
+    def staging(self) -> StagingArea | None:
+        """Where clients upload shards straight to the backend (presigned URLs), to be verified
+        and published as blobs only then; None where the backend has no such URLs (local folders,
+        memory): every upload then goes through the server."""
+        return None
+
     def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in turn with the blob's consecutive bytes starting at ``offset``.
 
@@ -124,6 +132,81 @@ class BlobStore(ABC):
         piece = memoryview(bytearray(size))
         self.read_into(blob_id, offset, piece)
         return piece
+
+
+#: A staged upload's token: 32 lowercase hex characters the server drew (128 random bits).
+STAGING_TOKEN_PATTERN = r"^[0-9a-f]{32}$"
+_STAGING_TOKEN_RE = re.compile(STAGING_TOKEN_PATTERN)
+
+
+def check_staging_token(token: str) -> str:
+    """``token``, once it is seen to be one the server could have drawn (InvalidInputError otherwise)."""
+    if not (isinstance(token, str) and _STAGING_TOKEN_RE.match(token)):
+        raise InvalidInputError(f"{str(token)[:40]!r} is not an upload token (32 lowercase hex characters)")
+    return token
+
+
+@dataclass(frozen=True)
+class UploadPlan:
+    """Where a client sends one shard's bytes itself: ``urls[i]`` takes bytes
+    ``[i * part_bytes, min((i + 1) * part_bytes, size))`` with a ``PUT``, for ``expires_in``
+    seconds; ``token`` names the staged upload when the client asks the server to finish it."""
+
+    token: str
+    size: int
+    part_bytes: int
+    urls: tuple[str, ...]
+    expires_in: int
+
+
+class StagingArea(ABC):
+    """Shards clients upload to the blob store directly, kept apart from the blobs until verified.
+
+    The server calls the methods in this order over an upload's life: :meth:`plan` (a staging key
+    of its own choosing, never the blob's, and URLs the client ``PUT``s the bytes to); after the
+    client says it is done, :meth:`finish` (completing a multipart upload), :meth:`read` (the
+    server verifies every byte), :meth:`publish` (the staged object becomes the blob), and
+    :meth:`remove` whatever the outcome. :meth:`sweep` is garbage collection's, for uploads a
+    killed client never finished. Tokens are checked with :func:`check_staging_token` and shard
+    ids with :func:`check_blob_id`, so no request value reaches a key unchecked.
+    """
+
+    @abstractmethod
+    def plan(self, shard_id: str, size: int, expires_seconds: int) -> UploadPlan:
+        """Stage a new upload of ``size`` bytes for shard ``shard_id`` and sign its URLs.
+
+        Raises:
+            PayloadTooLargeError: ``size`` needs more parts than the backend allows.
+            StorageError: the backend failed (starting a multipart upload is a request).
+        """
+
+    @abstractmethod
+    def finish(self, shard_id: str, token: str, size: int) -> int:
+        """Complete the staged upload (its multipart upload, if any, after checking it has every
+        part of the plan for ``size`` bytes); returns the staged object's size.
+
+        Raises:
+            NotFoundError: nothing was staged under ``token`` (never sent, expired, or removed).
+            InvalidInputError: a part is missing or of the wrong size.
+        """
+
+    @abstractmethod
+    def read(self, shard_id: str, token: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+        """Yield the staged object's bytes in order, in pieces of at most ``chunk_bytes``."""
+
+    @abstractmethod
+    def publish(self, shard_id: str, token: str, size: int) -> None:
+        """Copy the staged object (verified, of ``size`` bytes) to the blob of ``shard_id``,
+        inside the backend, unless that blob exists."""
+
+    @abstractmethod
+    def remove(self, shard_id: str, token: str) -> None:
+        """Delete the staged object and abort its unfinished multipart upload, if either exists."""
+
+    @abstractmethod
+    def sweep(self, idle_since: datetime, *, dry_run: bool = False) -> StaleUploads:
+        """Remove (unless ``dry_run``) staged objects and unfinished staged uploads with nothing
+        added since ``idle_since`` (timezone-aware): uploads killed clients left."""
 
 
 def flat_bytes(buffer: memoryview) -> memoryview:

@@ -13,7 +13,7 @@ a large shard that started long ago but is still sending parts is not taken for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -63,8 +63,11 @@ def _parts(client: Any, bucket: str, key: str, upload_id: str) -> tuple[int, dat
     return total, newest
 
 
-def incomplete_uploads(client: Any, bucket: str, base: str) -> Iterator[Upload]:
-    """Every incomplete multipart upload of a blob key under ``base`` (``prefix/`` or ``""``).
+def incomplete_uploads(
+    client: Any, bucket: str, base: str, keys: Callable[[str, str], bool] = _is_blob_key
+) -> Iterator[Upload]:
+    """Every incomplete multipart upload of a blob key under ``base`` (``prefix/`` or ``""``);
+    with ``keys``, of every key under ``base`` it accepts (called as ``keys(key, base)``).
 
     Raises:
         StorageError: the bucket is missing or S3 failed.
@@ -74,7 +77,7 @@ def incomplete_uploads(client: Any, bucket: str, base: str) -> Iterator[Upload]:
         for page in pages:
             for item in page.get("Uploads", ()):
                 key, upload_id = item["Key"], item["UploadId"]
-                if not _is_blob_key(key, base):
+                if not keys(key, base):
                     continue
                 parts = _parts(client, bucket, key, upload_id)
                 if parts is None:
@@ -86,14 +89,23 @@ def incomplete_uploads(client: Any, bucket: str, base: str) -> Iterator[Upload]:
         raise StorageError(f"could not list the incomplete uploads in s3://{bucket}/{base}: {exc}") from exc
 
 
-def abort_idle_uploads(client: Any, bucket: str, base: str, idle_since: datetime, *, dry_run: bool) -> StaleUploads:
-    """Abort (unless ``dry_run``) the incomplete uploads under ``base`` with no activity since ``idle_since``.
+def abort_idle_uploads(
+    client: Any,
+    bucket: str,
+    base: str,
+    idle_since: datetime,
+    *,
+    dry_run: bool,
+    keys: Callable[[str, str], bool] = _is_blob_key,
+) -> StaleUploads:
+    """Abort (unless ``dry_run``) the incomplete uploads under ``base`` (of the keys ``keys``
+    accepts, by default blob keys) with no activity since ``idle_since``.
 
     Raises:
         StorageError: S3 failed (uploads aborted before the failure stay aborted).
     """
     found = total = aborted = 0
-    for upload in incomplete_uploads(client, bucket, base):
+    for upload in incomplete_uploads(client, bucket, base, keys):
         if upload.last_active >= idle_since:
             continue
         found += 1
