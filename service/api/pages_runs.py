@@ -117,14 +117,16 @@ class RunFilter:
         """The listing filter."""
         return VersionFilter(tag=self.tag, metric=self.metric, low=self.low, high=self.high)
 
+    @staticmethod
+    def text(value: float | None) -> str | None:
+        """A bound as typed back into the form: exact, and '1' rather than '1.0'."""
+        if value is None:
+            return None
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+
     def query(self) -> dict[str, str | None]:
         """The filter as query parameters."""
-        return {
-            "tag": self.tag,
-            "metric": self.metric,
-            "min": None if self.low is None else repr(self.low),
-            "max": None if self.high is None else repr(self.high),
-        }
+        return {"tag": self.tag, "metric": self.metric, "min": self.text(self.low), "max": self.text(self.high)}
 
     def describe(self) -> str:
         """The filter in words: "tagged 'release*', loss from 0.1 to 2"."""

@@ -139,7 +139,7 @@ def test_browse_sort_compare_and_open_a_version(served: str, watched: tuple[Page
     totals = {row[0]: row[1] for row in rows(page, "#totals")}
     assert totals == {"added": "3", "removed": "1", "changed": "3", "unchanged": "2"}
     assert {row[1] for row in rows(page, "#tensors")} >= {SCRIPT_KEY, ATTRIBUTE_KEY, "extra/rng"}
-    assert ["optim/param_groups/0/lr", "0.1", "0.05"] in rows(page, "#values")
+    assert ["optim/param_groups/0/lr", "0.1", "0.05", "−0.05", "−50.0%"] in rows(page, "#values")
     page.screenshot(path=tmp_path / "diff.png", full_page=True)
 
     # The newer version's page: sections, shared marks, hostile keys shown as text.
@@ -174,3 +174,78 @@ def test_compare_works_without_javascript(browser: Browser, served: str) -> None
         expect(page.locator("h1")).to_have_text("alpha · v1 → v2")
     finally:
         context.close()
+
+
+#: The new pages and elements, each looked at 1400 and 800 pixels wide: charts, filters, search,
+#: totals, snippets, tensor filter, rounded diff with compared values, and an error page.
+LOOKS = {
+    "run-charts": "/runs/lora-sweep",
+    "run-filtered": "/runs/lora-sweep?tag=*&metric=loss&min=0&max=11",
+    "runs-search": "/?q=a&sort=stored",
+    "version-filter": "/runs/alpha/versions/2?q=fc.*",
+    "diff-values": "/runs/alpha/diff?a=1&b=2&values=1&all=1",
+    "error": "/runs/lora-sweep?metric=loss&min=nan",
+}
+
+
+def overflow(page: Page) -> int:
+    """Pixels the document is wider than the window (0: no horizontal scroll bar)."""
+    return int(page.evaluate("document.documentElement.scrollWidth - window.innerWidth"))
+
+
+@pytest.mark.parametrize("width", [1400, 800])
+def test_new_pages_fit_the_window_without_console_errors(
+    browser: Browser, served: str, width: int, tmp_path: Path
+) -> None:
+    context = browser.new_context(viewport={"width": width, "height": 900}, color_scheme="light")
+    problems: list[str] = []
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: problems.append(f"{m.text} ({page.url})") if m.type == "error" else None)
+        page.on("pageerror", lambda error: problems.append(f"{error} ({page.url})"))
+        for name, url in LOOKS.items():
+            page.goto(served + url)
+            assert overflow(page) == 0, f"{url} is wider than {width} px"
+            for chart in page.locator("svg.chart").all():
+                box = chart.bounding_box()
+                assert box is not None and 0 <= box["x"] and box["x"] + box["width"] <= width, url
+            page.screenshot(path=tmp_path / f"{name}-{width}.png", full_page=True)
+        # The error page's own status is the one message expected: Chromium logs a 400 document.
+        assert [p for p in problems if not ("status of 400" in p and "min=nan" in p)] == []
+        assert len(problems) == 1
+    finally:
+        context.close()
+    assert all((tmp_path / f"{name}-{width}.png").stat().st_size > 10_000 for name in LOOKS)
+
+
+def test_charts_show_each_version_on_hover_and_draw_without_script(browser: Browser, served: str) -> None:
+    for scripts in (True, False):
+        context = browser.new_context(viewport={"width": 1400, "height": 900}, java_script_enabled=scripts)
+        try:
+            page = context.new_page()
+            page.goto(served + "/runs/lora-sweep")
+            loss = page.locator('figure[data-metric="loss"] circle.pt')
+            expect(loss).to_have_count(120)
+            expect(page.locator("#storage-chart g.bar")).to_have_count(120)
+            point = page.locator('figure[data-metric="loss"] circle[data-version="7"]')
+            point.hover()
+            assert point.locator("title").text_content() == f"v7 · step 700 · loss {long_loss(7):g}"
+            box = point.bounding_box()
+            assert box is not None and box["width"] > 0
+        finally:
+            context.close()
+
+
+def test_the_filter_form_and_the_copy_buttons_work_in_the_browser(served: str, watched: tuple[Page, list[str]]) -> None:
+    page, problems = watched
+    page.goto(served + "/runs/lora-sweep")
+    page.get_by_label("Tag").fill("release-*")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url("**/runs/lora-sweep?tag=release-*&metric=&min=&max=")
+    assert [row[1] for row in rows(page, "#versions")] == ["v100"]
+    expect(page.locator('figure[data-metric="loss"] circle.pt')).to_have_count(1)
+    page.goto(served + "/?q=LORA")
+    assert [row[0] for row in rows(page, "#runs")] == ["lora-sweep"]
+    page.goto(served + "/runs/alpha/versions/2")
+    expect(page.locator("figure.snippet button.copy")).to_have_count(2)  # added by the script on localhost
+    assert problems == []
