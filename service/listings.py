@@ -202,8 +202,11 @@ def _conditions(table: Any, run_id: str, where: VersionFilter) -> list[Any]:
 
 
 def _with_tags(connection: Any, run_id: str, rows: Any) -> list[VersionInfo]:
+    """The rows as versions with their tags (only the tags of these versions are read)."""
     found = list(rows)
-    tags = tags_by_version(connection.execute(_TAGS_OF_RUN, {"run_id": run_id})) if found else {}
+    numbers = [row[1] for row in found]
+    statement = select(_TAGS.c.version, _TAGS.c.name).where(_TAGS.c.run_id == run_id, _TAGS.c.version.in_(numbers))
+    tags = tags_by_version(connection.execute(statement)) if found else {}
     return [VersionInfo.from_summary(row, tags.get(row[1], [])) for row in found]
 
 
