@@ -195,3 +195,22 @@ def test_more_metrics_than_charts_are_named(client: TestClient, monkeypatch: pyt
     doc = page(client, f"/runs/{LONG}")
     assert [f.attrs["data-metric"] for f in doc.all("figure", class_="metric-chart")] == ["loss"]
     assert "Not charted (1 more metrics): val_loss." in doc.one("section", id="charts").text
+
+
+def test_a_run_without_steps_is_charted_over_version_numbers(tmp_path: Path) -> None:
+    store = Store.open_home(tmp_path / "home")
+    try:
+        tensor = raw(31, (2,))
+        ingest(store, tensor)
+        for step in (10, None, 30):
+            body = ManifestBody(tensors=[entry("model/w", tensor, trainable=True)], step=step, metrics={"loss": 1.0})
+            store.commit("stepless", body)
+        with TestClient(create_app(store, Settings(home=tmp_path / "home", tokens=None, host="127.0.0.1"))) as client:
+            doc = page(client, "/runs/stepless")
+    finally:
+        store.close()
+    loss = chart(doc, "loss")
+    assert "over version" in loss.one("figcaption").text  # one version has no step
+    assert points(loss) == [1, 2, 3]
+    assert hover(loss, 2) == "v2 · loss 1"
+    assert [t.text for t in loss.all("text", class_="y")] == ["0.9", "0.95", "1", "1.05", "1.1"]
