@@ -25,6 +25,7 @@ from urllib.parse import quote
 from pydantic import TypeAdapter
 
 from client.http.direct_reads import DirectReads
+from client.http.direct_uploads import uploads_for
 from client.http.retry import RetryPolicy
 from client.http.session import HttpSession
 from service import __version__
@@ -212,16 +213,21 @@ class HttpTransport:
     ) -> ShardReceipt:
         """Upload a shard straight from memory: its header bytes, then its tensors' bytes.
 
-        The server checks the id and hashes every tensor as the body arrives. Retried on
-        network errors and 429/5xx answers (an upload is idempotent).
+        Where the server's blobs are in S3, the bytes go to S3 directly and the server then
+        verifies them there (:mod:`client.http.direct_uploads`); otherwise, or when S3 refuses
+        them, they go through the server, which checks the id and hashes every tensor as the
+        body arrives. Retried on network errors and 429/5xx answers (an upload is idempotent).
         """
         shard_id = digest_shard_id(header)
-        body = [memoryview(header), *pieces]
-        headers = {"Content-Type": "application/octet-stream"}
-        answer = self.session.put_bytes(f"/v1/shards/{shard_id}", body, headers, f"uploading shard {shard_id}")
+        receipt = uploads_for(self.session).put_shard(shard_id, header, pieces)
+        if receipt is None:
+            body = [memoryview(header), *pieces]
+            headers = {"Content-Type": "application/octet-stream"}
+            answer = self.session.put_bytes(f"/v1/shards/{shard_id}", body, headers, f"uploading shard {shard_id}")
+            receipt = ShardReceipt.model_validate_json(answer.content)
         if on_bytes is not None:
             on_bytes(sum(piece.nbytes for piece in pieces))
-        return ShardReceipt.model_validate_json(answer.content)
+        return receipt
 
     def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
         """Commit a version (never retried: its outcome would be ambiguous)."""
