@@ -144,11 +144,10 @@ class Store:
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
         """Those of ``sizes`` (byte lengths) that some stored tensor has.
 
-        A tensor of a size no stored tensor has is not stored: a save writes it at once and
-        lets the store hash it as it writes it, instead of hashing it first to ask. The answer
-        is a hint, not a promise (another save may store such a tensor a moment later, and
-        then its bytes are kept twice until garbage collection compacts them). One index
-        probe per size, whatever the number of stored tensors.
+        A tensor of a size no stored tensor has is not stored: a save writes it at once, hashed
+        by the store as it writes, instead of hashing it first to ask. A hint, not a promise
+        (another save may store such a tensor meanwhile; its bytes are then kept twice until gc
+        compacts them). One index probe per size, whatever the number of stored tensors.
 
         Raises:
             InvalidInputError: a size is not a positive integer, or more than
@@ -173,9 +172,8 @@ class Store:
     ) -> ShardReceiver:
         """A :class:`ShardReceiver` writing into this store's staging folder; pass it to :meth:`ingest_received`.
 
-        ``write_behind`` writes on a background thread while the next bytes are hashed: an
-        upload's bytes keep arriving meanwhile (measured: 10-20 % faster HTTP saves), where an
-        embedded save's other threads already keep both cores busy (there it costs ~5 %).
+        ``write_behind`` writes on a background thread while the next bytes are hashed (HTTP
+        saves 10-20 % faster; an embedded save, whose threads keep the cores busy, ~5 % slower).
         """
         return ShardReceiver(
             self.staging_path(),
@@ -269,15 +267,9 @@ class Store:
         from service.compaction import compact_and_collect
 
         return compact_and_collect(
-            db=self.db,
-            blobs=self.blobs,
-            write=self._compaction_write,
-            below=compact_below,
-            grace_seconds=grace,
-            dry_run=dry_run,
-            orphans=orphans,
-            now=now,
-        )
+            db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,
+            grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now,
+        )  # fmt: skip
 
     # -- reading -------------------------------------------------------------------------
 
@@ -299,18 +291,10 @@ class Store:
         return lookup.locate(db=self.db, digests=digests)
 
     def read_urls(self, shard_ids: Iterable[str], expires_seconds: int) -> dict[str, str]:
-        """A URL to read each shard's bytes from directly for ``expires_seconds``, where the blob
-        store hands them out (S3); empty where it does not (a local folder). Signing makes no
-        request to the blob store; a URL of a shard the store does not hold reads nothing."""
-        urls: dict[str, str] = {}
-        if expires_seconds <= 0:
-            return urls
-        for shard_id in dict.fromkeys(shard_ids):
-            url = self.blobs.read_url(_shard_id(shard_id), expires_seconds)
-            if url is None:
-                return {}
-            urls[shard_id] = url
-        return urls
+        """URLs to read each shard from directly for ``expires_seconds`` where the blob store signs
+        them (S3; no request made), else empty. A URL of a shard not held reads nothing."""
+        wanted = [_shard_id(shard_id) for shard_id in dict.fromkeys(shard_ids)]
+        return self.blobs.read_urls(wanted, expires_seconds) if expires_seconds > 0 else {}
 
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from shard ``shard_id`` starting at byte ``offset``."""
@@ -389,10 +373,9 @@ class Store:
     ) -> RetentionPolicy:
         """Replace the run's retention policy; it is applied at each commit, starting with the next.
 
-        Nothing is removed now (:meth:`apply_retention` does that); the record returned lists
-        what applying it would remove. Leaving both ``keep_last`` and ``keep_best`` unset clears
-        the policy. A run that does not exist yet is created only with ``create_run`` (as a save
-        with a policy does), so a mistyped run id is refused rather than made.
+        Nothing is removed now (:meth:`apply_retention` does); the record lists what applying it
+        would remove. Both ``keep_last`` and ``keep_best`` unset clears it. A run that does not
+        exist is created only with ``create_run`` (as a save does), so a mistyped id is refused.
 
         Raises:
             InvalidInputError: a count below 1, ``keep_best`` without a metric, or a bad mode.

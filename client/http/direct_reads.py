@@ -7,10 +7,11 @@ way is checked against its digest by the load path, exactly as bytes the server 
 URL or an object that serves wrong bytes is caught.
 
 URLs are asked for in batches (:meth:`DirectReads.learn`, as a load locates its tensors) and
-kept until shortly before they expire. A read whose URL S3 refuses (expired, or a signature the
-store no longer accepts) asks for a fresh URL once; any other failure, and a server without
-URLs, leaves the read to the server (:meth:`DirectReads.read` returns False). The URLs hold a
-signature: they are never logged, and an error message shows them masked.
+used until they expire; a shard read without being located first is read through the server.
+A read whose URL S3 refuses (expired, or a signature the store no longer accepts) asks for a
+fresh URL once; any other failure, and a server without URLs, leaves the read to the server
+(:meth:`DirectReads.read` returns False). The URLs hold a signature: they are never logged, and
+an error message shows them masked.
 """
 
 from __future__ import annotations
@@ -92,17 +93,20 @@ class DirectReads:
         return False
 
     def _url(self, shard_id: str, *, refresh: bool) -> str | None:
-        if refresh:
-            with self._lock:
-                self._urls.pop(shard_id, None)
+        """The shard's URL: one learned as the load located its tensors (none asked for here, so
+        a read of a shard never located goes to the server), or a fresh one after a refusal."""
+        with self._lock:
+            known = self._urls.pop(shard_id, None) if refresh else self._urls.get(shard_id)
+        if not refresh:
+            return known[0] if known is not None and known[1] > time.monotonic() else None
         try:
             self.learn([shard_id])
         except CheckpointError as exc:
             log.debug("no read URL for shard %s: %s", shard_id, exc)
             return None
         with self._lock:
-            known = self._urls.get(shard_id)
-        return known[0] if known is not None else None
+            fresh = self._urls.get(shard_id)
+        return fresh[0] if fresh is not None else None
 
     def _get(self, url: str, offset: int, length: int, buffers: Sequence[memoryview]) -> int:
         """The status of a ranged GET of ``url`` into ``buffers`` (0 when it could not be made)."""

@@ -81,14 +81,15 @@ class BlobStore(ABC):
         """
         return StaleUploads()
 
-    def read_url(self, blob_id: str, expires_seconds: int) -> str | None:
-        """A URL anyone holding it may GET the blob's bytes from (ranged reads included) for
-        ``expires_seconds``, or None where the backend has no such URLs (local folders, memory).
+    def read_urls(self, blob_ids: Sequence[str], expires_seconds: int) -> dict[str, str]:
+        """A URL per blob that anyone holding it may GET the blob's bytes from (ranged reads
+        included) for ``expires_seconds``; empty where the backend has no such URLs (local
+        folders, memory).
 
         Clients read shards from such URLs directly, so a server's CPU and network carry no
         shard bytes; every byte read is verified against its digest by the client.
         """
-        return None
+        return {}
 
     def staging(self) -> StagingArea | None:
         """Where clients upload shards straight to the backend (presigned URLs), to be verified

@@ -336,20 +336,22 @@ class S3BlobStore(BlobStore):
         finally:
             body.close()
 
-    def read_url(self, blob_id: str, expires_seconds: int) -> str | None:
-        """A presigned GET URL of the blob's object, valid for ``expires_seconds``.
+    def read_urls(self, blob_ids: Sequence[str], expires_seconds: int) -> dict[str, str]:
+        """A presigned GET URL of each blob's object, valid for ``expires_seconds``.
 
-        Signed locally with the store's credentials (no request is made); the URL carries the
-        signature, so it is handed only to a caller allowed to read and never logged.
+        Signed locally with the store's credentials (no request is made); the URLs carry the
+        signature, so they are handed only to a caller allowed to read and never logged.
         """
-        key = self._key(blob_id)
-        try:
-            url: str = self.client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_seconds
-            )
-        except _BOTO_ERRORS as exc:
-            raise StorageError(f"could not sign a read of {self._where(key)}: {exc}") from exc
-        return url
+        urls: dict[str, str] = {}
+        for blob_id in blob_ids:
+            key = self._key(blob_id)
+            try:
+                urls[blob_id] = self.client.generate_presigned_url(
+                    "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_seconds
+                )
+            except _BOTO_ERRORS as exc:
+                raise StorageError(f"could not sign a read of {self._where(key)}: {exc}") from exc
+        return urls
 
     def staging(self) -> S3Staging:
         """Uploads clients send straight to ``<prefix>/staging/`` with presigned URLs, copied to
