@@ -8,10 +8,12 @@ call and the ORM's handling of their results took about half of a save's questio
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from sqlalchemy import Text, bindparam, select, type_coerce, update
+from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 from sqlalchemy.orm import Session
 
 from service.db import Database
@@ -47,6 +49,16 @@ _LOCATE = select(
     _TENSORS.c.dtype,
     type_coerce(_TENSORS.c.shape, Text),
 ).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
+
+
+@functools.cache
+def _sqlite_locate(count: int) -> str:
+    """:data:`_LOCATE` as SQLite's driver runs it, for ``count`` digests (the shape as its JSON text)."""
+    quote = sqlite_dialect().identifier_preparer.quote
+    columns = ", ".join(quote(c.name) for c in (_TENSORS.c.digest, _TENSORS.c.shard_id, _TENSORS.c.offset))
+    columns += ", " + ", ".join(quote(c.name) for c in (_TENSORS.c.nbytes, _TENSORS.c.dtype, _TENSORS.c.shape))
+    marks = ", ".join("?" * count)
+    return f"SELECT {columns} FROM {quote(_TENSORS.name)} WHERE {quote(_TENSORS.c.digest.name)} IN ({marks})"
 
 
 def check_digests(digests: Iterable[str]) -> list[str]:
@@ -123,11 +135,17 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
     shapes = ShapeCache()
     with db.transaction() as session:
         connection = session.connection()
+        sqlite = connection.dialect.name == "sqlite"
         for batch in batches(wanted):
             # Plain tuples through a statement built once: an ORM object per tensor was a
-            # third of loading a model of many small tensors.
+            # third of loading a model of many small tensors. In SQLite the driver takes the
+            # statement as it is, where expanding the IN list of a Core statement compiled it
+            # anew for every batch (0.13 s of locating 32,768 tensors).
             # ``all()`` fetches the rows at once; iterating a result fetches them one by one.
-            rows = connection.execute(_LOCATE, {"digests": batch}).all()
+            if sqlite:
+                rows = connection.exec_driver_sql(_sqlite_locate(len(batch)), tuple(batch)).all()
+            else:
+                rows = connection.execute(_LOCATE, {"digests": batch}).all()
             for digest, shard_id, offset, nbytes, dtype, shape in rows:
                 found[digest] = TensorLocation(digest, shard_id, offset, nbytes, dtype, shapes(shape))
     absent = [d for d in wanted if d not in found]
