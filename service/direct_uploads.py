@@ -43,7 +43,7 @@ from service.blobs.base import StagingArea, UploadPlan, check_blob_id, check_sta
 from service.db import Database
 from service.db.models import Shard, Tensor
 from service.errors import (
-    ConflictError,
+    DirectUploadsUnavailableError,
     IntegrityError,
     InvalidInputError,
     NotFoundError,
@@ -61,19 +61,15 @@ VERIFY_CHUNK_BYTES = 8 << 20
 _FINAL = (InvalidInputError, IntegrityError, PayloadTooLargeError, NotFoundError)
 
 
-class DirectUploadsUnavailable(ConflictError):
-    """The server takes no direct uploads (its blobs are not in S3, or they are turned off)."""
-
-
 def staging_area(blobs: BlobStore, expires_seconds: int = 1) -> StagingArea:
     """The blob store's staging area.
 
     Raises:
-        DirectUploadsUnavailable: the blob store has none, or ``expires_seconds`` is 0 (turned off).
+        DirectUploadsUnavailableError: the blob store has none, or ``expires_seconds`` is 0 (turned off).
     """
     area = blobs.staging() if expires_seconds > 0 else None
     if area is None:
-        raise DirectUploadsUnavailable(
+        raise DirectUploadsUnavailableError(
             "this server takes shard uploads only through itself (its blobs are not in S3, or "
             "CKPTSTORE_UPLOAD_URL_SECONDS is 0): send the shard with PUT /v1/shards/<shard id>"
         )
@@ -84,7 +80,7 @@ def start_upload(*, blobs: BlobStore, shard_id: str, size: int, max_bytes: int, 
     """Stage an upload of shard ``shard_id`` (``size`` bytes) and sign its URLs; see the module docstring.
 
     Raises:
-        DirectUploadsUnavailable: the server takes no direct uploads.
+        DirectUploadsUnavailableError: the server takes no direct uploads.
         InvalidInputError: ``shard_id`` is not a shard id, or ``size`` is too small for a shard.
         PayloadTooLargeError: ``size`` is above ``max_bytes``.
         StorageError: S3 failed.
@@ -114,7 +110,7 @@ def complete_upload(
     stored shard's receipt with ``created`` False.
 
     Raises:
-        DirectUploadsUnavailable: the server takes no direct uploads.
+        DirectUploadsUnavailableError: the server takes no direct uploads.
         NotFoundError: nothing is staged under ``token`` and the shard is not stored.
         InvalidInputError: a part is missing or of the wrong size, or the shard is malformed.
         IntegrityError: the shard's id or a tensor's bytes do not match (nothing is stored).
@@ -243,7 +239,6 @@ def _check_shard_id(shard_id: str) -> None:
 
 
 __all__ = [
-    "DirectUploadsUnavailable",
     "StagedUploads",
     "abort_upload",
     "complete_upload",

@@ -10,7 +10,8 @@
     │   └── UnsupportedMediaTypeError    unsupported_media_type 415
     ├── NotFoundError (LookupError)      not_found         404
     ├── ConflictError                    conflict          409
-    │   └── MissingTensorsError          missing_tensors   409
+    │   ├── MissingTensorsError          missing_tensors   409
+    │   └── DirectUploadsUnavailableError direct_uploads_unavailable 409
     ├── IntegrityError                   integrity         400 on upload, 500 on read
     ├── StateMismatchError               state_mismatch    (client side only)
     ├── PayloadTooLargeError             payload_too_large 413
@@ -106,6 +107,13 @@ class ConflictError(CheckpointError):
 
     code = "conflict"
     http_status = 409
+
+
+class DirectUploadsUnavailableError(ConflictError):
+    """The server takes no uploads straight to its blob store (its blobs are not in S3, or direct
+    uploads are turned off): send the shard through the server instead."""
+
+    code = "direct_uploads_unavailable"
 
 
 class MissingTensorsError(ConflictError):

@@ -28,7 +28,10 @@ def test_a_save_that_fills_the_store_disk_stores_no_partial_version(
         saved = backend.client.save("full-disk", model)
     else:
         saved = backend.client.save("full-disk", model)  # the 503 for the shard is retried
-    assert len(partial) == 1  # the fault fired once, in the middle of the first shard
+    if backend.name == "http-postgres-s3":  # shard bytes go to S3 directly: the server's disk is never in the way
+        assert partial == []
+    else:
+        assert len(partial) == 1  # the fault fired once, in the middle of the first shard
     assert saved.version == 1 and [v.version for v in backend.client.versions("full-disk")] == [1]
     target = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 16))
     backend.client.load("full-disk", model=target)
