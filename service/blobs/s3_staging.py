@@ -127,8 +127,10 @@ class S3Staging(StagingArea):
         """
         token = secrets.token_hex(16)
         key = self._key(shard_id, token)
+        # Each URL signs its body's length (Content-Length is a signed header): S3 refuses any
+        # other, so a write token cannot stage more bytes than it asked to.
         if size <= self.part_bytes:
-            url = self._sign("put_object", {"Bucket": self.bucket, "Key": key}, expires_seconds)
+            url = self._sign("put_object", {"Bucket": self.bucket, "Key": key, "ContentLength": size}, expires_seconds)
             return UploadPlan(token=token, size=size, part_bytes=size, urls=(url,), expires_in=expires_seconds)
         part = part_size(size, self.part_bytes)
         if part > MAX_PART_BYTES:
@@ -140,7 +142,13 @@ class S3Staging(StagingArea):
         urls = tuple(
             self._sign(
                 "upload_part",
-                {"Bucket": self.bucket, "Key": key, "UploadId": upload_id, "PartNumber": number},
+                {
+                    "Bucket": self.bucket,
+                    "Key": key,
+                    "UploadId": upload_id,
+                    "PartNumber": number,
+                    "ContentLength": min(part, size - (number - 1) * part),
+                },
                 expires_seconds,
             )
             for number in range(1, -(-size // part) + 1)

@@ -314,6 +314,10 @@ def test_a_grant_names_its_lifetime_and_is_not_cached(make_rig: Callable[..., Ri
     assert answer.headers["cache-control"] == "no-store" and body["expires_in"] == 120
     assert len(body["urls"]) == 3 and all("X-Amz-Expires=120" in url for url in body["urls"])
     assert all("/shards/staging/" + "b" * 64 + "." + body["upload"] in url for url in body["urls"])
+    # Each URL signs its body's length, so S3 refuses a part of any other size.
+    assert all("X-Amz-SignedHeaders=content-length%3Bhost" in url for url in body["urls"])
+    single = grant(rig.url, "c" * 64, PART // 2).json()["urls"]
+    assert len(single) == 1 and "X-Amz-SignedHeaders=content-length%3Bhost" in single[0]
 
 
 # -- leftovers and garbage collection -----------------------------------------------------------
