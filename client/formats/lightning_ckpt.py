@@ -21,10 +21,8 @@ from typing import Any, TypedDict
 
 import torch
 
-from client import jsonstate, keys
-from client.formats.torch_globals import RefusedTensor
-from client.tensors import check_storable
-from service.errors import InvalidInputError, StateEncodingError
+from client.formats.torch_dicts import tensor_dict, unstorable
+from service.errors import InvalidInputError
 from service.format.names import METRIC_PATTERN
 
 VERSION_KEY = "pytorch-lightning_version"
@@ -82,13 +80,13 @@ def lightning_fields(checkpoint: dict[str, Any], where: str) -> ImportedFields:
         InvalidInputError: ``state_dict`` is not a dict of tensors, or a value Lightning needs
             to resume cannot be stored (the message names its key and what is wrong).
     """
-    weights = _weights(checkpoint[WEIGHTS_KEY], where)
+    weights = tensor_dict(checkpoint[WEIGHTS_KEY], f"{where}[{WEIGHTS_KEY!r}]")
     tree: dict[str, Any] = {WEIGHTS_KEY: weights}
     left_out: dict[str, str] = {}
     for key, value in checkpoint.items():
         if key == WEIGHTS_KEY:
             continue
-        reason = _unstorable(key, value)
+        reason = unstorable(key, value)
         if reason is None:
             tree[key] = value
         elif key in RESUME_KEYS:
@@ -107,53 +105,3 @@ def lightning_fields(checkpoint: dict[str, Any], where: str) -> ImportedFields:
         "metrics": monitored_metrics(checkpoint),
         "left_out": left_out,
     }
-
-
-def _weights(value: Any, where: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's ``state_dict``: names to tensors, each made over its bytes."""
-    if not isinstance(value, dict):
-        raise InvalidInputError(f"{where}: its {WEIGHTS_KEY!r} is a {type(value).__name__}, not a dict of tensors")
-    for name, tensor in value.items():
-        if isinstance(tensor, RefusedTensor):
-            raise InvalidInputError(f"{where}[{WEIGHTS_KEY!r}]: tensor {str(name)[:80]!r} {tensor.reason}")
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise InvalidInputError(
-                f"{where}[{WEIGHTS_KEY!r}] holds {type(tensor).__name__} under {str(name)[:80]!r}, not a tensor by name"
-            )
-    return value
-
-
-def _unstorable(key: Any, value: Any) -> str | None:
-    """Why ``value`` (the checkpoint's ``key``) cannot go into a version's extras, in one line; None if it can."""
-    if not isinstance(key, str):
-        return f"its key is a {type(key).__name__}, not a string"
-    refused = _refused_tensor(value, keys.escape(key))
-    if refused is not None:
-        return refused
-
-    def check(tensor: torch.Tensor, path: str) -> str:
-        check_storable(tensor, path)
-        return path
-
-    try:
-        jsonstate.encode(value, keys.escape(key), check)
-    except StateEncodingError as exc:
-        return str(exc).split("; ")[0]
-    return None
-
-
-def _refused_tensor(value: Any, where: str) -> str | None:
-    """Why a tensor in ``value`` could not be made over its bytes (the first one met), naming its path.
-
-    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too.
-    """
-    stack: list[tuple[Any, str]] = [(value, where)]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, RefusedTensor):
-            return f"{path}: a tensor that {node.reason}"
-        if isinstance(node, dict):
-            stack.extend((v, f"{path}/{keys.escape(k)}") for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
-    return None

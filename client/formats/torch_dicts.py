@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from client import jsonstate
+from client import jsonstate, keys
 from client.formats.torch_globals import RefusedTensor
+from client.tensors import check_storable
 from service.errors import InvalidInputError, StateEncodingError
 from service.format.names import METRIC_PATTERN
 
@@ -120,9 +121,9 @@ def read_layout(loaded: Any, where: str) -> Layout:
         if not isinstance(key, str):
             layout.left_out[str(key)[:80]] = "a key that is not a string"
             continue
-        why = _unstorable(value, key)
+        why = unstorable(key, value)
         if why is not None:
-            layout.left_out[key] = why
+            layout.left_out[key] = f"cannot be stored: {why}"
             continue
         layout.extra[key] = value
         metric = _metric_value(value)
@@ -141,18 +142,43 @@ def _metric_value(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _unstorable(value: Any, key: str) -> str | None:
-    """Why ``value`` cannot go into a version's extra (None when it can)."""
+def unstorable(key: Any, value: Any) -> str | None:
+    """Why ``value`` (a checkpoint's ``key``) cannot go into a version's extras, in one line; None if it can.
 
-    def sink(tensor: torch.Tensor, path: str) -> str:
-        if isinstance(tensor, RefusedTensor):
-            raise StateEncodingError(tensor.reason)
+    Tensors are checked as a save checks them (:func:`client.tensors.check_storable`), and one the
+    reader could not make over its bytes is named by its path.
+    """
+    if not isinstance(key, str):
+        return f"its key is a {type(key).__name__}, not a string"
+    refused = _refused_tensor(value, keys.escape(key))
+    if refused is not None:
+        return refused
+
+    def check(tensor: torch.Tensor, path: str) -> str:
+        check_storable(tensor, path)
         return path
 
     try:
-        jsonstate.encode(value, key, sink)
+        jsonstate.encode(value, keys.escape(key), check)
     except StateEncodingError as exc:
-        return f"cannot be stored: {str(exc)[:160]}"
+        return str(exc).split("; ")[0]
+    return None
+
+
+def _refused_tensor(value: Any, where: str) -> str | None:
+    """Why a tensor in ``value`` could not be made over its bytes (the first one met), naming its path.
+
+    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too.
+    """
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, RefusedTensor):
+            return f"{path}: a tensor that {node.reason}"
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}/{keys.escape(k)}") for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
     return None
 
 
