@@ -7,12 +7,18 @@ metric ``loss`` in a scrambled order and ``val_loss`` on every tenth version.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from fastapi.testclient import TestClient
+
+from service.api import create_app
 from service.format.dtypes import dtype_class
 from service.format.manifest import ManifestBody, TensorEntry
 from service.format.safetensors_header import encode_header
+from service.settings import Settings
 from service.store import Store
 from tests.service import shardkit
 from tests.service.shardkit import RawTensor as Raw
@@ -142,3 +148,15 @@ def seed(store: Store) -> None:
             metrics["val_loss"] = 13.0 - version / 10
         tags = LONG_TAGS.get(version, [])
         commit(store, LONG, long_version(version), tags=tags, step=version * 100, metrics=metrics)
+
+
+@contextmanager
+def page_client(home: Path) -> Iterator[TestClient]:
+    """The app on the store in ``home``, open without tokens on loopback, as a test client (errors as pages)."""
+    store = Store.open_home(home)
+    try:
+        app = create_app(store, Settings(home=home, tokens=None, host="127.0.0.1"))
+        with TestClient(app, raise_server_exceptions=False) as test_client:
+            yield test_client
+    finally:
+        store.close()

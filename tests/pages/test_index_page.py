@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import create_app
 from service.format.manifest import ManifestBody
-from service.settings import Settings
 from service.store import Store
 from tests.pages.dom import Node, parse
-from tests.pages.kit import ALPHA_V1, LONG, commit, nbytes, seed
+from tests.pages.kit import ALPHA_V1, LONG, commit, nbytes, page_client, seed
 from tests.pages.test_pages import page
 
 
@@ -35,13 +33,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def client(home: Path) -> Iterator[TestClient]:
-    store = Store.open_home(home)
-    try:
-        app = create_app(store, Settings(home=home, tokens=None, host="127.0.0.1"))
-        with TestClient(app, raise_server_exceptions=False) as test_client:
-            yield test_client
-    finally:
-        store.close()
+    with page_client(home) as test_client:
+        yield test_client
 
 
 def runs(doc: Node) -> dict[str, list[str]]:

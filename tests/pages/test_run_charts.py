@@ -14,7 +14,7 @@ from service.format.manifest import ManifestBody
 from service.settings import Settings
 from service.store import Store
 from tests.pages.dom import Node, parse
-from tests.pages.kit import LONG, LONG_VERSIONS, entry, ingest, long_loss, raw
+from tests.pages.kit import LONG, LONG_VERSIONS, entry, ingest, long_loss, page_client, raw
 from tests.pages.test_pages import page, version_column
 
 
@@ -108,13 +108,8 @@ def long_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def long_client(long_home: Path) -> Iterator[TestClient]:
-    store = Store.open_home(long_home)
-    try:
-        app = create_app(store, Settings(home=long_home, tokens=None, host="127.0.0.1"))
-        with TestClient(app, raise_server_exceptions=False) as test_client:
-            yield test_client
-    finally:
-        store.close()
+    with page_client(long_home) as test_client:
+        yield test_client
 
 
 def test_a_run_longer_than_the_cap_draws_at_most_the_cap(long_client: TestClient) -> None:
