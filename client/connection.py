@@ -143,6 +143,7 @@ class Connection:
         dry_run: bool = False,
         orphans: bool = False,
         compact_below: float | None = None,
+        compress: bool = False,
     ) -> GcReport:
         """Delete the stored bytes no version references any more; returns what went (or would go).
 
@@ -151,12 +152,19 @@ class Connection:
         ``orphans`` also deletes blobs no shard record names (left by an interrupted collection);
         run that while no save is uploading. ``compact_below`` (a fraction, e.g. 0.5) first
         rewrites the live tensors of every shard whose live bytes are below that share of its
-        size into a new shard; the old shard goes once the grace period has passed. A server
-        asks for an admin token.
+        size into a new shard; the old shard goes once the grace period has passed. ``compress``
+        first re-encodes, smallest first, the tensors each version older than the grace period
+        added: byte-grouped and compressed, or as a compressed XOR delta against the same tensor
+        of the version before; loads decode them, and the raw shards go once the grace period has
+        passed. A server asks for an admin token.
         """
         self._settle()
         return self.transport.gc(
-            grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans, compact_below=compact_below
+            grace_seconds=grace_seconds,
+            dry_run=dry_run,
+            orphans=orphans,
+            compact_below=compact_below,
+            compress=compress,
         )
 
     # -- retention -----------------------------------------------------------------------

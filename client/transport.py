@@ -109,9 +109,11 @@ class Transport(Protocol):
         dry_run: bool = False,
         orphans: bool = False,
         compact_below: float | None = None,
+        compress: bool = False,
     ) -> GcReport:
-        """Sweep shards no version references (None: the default grace period), first compacting
-        shards whose live bytes are below ``compact_below`` of their size."""
+        """Sweep shards no version references (None: the default grace period), first compressing
+        the tensors versions older than that added (``compress``) and compacting shards whose
+        live bytes are below ``compact_below`` of their size."""
 
     def close(self) -> None:
         """Release resources."""

@@ -5,8 +5,10 @@ can pin a large shard. Compaction reclaims the rest, in three steps that each le
 version loadable:
 
 1. **Pick.** A shard is a candidate when its live bytes (tensors some listed manifest part
-   references) are above 0 and below ``below`` times its size, and it is outside the grace
-   period (a recent shard, or one with a tensor reported present, may be about to be needed).
+   references, or a stored delta decodes from) are above 0 and below ``below`` times its
+   size, and it is outside the grace period (a recent shard, or one with a tensor reported
+   present, may be about to be needed).
+   Shards of encoded tensors (:mod:`service.compression`) are not candidates.
 2. **Write.** Its live tensors are read from it and stored as a new shard through the ordinary
    write path: hashed again as they are written (a digest that does not come out equal stops
    the collection), content-addressed, recorded under the share lock. A crash here leaves a
@@ -30,12 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.blobs import BlobStore
+from service.compression import Compression
 from service.db import Database
-from service.db.models import ManifestPart, PartRef, Shard, Tensor, table, utcnow
+from service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, table, utcnow
 from service.direct_file import ALIGNMENT
 from service.errors import IntegrityError, InvalidInputError, NotFoundError
 from service.format.safetensors_header import ShardHeader
@@ -66,13 +69,15 @@ class Compaction:
 
 
 def _is_referenced() -> object:
-    return (
+    listed = (
         select(PartRef.digest)
         .join(ManifestPart, ManifestPart.id == PartRef.part_id)
         .where(PartRef.digest == Tensor.digest, ManifestPart.versions > 0)
         .correlate(Tensor)
         .exists()
     )
+    needed = select(TensorNeed.needs).where(TensorNeed.needs == Tensor.digest).correlate(Tensor).exists()
+    return or_(listed, needed)
 
 
 def check_threshold(below: float) -> float:
@@ -89,10 +94,13 @@ def candidates(session: Session, below: float, cutoff: datetime) -> list[Candida
             select(Tensor.shard_id, func.sum(Tensor.nbytes)).where(_is_referenced()).group_by(Tensor.shard_id)  # type: ignore[arg-type]
         ).all()
     )
+    # Shards of encoded tensors (format v2) are left as they are: their payloads are not
+    # tensors this rewrite could hash.
     shards = session.execute(
         select(Shard.id, Shard.size, Shard.created_at, func.max(Tensor.last_seen_at))
         .join(Tensor, Tensor.shard_id == Shard.id)
         .group_by(Shard.id, Shard.size, Shard.created_at)
+        .having(func.count(Tensor.encoding) == 0)
         .order_by(Shard.id)
     )
     found = []
@@ -194,23 +202,38 @@ def compact_and_collect(
     db: Database,
     blobs: BlobStore,
     write: WriteShard,
-    below: float,
+    below: float | None,
     grace_seconds: int,
     dry_run: bool,
     orphans: bool,
     now: datetime | None,
+    compress: Callable[[datetime], Compression] | None = None,
 ) -> GcReport:
-    """Compact every candidate shard, then collect garbage (:func:`service.gc.collect`); one report of both.
+    """Compress (given ``compress``, :mod:`service.compression`), compact every candidate shard
+    (given ``below``), then collect garbage (:func:`service.gc.collect`); one report of all three.
 
-    The shards compaction retires are unreferenced from then on, and swept once the grace
-    period has passed; the grace period also picks which shards are candidates.
+    The shards compression and compaction retire are unreferenced from then on, and swept once
+    the grace period has passed; the grace period also picks which versions and shards they visit.
     """
     check_grace(grace_seconds)
     cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
-    compaction = compact(db, blobs, write, below=below, cutoff=cutoff, dry_run=dry_run)
+    compressed = compress(cutoff) if compress is not None else Compression()
+    # Counted again: with no grace period, the shards compression just left are compacted now.
+    cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
+    compaction = (
+        compact(db, blobs, write, below=below, cutoff=cutoff, dry_run=dry_run) if below is not None else Compaction()
+    )
     report = collect(db, blobs, grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans, now=now)
     return report.model_copy(
-        update={"shards_compacted": compaction.shards, "bytes_compacted": compaction.bytes_reclaimable}
+        update={
+            "shards_compacted": compaction.shards,
+            "bytes_compacted": compaction.bytes_reclaimable,
+            "versions_compressed": compressed.versions,
+            "tensors_compressed": compressed.tensors,
+            "tensors_as_deltas": compressed.deltas,
+            "bytes_before_compression": compressed.raw_bytes,
+            "bytes_after_compression": compressed.stored_bytes,
+        }
     )
 
 

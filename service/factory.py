@@ -91,4 +91,6 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
     except BaseException:
         database.dispose()
         raise
-    return Store(database, blobs, settings.staging_dir, direct_writes=settings.direct_writes)
+    return Store(
+        database, blobs, settings.staging_dir, direct_writes=settings.direct_writes, delta_depth=settings.delta_depth
+    )

@@ -4,7 +4,9 @@ Deleting a version never deletes bytes; :func:`collect` does, later:
 
 - **Mark.** A tensor is *referenced* when a manifest part that some committed version lists
   names its digest (``part_refs`` of a ``manifest_parts`` row whose version count is above 0;
-  see :mod:`service.manifest_parts`). A shard is *live* while any of its tensor rows is
+  see :mod:`service.manifest_parts`), or when a stored delta decodes from it (``tensor_needs``,
+  :mod:`service.compression`: a base goes in a later collection than the last delta needing
+  it). A shard is *live* while any of its tensor rows is
   referenced. Parts no version lists any more are deleted first, batch by batch under the
   exclusive lock, with their bodies and references.
 - **Grace.** A shard with no referenced tensor is still kept while it is recent (recorded less
@@ -61,7 +63,7 @@ from sqlalchemy.orm import Session, aliased
 
 from service.blobs import BlobStore, StaleUploads
 from service.db import Database
-from service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, utcnow
+from service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, TensorNeed, utcnow
 from service.db.session import insert_new
 from service.errors import InvalidInputError
 from service.manifest_parts import delete_parts, unlisted_parts
@@ -125,10 +127,18 @@ def _unreferenced_shards(session: Session, cutoff: datetime, among: Sequence[str
         .where(inner.shard_id == Shard.id, ManifestPart.versions > 0)
         .correlate(Shard)
     )
+    needed = aliased(Tensor)
+    # A tensor a stored delta decodes from stays while that delta's row does.
+    needed_by_delta = (
+        select(needed.digest)
+        .join(TensorNeed, TensorNeed.needs == needed.digest)
+        .where(needed.shard_id == Shard.id)
+        .correlate(Shard)
+    )
     statement = (
         select(Shard.id, Shard.size, Shard.created_at, func.max(Tensor.last_seen_at), func.count(Tensor.digest))
         .outerjoin(Tensor, Tensor.shard_id == Shard.id)
-        .where(~referenced.exists())
+        .where(~referenced.exists(), ~needed_by_delta.exists())
         .group_by(Shard.id, Shard.size, Shard.created_at)
         .order_by(Shard.id)
     )
@@ -165,6 +175,8 @@ def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tup
         marked = _unreferenced_shards(session, cutoff, shard_ids)
         still = [u for u in marked if not u.protected]
         for ids in _batches([u.shard_id for u in still], IN_LIST):
+            swept_tensors = select(Tensor.digest).where(Tensor.shard_id.in_(ids))
+            session.execute(delete(TensorNeed).where(TensorNeed.digest.in_(swept_tensors)))
             session.execute(delete(Tensor).where(Tensor.shard_id.in_(ids)))
             session.execute(delete(Shard).where(Shard.id.in_(ids)))
         return still, len(marked) - len(still)

@@ -27,6 +27,8 @@ from service.records import TensorLocation
 
 #: Digests per ``IN`` list of one statement.
 QUERY_BATCH = 500
+#: Rounds of asking for bases: a delta chain is at most this deep (gc keeps them far shorter).
+MAX_CHAIN_LOOKUPS = 16
 #: The most distinct digests one call asks about.
 MAX_DIGESTS_PER_QUERY = 100_000
 
@@ -48,6 +50,9 @@ _LOCATE = select(
     _TENSORS.c.nbytes,
     _TENSORS.c.dtype,
     type_coerce(_TENSORS.c.shape, Text),
+    _TENSORS.c.encoding,
+    _TENSORS.c.stored_nbytes,
+    _TENSORS.c.base,
 ).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
 
 
@@ -57,6 +62,7 @@ def _sqlite_locate(count: int) -> str:
     quote = sqlite_dialect().identifier_preparer.quote
     columns = ", ".join(quote(c.name) for c in (_TENSORS.c.digest, _TENSORS.c.shard_id, _TENSORS.c.offset))
     columns += ", " + ", ".join(quote(c.name) for c in (_TENSORS.c.nbytes, _TENSORS.c.dtype, _TENSORS.c.shape))
+    columns += ", " + ", ".join(quote(c.name) for c in (_TENSORS.c.encoding, _TENSORS.c.stored_nbytes, _TENSORS.c.base))
     marks = ", ".join("?" * count)
     return f"SELECT {columns} FROM {quote(_TENSORS.name)} WHERE {quote(_TENSORS.c.digest.name)} IN ({marks})"
 
@@ -125,7 +131,8 @@ def sizes_held(*, db: Database, sizes: Iterable[int]) -> set[int]:
 
 
 def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]:
-    """Where each digest's bytes live.
+    """Where each digest's bytes live, and where those of every base an encoded delta among
+    them is decoded with (its base, the base's base, …: a load reads them too).
 
     Raises:
         NotFoundError: naming how many digests the store lacks, and one of them.
@@ -136,21 +143,36 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
     with db.transaction() as session:
         connection = session.connection()
         sqlite = connection.dialect.name == "sqlite"
-        for batch in batches(wanted):
-            # Plain tuples through a statement built once: an ORM object per tensor was a
-            # third of loading a model of many small tensors. In SQLite the driver takes the
-            # statement as it is, where expanding the IN list of a Core statement compiled it
-            # anew for every batch (0.13 s of locating 32,768 tensors).
-            # ``all()`` fetches the rows at once; iterating a result fetches them one by one.
-            if sqlite:
-                rows = connection.exec_driver_sql(_sqlite_locate(len(batch)), tuple(batch)).all()
-            else:
-                rows = connection.execute(_LOCATE, {"digests": batch}).all()
-            for digest, shard_id, offset, nbytes, dtype, shape in rows:
-                found[digest] = TensorLocation(digest, shard_id, offset, nbytes, dtype, shapes(shape))
+        asking = wanted
+        for _depth in range(MAX_CHAIN_LOOKUPS):
+            for batch in batches(asking):
+                # Plain tuples through a statement built once: an ORM object per tensor was a
+                # third of loading a model of many small tensors. In SQLite the driver takes the
+                # statement as it is, where expanding the IN list of a Core statement compiled it
+                # anew for every batch (0.13 s of locating 32,768 tensors).
+                # ``all()`` fetches the rows at once; iterating a result fetches them one by one.
+                if sqlite:
+                    rows = connection.exec_driver_sql(_sqlite_locate(len(batch)), tuple(batch)).all()
+                else:
+                    rows = connection.execute(_LOCATE, {"digests": batch}).all()
+                for digest, shard_id, offset, nbytes, dtype, shape, encoding, stored, base in rows:
+                    if encoding is None:
+                        found[digest] = TensorLocation(digest, shard_id, offset, nbytes, dtype, shapes(shape))
+                    else:
+                        found[digest] = TensorLocation(
+                            digest, shard_id, offset, nbytes, dtype, shapes(shape), encoding, stored, base
+                        )
+            if any(d not in found for d in asking):
+                break  # a digest (or a base) the store lacks: named below
+            asking = sorted({loc.base for loc in found.values() if loc.base is not None and loc.base not in found})
+            if not asking:
+                break
     absent = [d for d in wanted if d not in found]
     if absent:
         raise NotFoundError(f"{len(absent)} tensors are not in the store, e.g. {absent[0]}")
+    lost = sorted({loc.base for loc in found.values() if loc.base is not None and loc.base not in found})
+    if lost:
+        raise NotFoundError(f"{len(lost)} tensors that stored deltas decode from are not in the store, e.g. {lost[0]}")
     return found
 
 

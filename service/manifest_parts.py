@@ -113,6 +113,20 @@ def manifest_text(session: Session, run_id: str, version: int) -> str:
     return assemble(head, [bodies[pid] for pid in ids])
 
 
+def part_bodies(session: Session, ids: Sequence[int]) -> dict[int, str]:
+    """The JSON text of each of the parts ``ids`` (StorageError if one is not stored)."""
+    connection = session.connection()
+    bodies: dict[int, str] = {}
+    unique = list(dict.fromkeys(ids))
+    for start in range(0, len(unique), BATCH):
+        found = connection.execute(_BODIES_OF, {"ids": unique[start : start + BATCH]})
+        bodies.update((int(pid), body) for pid, body in found)
+    absent = [pid for pid in unique if pid not in bodies]
+    if absent:
+        raise StorageError(f"manifest part {absent[0]} is listed but not stored")
+    return bodies
+
+
 def unlisted_parts(session: Session, limit: int) -> list[int]:
     """Up to ``limit`` ids of parts no version lists."""
     return [int(pid) for pid in session.connection().execute(_UNLISTED, {"limit": limit}).scalars()]
@@ -135,6 +149,7 @@ def _ids(parts: Any) -> list[int]:
 __all__ = [
     "count_versions",
     "delete_parts",
+    "part_bodies",
     "known_parts",
     "manifest_text",
     "release_versions",

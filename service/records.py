@@ -38,6 +38,22 @@ class TensorLocation:
     nbytes: int
     dtype: str
     shape: list[int]
+    #: How the bytes at ``offset`` are stored (:mod:`service.format.encoding`): "raw" (``nbytes``
+    #: of them), or an encoded payload of ``stored_nbytes`` bytes that decodes to ``nbytes``.
+    encoding: str = "raw"
+    stored_nbytes: int | None = None
+    #: A delta's base: the digest whose raw bytes the decoded delta is XORed with.
+    base: str | None = None
+
+    @property
+    def length(self) -> int:
+        """How many bytes to read at ``offset``: the payload's, or the raw bytes'."""
+        return self.nbytes if self.stored_nbytes is None else self.stored_nbytes
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the bytes stored are a payload to decode rather than the tensor's own."""
+        return self.encoding != "raw"
 
 
 class VersionInfo(_Record):
@@ -133,7 +149,11 @@ class GcReport(_Record):
     mid-upload), holding ``stale_upload_bytes`` in parts; asking for orphans aborts them too,
     and ``uploads_aborted`` counts those aborted. ``shards_compacted`` are shards whose live
     tensors were rewritten into a new shard (see :mod:`service.compaction`); they are swept once
-    the grace period has passed, freeing ``bytes_compacted``.
+    the grace period has passed, freeing ``bytes_compacted``. A collection asked to compress
+    (see :mod:`service.compression`) visited ``versions_compressed`` versions and re-encoded
+    ``tensors_compressed`` of their tensors (``tensors_as_deltas`` of them against the parent
+    version's), whose ``bytes_before_compression`` raw bytes now take ``bytes_after_compression``;
+    the shards they left are swept once the grace period has passed.
     """
 
     dry_run: bool
@@ -151,4 +171,9 @@ class GcReport(_Record):
     uploads_aborted: int = 0
     shards_compacted: int = 0
     bytes_compacted: int = 0
+    versions_compressed: int = 0
+    tensors_compressed: int = 0
+    tensors_as_deltas: int = 0
+    bytes_before_compression: int = 0
+    bytes_after_compression: int = 0
     seconds: float

@@ -23,6 +23,7 @@ from service.blobs import BlobStore, LocalBlobStore
 from service.blobs.base import READ_CHUNK_BYTES
 from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from service.db import Database
+from service.encoded_reads import read_tensor
 from service.errors import InvalidInputError, NotFoundError
 from service.format.digest import is_digest
 from service.format.names import LATEST, validate_run_id, validate_tag
@@ -62,6 +63,7 @@ class Store:
             (:mod:`service.direct_file`); None: whichever way is faster on the staging
             folder's disk, measured before the first shard is written and kept there
             (:mod:`service.write_probe`).
+        delta_depth: deltas a chain of tensors ``gc(compress=True)`` encodes may hold.
     """
 
     #: Takes tensors whose digests the caller does not know (:meth:`put_tensors`).
@@ -75,8 +77,10 @@ class Store:
         *,
         max_header_bytes: int = MAX_HEADER_BYTES,
         direct_writes: bool | None = True,
+        delta_depth: int = 4,
     ) -> None:
         self.db = db
+        self.delta_depth = delta_depth
         self.blobs = blobs
         self.staging_dir = Path(staging_dir)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
@@ -112,9 +116,13 @@ class Store:
         """
         home = Path(home).expanduser()
         home.mkdir(parents=True, exist_ok=True)
-        direct = Settings().direct_writes if direct_writes is None else direct_writes
+        settings = Settings()
+        direct = settings.direct_writes if direct_writes is None else direct_writes
         database = Database.sqlite_file(home / METADATA_FILE)
-        return cls(database, LocalBlobStore(home / "blobs"), home / "staging", direct_writes=direct)
+        return cls(
+            database, LocalBlobStore(home / "blobs"), home / "staging", direct_writes=direct,
+            delta_depth=settings.delta_depth,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Release database connections."""
@@ -142,16 +150,10 @@ class Store:
         return lookup.find_missing(db=self.db, digests=digests)
 
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
-        """Those of ``sizes`` (byte lengths) that some stored tensor has.
+        """Those of ``sizes`` (byte lengths) that some stored tensor has (see :func:`lookup.sizes_held`).
 
         A tensor of a size no stored tensor has is not stored: a save writes it at once, hashed
-        by the store as it writes, instead of hashing it first to ask. A hint, not a promise
-        (another save may store such a tensor meanwhile; its bytes are then kept twice until gc
-        compacts them). One index probe per size, whatever the number of stored tensors.
-
-        Raises:
-            InvalidInputError: a size is not a positive integer, or more than
-                :data:`MAX_SIZES_PER_QUERY` distinct sizes are asked about.
+        by the store as it writes, instead of hashing it first to ask. A hint, not a promise.
         """
         return lookup.sizes_held(db=self.db, sizes=sizes)
 
@@ -253,22 +255,28 @@ class Store:
         dry_run: bool = False,
         orphans: bool = False,
         compact_below: float | None = None,
+        compress: bool = False,
         now: datetime | None = None,
     ) -> GcReport:
         """Delete shards no committed version references, sparing recent ones; see :mod:`service.gc`.
 
         ``grace_seconds`` (default one hour) spares shards recorded or reported present less
-        than that long ago; ``orphans`` also deletes blobs no shard row names; ``compact_below``
-        first rewrites shards whose live bytes are below that fraction (:mod:`service.compaction`).
+        than that long ago; ``orphans`` also deletes blobs no shard row names; ``compress`` first
+        re-encodes the tensors versions older than that added (:mod:`service.compression`), then
+        compacts below half unless told; ``compact_below`` rewrites shards whose live bytes are
+        below that fraction (:mod:`service.compaction`).
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
-        if compact_below is None:
+        if compact_below is None and not compress:
             return collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
         from service.compaction import compact_and_collect
+        from service.compression import COMPACT_AFTER_COMPRESSION, compressor
 
+        compressing = compressor(self.db, self.blobs, self.staging_dir, self.delta_depth, dry_run) if compress else None
+        compact_below = COMPACT_AFTER_COMPRESSION if compress and compact_below is None else compact_below
         return compact_and_collect(
             db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,
-            grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now,
+            grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now, compress=compressing,
         )  # fmt: skip
 
     # -- reading -------------------------------------------------------------------------
@@ -289,6 +297,10 @@ class Store:
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live; NotFoundError names any the store lacks."""
         return lookup.locate(db=self.db, digests=digests)
+
+    def read_tensor(self, digest: str) -> bytearray:
+        """A stored tensor's raw bytes, decoded if it is stored encoded, checked against its digest."""
+        return read_tensor(self.blobs.read_into, self.locate([digest]), digest)
 
     def read_urls(self, shard_ids: Iterable[str], expires_seconds: int) -> dict[str, str]:
         """URLs to read each shard from directly for ``expires_seconds`` where the blob store signs
@@ -371,16 +383,9 @@ class Store:
         mode: str | None = None,
         create_run: bool = False,
     ) -> RetentionPolicy:
-        """Replace the run's retention policy; it is applied at each commit, starting with the next.
-
-        Nothing is removed now (:meth:`apply_retention` does); the record lists what applying it
-        would remove. Both ``keep_last`` and ``keep_best`` unset clears it. A run that does not
-        exist is created only with ``create_run`` (as a save does), so a mistyped id is refused.
-
-        Raises:
-            InvalidInputError: a count below 1, ``keep_best`` without a metric, or a bad mode.
-            NotFoundError: the run does not exist and ``create_run`` is not set.
-        """
+        """Replace the run's retention policy, applied at each commit from the next (see
+        :func:`service.retention.replace_policy`); nothing is removed now (:meth:`apply_retention`
+        does). A run that does not exist is created only with ``create_run``, as a save does."""
         validate_run_id(run_id)
         policy = check_policy(keep_last, keep_best, metric, mode)
         return replace_policy(db=self.db, run_id=run_id, policy=policy, create_run=create_run)

@@ -94,6 +94,15 @@ def gc(
             "(e.g. 0.5); the old shards go once the grace period has passed.",
         ),
     ] = None,
+    compress: Annotated[
+        bool,
+        typer.Option(
+            "--compress",
+            help="First re-encode the tensors of versions older than the grace period, smallest first: "
+            "byte-grouped zstd, or a zstd XOR delta against the version before; the raw shards go once "
+            "the grace period has passed.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,
 ) -> None:
     """Reclaim the stored bytes of shards no committed version references.
@@ -102,12 +111,16 @@ def gc(
     in progress is never affected; `--grace 0` keeps nothing unreferenced. On a server this
     needs an admin token. --json prints dry_run, grace_seconds, shards_swept, tensors_swept,
     bytes_swept, shards_kept, shards_in_grace, orphan_blobs, orphan_bytes, orphans_swept,
-    stale_uploads, stale_upload_bytes, uploads_aborted, shards_compacted, bytes_compacted, seconds.
+    stale_uploads, stale_upload_bytes, uploads_aborted, shards_compacted, bytes_compacted,
+    versions_compressed, tensors_compressed, tensors_as_deltas, bytes_before_compression,
+    bytes_after_compression, seconds.
     """
     with reported():
         seconds = parse_duration(grace)
         with open_client() as ckpt:
-            report = ckpt.gc(grace_seconds=seconds, dry_run=dry_run, orphans=orphans, compact_below=compact_below)
+            report = ckpt.gc(
+                grace_seconds=seconds, dry_run=dry_run, orphans=orphans, compact_below=compact_below, compress=compress
+            )
     if as_json:
         echo_json(report.model_dump(mode="json"))
         return
@@ -120,6 +133,14 @@ def gc(
         f"kept {report.shards_kept} shards, {report.shards_in_grace} of them unreferenced but within "
         f"the {grace.strip()} grace period"
     )
+    if compress:
+        before, after = report.bytes_before_compression, report.bytes_after_compression
+        share = f" ({after / before:.2f}x)" if before else ""
+        typer.echo(
+            f"{'would compress' if report.dry_run else 'compressed'} {report.tensors_compressed} tensors of "
+            f"{report.versions_compressed} versions ({report.tensors_as_deltas} as deltas): {size(before)} "
+            f"stored in {size(after)}{share}; the raw copies go once the grace period has passed"
+        )
     if compact_below is not None:
         typer.echo(
             f"{'would compact' if report.dry_run else 'compacted'} {report.shards_compacted} shards: "

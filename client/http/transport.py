@@ -372,6 +372,7 @@ class HttpTransport:
         dry_run: bool = False,
         orphans: bool = False,
         compact_below: float | None = None,
+        compress: bool = False,
     ) -> GcReport:
         """Garbage-collect on the server (admin scope; safe to retry: a second pass sweeps nothing new)."""
         payload = {
@@ -379,6 +380,7 @@ class HttpTransport:
             "grace_seconds": grace_seconds,
             "orphans": orphans,
             "compact_below": compact_below,
+            "compress": compress,
         }
         return GcReport.model_validate(self._json("POST", "/v1/gc", json=payload))
 

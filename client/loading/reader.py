@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from client.loading.decoding import decode_threads, decoded
 from client.loading.plan import ReadUnit, batch_units, plan_reads
 from client.loading.readahead import run_ahead
 from client.tensors import NAME_TO_TORCH, byte_view
 from client.transport import Transport
+from service.encoded_reads import decode_into, fetch_chain
 from service.errors import IntegrityError, InvalidInputError
 from service.format.digest import TensorHasher, tensor_digest
 from service.format.manifest import DTypeName, Manifest, TensorEntry
@@ -223,7 +225,43 @@ class TensorReader:
     def _stream(
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Hash each arriving piece into its tensor's digest; yield every tensor whose last piece came."""
+        """Hash each arriving piece into its tensor's digest; yield every tensor whose last piece came.
+
+        Tensors stored encoded are decoded after the others (:mod:`client.loading.decoding`).
+        """
+        encoded = [job for job in jobs if job.location.encoded]
+        if encoded:
+            jobs = [job for job in jobs if not job.location.encoded]
+        yield from self._stream_raw(jobs, into)
+        if encoded:
+            yield from self._stream_decoded(encoded, into)
+
+    def _stream_decoded(
+        self, jobs: list[_Job], into: dict[str, torch.Tensor]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Decode, verify and yield each tensor stored encoded, on :func:`decode_threads` threads."""
+        with closing(decoded(self.transport.read_into, self.locations, jobs, threads=decode_threads())) as done:
+            for job, digest in done:
+                assert isinstance(job, _Job)
+                yield from self._hand_out(job, digest, into)
+                self._count(job.location.nbytes)
+
+    def _hand_out(
+        self, job: _Job, digest: str, into: dict[str, torch.Tensor]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Check a whole tensor's digest, then yield it under each of its keys."""
+        self._check(job.keys[0], job.location, digest)
+        tensor = job.release()
+        yield job.keys[0], _deliver(tensor, into.get(job.keys[0]))
+        for key in job.keys[1:]:
+            # Every key gets its own memory: optimizer state updated in place
+            # (Adam's step, equal moments) must never alias another parameter's.
+            yield key, _deliver(tensor, into.get(key), copy=True)
+
+    def _stream_raw(
+        self, jobs: list[_Job], into: dict[str, torch.Tensor]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The tensors stored raw: read in bounded units, hashed as their pieces arrive."""
         units = plan_reads([job.location for job in jobs], UNIT_BYTES)
         with closing(self._fetched(jobs, units)) as fetched:
             for unit, views in fetched:
@@ -235,13 +273,7 @@ class TensorReader:
                         digest = job.digest(view, last=piece.last)
                     if digest is None:
                         continue
-                    self._check(job.keys[0], job.location, digest)
-                    tensor = job.release()
-                    yield job.keys[0], _deliver(tensor, into.get(job.keys[0]))
-                    for key in job.keys[1:]:
-                        # Every key gets its own memory: optimizer state updated in place
-                        # (Adam's step, equal moments) must never alias another parameter's.
-                        yield key, _deliver(tensor, into.get(key), copy=True)
+                    yield from self._hand_out(job, digest, into)
                 self._count(sum(job.location.nbytes for job in (jobs[p.item] for p in unit.pieces if p.last)))
 
     def _fetched(
@@ -294,7 +326,10 @@ class TensorReader:
             return tensor
         location = self.locations[digest]
         data = byte_view(tensor)
-        self.transport.read_into(location.shard_id, location.offset, data)
+        if location.encoded:
+            decode_into(self.transport.read_into, fetch_chain(self.transport.read_into, self.locations, digest), data)
+        else:
+            self.transport.read_into(location.shard_id, location.offset, data)
         hasher = TensorHasher(entry.dtype, shape)
         hasher.update(data)
         self._check(entry.key, location, hasher.hexdigest())

@@ -32,5 +32,6 @@ async def collect_garbage(store: StoreDep, body: Annotated[GcRequest, Body()] = 
             dry_run=body.dry_run,
             orphans=body.orphans,
             compact_below=body.compact_below,
+            compress=body.compress,
         )
     )

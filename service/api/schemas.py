@@ -116,13 +116,15 @@ class RemovedVersions(BaseModel):
 
 class GcRequest(_Strict):
     """A garbage collection: report only (``dry_run``), the grace period (default one hour), and
-    whether to also delete blobs no shard row names (``orphans``), and the live share below
-    which a shard is compacted (``compact_below``, none by default)."""
+    whether to also delete blobs no shard row names (``orphans``), the live share below which a
+    shard is compacted (``compact_below``, none by default), and whether to first compress the
+    tensors of versions older than the grace period (``compress``)."""
 
     dry_run: bool = False
     grace_seconds: Annotated[int, Field(ge=0, le=MAX_GRACE_SECONDS)] | None = None
     orphans: bool = False
     compact_below: Annotated[float, Field(gt=0, le=1)] | None = None
+    compress: bool = False
 
 
 class ErrorBody(BaseModel):

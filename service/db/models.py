@@ -8,6 +8,7 @@ from typing import Any, cast
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     ForeignKey,
@@ -17,6 +18,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -75,9 +77,28 @@ class Tensor(Base):
     #: When a client was last told this tensor is present (it may commit a reference to it
     #: soon): garbage collection spares shards seen within its grace period.
     last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    #: How the bytes at ``offset`` are stored (:mod:`service.format.encoding`); None: raw, and
+    #: ``nbytes`` of them. ``nbytes`` is always the raw length, ``stored_nbytes`` the payload's.
+    encoding: Mapped[str | None] = mapped_column(String(24), nullable=True)
+    stored_nbytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: The digest a delta's bytes are XORed with (a tensor of the same dtype and shape).
+    base: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     # Whether any tensor of a size is stored (see Store.sizes_held) is one index probe.
     __table_args__ = (Index("ix_tensors_nbytes", "nbytes"),)
+
+
+class TensorNeed(Base):
+    """A digest that decoding tensor ``digest`` reads: its base, the base's base, and so on.
+
+    Garbage collection keeps a tensor while any stored tensor needs it; the rows of a tensor go
+    with its own row.
+    """
+
+    __tablename__ = "tensor_needs"
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    needs: Mapped[str] = mapped_column(String(64), primary_key=True)
+    __table_args__ = (Index("ix_tensor_needs_needs", "needs"),)
 
 
 class Run(Base):
@@ -111,6 +132,8 @@ class Version(Base):
     bytes_trainable: Mapped[int] = mapped_column(BigInteger)
     manifest: Mapped[str] = mapped_column(Text)
     parts: Mapped[list[int]] = mapped_column(JSON)
+    #: Set once ``gc --compress`` has considered the tensors this version added.
+    compressed: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false(), index=True)
 
 
 #: A part's id: SQLite hands out ids only to an INTEGER PRIMARY KEY (its rowid).

@@ -1,0 +1,85 @@
+"""Loading tensors stored encoded (``gc --compress``): fetch their payloads, decode on every core, hash.
+
+A tensor stored encoded (:mod:`service.format.encoding`) cannot be read straight into its
+destination: its payload, and for a delta those of its bases, are read into memory, then decoded
+into the destination block by block, a large tensor's blocks spread over a pool of threads
+(zstd and numpy release the interpreter), and the result hashed against the digest as every
+other tensor is. Several tensors are on their way at once, a bounded number ahead of the one
+handed out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from typing import Protocol
+
+from client.loading.readahead import run_ahead
+from service.encoded_reads import ReadInto, decode_into, fetch_chain
+from service.format.digest import tensor_digest
+from service.records import TensorLocation
+
+#: Blocks (of 1 MiB) one thread decodes at a time: a tensor of more is spread over the pool.
+SPLIT_BLOCKS = 16
+
+
+def decode_threads(cores: int | None = None) -> int:
+    """Threads decoding at once: one per core, up to 16."""
+    return max(1, min(16, cores if cores is not None else os.cpu_count() or 1))
+
+
+class EncodedJob(Protocol):
+    """A tensor on its way: where it is stored, its dtype and shape, and its destination's bytes."""
+
+    @property
+    def location(self) -> TensorLocation: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    def bytes(self) -> memoryview: ...
+
+
+def decoded(
+    read: ReadInto,
+    locations: Mapping[str, TensorLocation],
+    jobs: Sequence[EncodedJob],
+    *,
+    threads: int,
+) -> Generator[tuple[EncodedJob, str], None, None]:
+    """Yield each of ``jobs`` in order with the digest of the bytes decoded into its destination.
+
+    The caller compares the digest with the one the job was stored under. However the consumer
+    stops, queued work is cancelled and running work waited for.
+
+    Raises:
+        IntegrityError: a payload is corrupt or does not fit its tensor.
+    """
+    blocks_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptstore-decode-blocks")
+
+    def decode(job: EncodedJob, out: memoryview) -> None:
+        chain = fetch_chain(read, locations, job.location.digest)
+        if chain.blocks <= SPLIT_BLOCKS:
+            decode_into(read, chain, out)
+        else:
+            spans = [range(i, min(i + SPLIT_BLOCKS, chain.blocks)) for i in range(0, chain.blocks, SPLIT_BLOCKS)]
+            for future in [blocks_pool.submit(decode_into, read, chain, out, blocks=span) for span in spans]:
+                future.result()
+
+    def views_for(_number: int, job: EncodedJob) -> memoryview:
+        return job.bytes()
+
+    digest: Callable[[EncodedJob], str] = lambda job: tensor_digest(job.dtype, job.shape, job.bytes())  # noqa: E731
+    try:
+        work = run_ahead(decode, jobs, views_for, ahead=2 * threads, threads=threads, name="ckptstore-decode")
+        with closing(work):
+            for job, _view, future in work:
+                future.result()
+                yield job, digest(job)
+    finally:
+        blocks_pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["SPLIT_BLOCKS", "EncodedJob", "decode_threads", "decoded"]

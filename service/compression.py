@@ -1,0 +1,368 @@
+"""Compression at rest: ``gc --compress`` re-encodes the tensors versions added, smallest first.
+
+Saves always store raw bytes (the training loop pays nothing); a collection asked to compress
+visits, once each, the committed versions older than its grace period, oldest first within a
+run, and for every tensor a version added (raw, at least :data:`MIN_BYTES`) keeps the smallest
+of:
+
+- its raw bytes (kept where they are: nothing is rewritten for less than :data:`MIN_GAIN`);
+- ``grouped-zstd``: its bytes grouped by byte position, compressed;
+- ``xor-grouped-zstd``: the XOR with the tensor of the same key (and chunk) in the parent
+  version, when that has the same dtype and shape, compressed the same way: a full fine-tune
+  moves each weight a little, so the XOR is mostly zero bits. A delta's base may be a delta;
+  the chain stays at most ``max_depth`` deltas deep (past that the tensor is stored whole, a
+  keyframe), and a tensor some delta already decodes from is only ever stored whole.
+
+The encoded tensors go into new shards (format v2: each entry a payload of
+:mod:`service.format.encoding`, stored as bytes), written as compaction writes (see
+:mod:`service.compaction`): the blob first, then in one transaction under the exclusive
+collection lock the shard's row, each tensor's row moved to it (only if still raw where it was),
+what each delta needs (``tensor_needs``: garbage collection keeps those tensors), and the old
+shards' ``created_at`` stamped, so they wait out a grace period before a sweep, as a load that
+located a tensor there a moment ago still reads it. A process killed at any step leaves every
+version loadable: an unrecorded blob is an orphan (``gc --orphans``), a version not yet marked
+is visited again, and a tensor already moved is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.orm import Session
+
+from service import lookup
+from service.blobs import BlobStore
+from service.db import Database
+from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
+from service.db.session import insert_missing, insert_new
+from service.encoded_reads import chain_of, read_tensor
+from service.format import encoding
+from service.format.digest import shard_id as blob_id_of
+from service.format.dtypes import itemsize
+from service.format.safetensors_header import header_bytes
+from service.gc import hold_exclusive
+from service.manifest_parts import part_bodies
+from service.records import TensorLocation
+
+#: Tensors smaller than this stay raw: the gain is small and every encoded tensor costs a load a decode.
+MIN_BYTES = 64 << 10
+#: An encoding must save at least this share of a tensor's bytes to be stored.
+MIN_GAIN = 0.03
+#: Deltas a chain may hold before a tensor is stored whole again.
+DEFAULT_MAX_DEPTH = 4
+#: Payload bytes per encoded shard.
+SHARD_BYTES = 256 << 20
+#: Versions read per query.
+VERSION_BATCH = 200
+#: Raw bytes of a version's encoded tensors kept for the next version's deltas.
+CACHE_BYTES = 1 << 30
+#: Blocks compressed both ways to choose between a keyframe and a delta of a larger tensor.
+SAMPLE_BLOCKS = 4
+SHARD_FORMAT = "ckptstore.shard/2"
+#: The raw shards compression leaves are compacted when less than this share of them is live.
+COMPACT_AFTER_COMPRESSION = 0.5
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor's chosen encoding: its payload and, for a delta, the digests it needs."""
+
+    digest: str
+    old_shard: str
+    encoding: str
+    payload: bytes
+    base: str | None
+    needs: tuple[str, ...]
+
+
+@dataclass
+class Compression:
+    """What a compressing collection did: versions visited, tensors re-encoded, their raw and stored bytes."""
+
+    versions: int = 0
+    tensors: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    deltas: int = 0
+    shards: int = 0
+
+
+def _workers() -> int:
+    return max(1, min(os.cpu_count() or 1, 16))
+
+
+def _choose(data: bytes, width: int, base: bytes | None, base_digest: str | None) -> tuple[str, bytes] | None:
+    """The smaller of ``data`` grouped and compressed, and its delta against ``base``; None if
+    neither saves :data:`MIN_GAIN`."""
+    if base is not None and len(data) > SAMPLE_BLOCKS * encoding.BLOCK_BYTES:
+        # Compressed both ways, a few blocks spread over the tensor tell which way wins.
+        step = len(data) // SAMPLE_BLOCKS
+        picks = [slice(i * step, i * step + encoding.BLOCK_BYTES) for i in range(SAMPLE_BLOCKS)]
+        whole = sum(len(encoding.encode(data[p], width)) for p in picks)
+        delta = sum(len(encoding.encode(data[p], width, base=base[p], base_digest=base_digest)) for p in picks)
+        if delta >= whole:
+            base = None
+    options = [("grouped-zstd", encoding.encode(data, width))]
+    if base is not None:
+        options.append(("xor-grouped-zstd", encoding.encode(data, width, base=base, base_digest=base_digest)))
+    name, payload = min(options, key=lambda option: len(option[1]))
+    return (name, payload) if len(payload) <= (1 - MIN_GAIN) * len(data) else None
+
+
+#: A stored piece of a tensor: its key, and its chunk's offsets (None: the whole tensor).
+Piece = tuple[str, tuple[int, ...] | None]
+
+
+def _pieces(entries: Iterable[dict[str, object]]) -> dict[Piece, tuple[str, str, list[int]]]:
+    """Each stored piece of manifest entries, with its digest, dtype and shape."""
+    found: dict[Piece, tuple[str, str, list[int]]] = {}
+    for entry in entries:
+        key, dtype = str(entry["key"]), str(entry["dtype"])
+        if entry.get("digest") is not None:
+            found[(key, None)] = (str(entry["digest"]), dtype, list(entry["shape"]))  # type: ignore[call-overload]
+        for chunk in entry.get("chunks") or ():  # type: ignore[attr-defined]
+            found[(key, tuple(chunk["offsets"]))] = (chunk["digest"], dtype, list(chunk["shape"]))
+    return found
+
+
+def _entries(session: Session, part_ids: Sequence[int]) -> list[dict[str, object]]:
+    bodies = part_bodies(session, part_ids)
+    return [entry for pid in part_ids for entry in json.loads(bodies[pid])]
+
+
+def _depth(locations: dict[str, TensorLocation], digest: str) -> int:
+    return sum(1 for link in chain_of(locations, digest) if link.base is not None)
+
+
+def _needed(session: Session, digests: Sequence[str]) -> set[str]:
+    """Those of ``digests`` some stored delta decodes from."""
+    found: set[str] = set()
+    for batch in lookup.batches(digests):
+        found.update(session.scalars(select(TensorNeed.needs).where(TensorNeed.needs.in_(batch)).distinct()))
+    return found
+
+
+class _Recent:
+    """Raw bytes of the tensors the last version visited had encoded: the next one's delta bases."""
+
+    def __init__(self) -> None:
+        self.previous: dict[str, bytes] = {}
+        self.current: dict[str, bytes] = {}
+        self.size = 0
+
+    def turn(self) -> None:
+        """Start the next version: what this one encoded becomes what the next one may read."""
+        self.previous, self.current, self.size = self.current, {}, 0
+
+    def keep(self, digest: str, data: bytes) -> None:
+        if self.size + len(data) <= CACHE_BYTES:
+            self.current[digest] = data
+            self.size += len(data)
+
+
+def _encode_version(
+    db: Database,
+    blobs: BlobStore,
+    parts: list[int],
+    parent_parts: list[int],
+    max_depth: int,
+    report: Compression,
+    recent: _Recent,
+) -> list[Encoded]:
+    """Choose an encoding for every raw tensor a version added (in the parts its parent lacks)."""
+    added = [pid for pid in dict.fromkeys(parts) if pid not in set(parent_parts)]
+    if not added:
+        return []
+    with db.transaction() as session:
+        mine = _pieces(_entries(session, added))
+        dropped = [pid for pid in dict.fromkeys(parent_parts) if pid not in set(parts)]
+        theirs = _pieces(_entries(session, dropped)) if dropped else {}
+    wanted = sorted({d for d, _, _ in mine.values()} | {d for d, _, _ in theirs.values()})
+    locations = lookup.locate(db=db, digests=wanted) if wanted else {}
+    jobs: dict[str, tuple[TensorLocation, str | None]] = {}
+    inherited = {d for d, _, _ in theirs.values()}
+    for piece, (digest, dtype, _shape) in mine.items():
+        location = locations[digest]
+        if location.encoded or location.nbytes < MIN_BYTES or digest in jobs or digest in inherited:
+            continue
+        parent = theirs.get(piece)
+        base = None
+        if parent is not None and parent[0] != digest and parent[1] == dtype:
+            candidate = locations[parent[0]]
+            if candidate.nbytes == location.nbytes and list(candidate.shape) == list(location.shape):
+                base = parent[0] if _depth(locations, parent[0]) < max_depth else None
+        jobs[digest] = (location, base)
+    if not jobs:
+        return []
+    with db.transaction() as session:
+        depended_on = _needed(session, sorted(jobs))
+    read = blobs.read_into
+
+    def encode_one(digest: str) -> Encoded | None:
+        location, base = jobs[digest]
+        data = bytes(read_tensor(read, locations, digest))
+        base_bytes = None
+        if base is not None and digest not in depended_on:
+            base_bytes = recent.previous.get(base)
+            if base_bytes is None:
+                base_bytes = bytes(read_tensor(read, locations, base))
+        else:
+            base = None
+        chosen = _choose(data, itemsize(location.dtype), base_bytes, base)
+        if chosen is None:
+            return None
+        name, payload = chosen
+        uses = base if name == "xor-grouped-zstd" else None
+        needs = () if uses is None else (uses, *(link.digest for link in chain_of(locations, uses)[1:]))
+        recent.keep(digest, data)
+        return Encoded(digest, location.shard_id, name, payload, uses, needs)
+
+    with ThreadPoolExecutor(_workers(), thread_name_prefix="ckptstore-compress") as pool:
+        results = [r for r in pool.map(encode_one, sorted(jobs)) if r is not None]
+    report.raw_bytes += sum(locations[r.digest].nbytes for r in results)
+    report.stored_bytes += sum(len(r.payload) for r in results)
+    return results
+
+
+_TENSORS = table(Tensor)
+_MOVE = (
+    update(_TENSORS)
+    .where(
+        _TENSORS.c.digest == bindparam("b_digest"),
+        _TENSORS.c.shard_id == bindparam("b_old"),
+        _TENSORS.c.encoding.is_(None),
+    )
+    .values(
+        shard_id=bindparam("b_new"),
+        offset=bindparam("b_offset"),
+        encoding=bindparam("b_encoding"),
+        stored_nbytes=bindparam("b_stored"),
+        base=bindparam("b_base"),
+    )
+)
+
+
+def _write_shard(db: Database, blobs: BlobStore, staging: Path, batch: Sequence[Encoded]) -> int:
+    """Store ``batch`` as one v2 shard and move its tensors' rows onto it; how many moved."""
+    head = header_bytes([(e.digest, "U8", [len(e.payload)]) for e in batch], {"format": SHARD_FORMAT}, align=8)
+    shard_id = blob_id_of(head)
+    size = len(head) + sum(len(e.payload) for e in batch)
+    path = staging / f"{shard_id}.{os.getpid()}.incomplete"
+    try:
+        with open(path, "wb") as handle:
+            handle.write(head)
+            for item in batch:
+                handle.write(item.payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        blobs.put_file(shard_id, path)
+    finally:
+        path.unlink(missing_ok=True)
+    offsets = []
+    position = len(head)
+    for item in batch:
+        offsets.append(position)
+        position += len(item.payload)
+    moved = 0
+    with db.transaction() as session:
+        hold_exclusive(session)
+        insert_new(session, Shard, {"id": shard_id, "size": size})
+        connection = session.connection()
+        for item, offset in zip(batch, offsets, strict=True):
+            row = {
+                "b_digest": item.digest, "b_old": item.old_shard, "b_new": shard_id, "b_offset": offset,
+                "b_encoding": item.encoding, "b_stored": len(item.payload), "b_base": item.base,
+            }  # fmt: skip
+            if connection.execute(_MOVE, row).rowcount:
+                moved += 1
+                insert_missing(session, TensorNeed, [{"digest": item.digest, "needs": n} for n in item.needs])
+        old = sorted({item.old_shard for item in batch})
+        session.execute(update(Shard).where(Shard.id.in_(old)).values(created_at=utcnow()))
+    return moved
+
+
+def _mark(db: Database, run_id: str, version: int) -> None:
+    with db.transaction() as session:
+        session.execute(
+            update(Version).where(Version.run_id == run_id, Version.version == version).values(compressed=True)
+        )
+
+
+def compress(
+    db: Database,
+    blobs: BlobStore,
+    staging: Path,
+    cutoff: datetime,
+    *,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    dry_run: bool,
+) -> Compression:
+    """Re-encode the tensors of every version committed before ``cutoff`` and not yet visited
+    (see the module docstring); on a dry run, count what would be stored without writing."""
+    if max_depth < 0:
+        raise ValueError(f"max_depth {max_depth} must be at least 0")
+    report = Compression()
+    recent = _Recent()
+    after: tuple[str, int] = ("", 0)
+    while True:
+        with db.transaction() as session:
+            rows = session.execute(
+                select(Version.run_id, Version.version, Version.parent, Version.parts)
+                .where(~Version.compressed, Version.created_at < cutoff)
+                .where((Version.run_id > after[0]) | ((Version.run_id == after[0]) & (Version.version > after[1])))
+                .order_by(Version.run_id, Version.version)
+                .limit(VERSION_BATCH)
+            ).all()
+        for run_id, version, parent, parts in rows:
+            with db.transaction() as session:
+                parent_parts = (
+                    session.scalar(select(Version.parts).where(Version.run_id == run_id, Version.version == parent))
+                    if parent is not None
+                    else None
+                )
+            recent.turn()
+            chosen = _encode_version(
+                db, blobs, [int(p) for p in parts], [int(p) for p in parent_parts or ()], max_depth, report, recent
+            )
+            report.versions += 1
+            report.tensors += len(chosen)
+            report.deltas += sum(1 for e in chosen if e.base is not None)
+            if not dry_run:
+                for batch in _shard_batches(chosen):
+                    _write_shard(db, blobs, staging, batch)
+                    report.shards += 1
+                _mark(db, run_id, version)
+        if len(rows) < VERSION_BATCH:
+            return report
+        after = (rows[-1][0], rows[-1][1])
+
+
+def compressor(
+    db: Database, blobs: BlobStore, staging: Path, max_depth: int, dry_run: bool
+) -> Callable[[datetime], Compression]:
+    """:func:`compress` over a store, waiting for the cutoff its collection computes."""
+    return functools.partial(compress, db, blobs, staging, max_depth=max_depth, dry_run=dry_run)
+
+
+def _shard_batches(chosen: Sequence[Encoded]) -> Iterable[list[Encoded]]:
+    batch: list[Encoded] = []
+    size = 0
+    for item in chosen:
+        if batch and size + len(item.payload) > SHARD_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item.payload)
+    if batch:
+        yield batch
+
+
+__all__ = ["COMPACT_AFTER_COMPRESSION", "DEFAULT_MAX_DEPTH", "MIN_BYTES", "SHARD_FORMAT", "Compression", "compress", "compressor"]

@@ -1,0 +1,146 @@
+"""Reading a stored tensor's raw bytes whatever its encoding: a payload, a delta chain, or raw.
+
+A tensor stored encoded (:mod:`service.format.encoding`) is decoded from its own payload and,
+for a delta, from those of its bases down to a tensor stored whole. This module resolves that
+chain from located tensors (:meth:`Store.locate` returns a delta's bases with it), reads the
+payloads through any ``read(shard_id, offset, buffer)`` (the blob store, or a client's
+transport) and decodes them; the client's loads and the store's own readers share it.
+
+A payload's length comes from the store: it is checked against the most a payload of the
+tensor can take before anything is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from service.errors import IntegrityError
+from service.format.digest import tensor_digest
+from service.format.dtypes import itemsize
+from service.format.encoding import PayloadHead, block_count, decode_chain, head_bytes, parse_head
+from service.records import TensorLocation
+
+#: Reads ``len(buffer)`` bytes of a shard from an offset into ``buffer``.
+ReadInto = Callable[[str, int, memoryview], None]
+#: Longest chain followed: gc keeps chains far shorter (``CKPTSTORE_DELTA_DEPTH``).
+MAX_CHAIN = 16
+
+
+def subject(location: TensorLocation) -> str:
+    """How errors name a stored tensor: its digest and shard, shortened."""
+    return f"tensor {location.digest[:16]}… in shard {location.shard_id[:16]}…"
+
+
+def most_payload_bytes(nbytes: int) -> int:
+    """The longest payload a tensor of ``nbytes`` raw bytes may have (zstd's worst case, and the header)."""
+    return nbytes + nbytes // 128 + 64 * block_count(nbytes) + head_bytes(block_count(nbytes)) + 64
+
+
+def chain_of(locations: Mapping[str, TensorLocation], digest: str) -> list[TensorLocation]:
+    """The located tensors decoding ``digest`` reads: its own, then each base in turn, down to
+    one with no base.
+
+    Raises:
+        IntegrityError: a base was not located, the chain loops or is longer than :data:`MAX_CHAIN`,
+            or a base differs from the tensor in dtype or shape.
+    """
+    location = locations[digest]
+    chain = [location]
+    while chain[-1].base is not None:
+        base = locations.get(chain[-1].base)
+        if base is None:
+            raise IntegrityError(f"{subject(chain[-1])}: its delta base {chain[-1].base} was not located")
+        if len(chain) > MAX_CHAIN or any(link.digest == base.digest for link in chain):
+            raise IntegrityError(f"{subject(location)}: its delta chain loops or is deeper than {MAX_CHAIN}")
+        if base.dtype != location.dtype or base.nbytes != location.nbytes:
+            raise IntegrityError(f"{subject(location)}: its delta base {base.digest[:16]}… has another dtype or size")
+        chain.append(base)
+    return chain
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The payloads decoding one tensor reads (its own first), and the location of the raw
+    tensor at the bottom when the last delta's base is stored raw."""
+
+    location: TensorLocation
+    links: tuple[tuple[PayloadHead, bytearray], ...]
+    raw_base: TensorLocation | None
+
+    @property
+    def blocks(self) -> int:
+        """How many blocks the tensor decodes in (each independently of the others)."""
+        return len(self.links[0][0].frames)
+
+
+def fetch_chain(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> Chain:
+    """Read every payload decoding ``digest`` needs and check each one's header.
+
+    Raises:
+        IntegrityError: a payload is longer than such a tensor's can be, or its header does not
+            fit the tensor (see :func:`~service.format.encoding.parse_head`) or its place in the chain.
+    """
+    chain = chain_of(locations, digest)
+    links = []
+    raw_base = None
+    for link in chain:
+        if not link.encoded:
+            raw_base = link
+            break
+        if not 0 < link.length <= most_payload_bytes(link.nbytes):
+            raise IntegrityError(f"{subject(link)}: a {link.length}-byte payload cannot hold {link.nbytes} bytes")
+        payload = bytearray(link.length)
+        read(link.shard_id, link.offset, memoryview(payload))
+        head = parse_head(payload, nbytes=link.nbytes, width=itemsize(link.dtype), subject=subject(link))
+        if head.base != link.base or head.size != link.length:
+            raise IntegrityError(f"{subject(link)}: its payload does not match what the store records of it")
+        links.append((head, payload))
+    return Chain(location=chain[0], links=tuple(links), raw_base=raw_base)
+
+
+def decode_into(read: ReadInto, chain: Chain, out: memoryview, *, blocks: range | None = None) -> None:
+    """Decode ``chain``'s tensor into ``out`` (its raw length), or only ``blocks`` of it.
+
+    A raw base at the bottom is read into ``out`` first (the part ``blocks`` covers).
+    """
+    view = memoryview(out).cast("B")
+    if chain.raw_base is not None:
+        head = chain.links[0][0]
+        if blocks is None:
+            read(chain.raw_base.shard_id, chain.raw_base.offset, view)
+        elif len(blocks):
+            begin, end = head.block(blocks[0])[0], head.block(blocks[-1])[1]
+            read(chain.raw_base.shard_id, chain.raw_base.offset + begin, view[begin:end])
+    decode_chain(chain.links, view, blocks=blocks, subject=subject(chain.location))
+
+
+def read_tensor(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
+    """The raw bytes of the located tensor ``digest``, decoded if stored encoded, checked against its digest.
+
+    Raises:
+        IntegrityError: the bytes read or decoded do not hash to the digest, or a payload is corrupt.
+    """
+    location = locations[digest]
+    data = bytearray(location.nbytes)
+    if location.encoded:
+        decode_into(read, fetch_chain(read, locations, digest), memoryview(data))
+    else:
+        read(location.shard_id, location.offset, memoryview(data))
+    actual = tensor_digest(location.dtype, location.shape, data)
+    if actual != digest:
+        raise IntegrityError(f"{subject(location)} reads back as {actual[:16]}…; run `ckptstore verify`")
+    return data
+
+
+__all__ = [
+    "MAX_CHAIN",
+    "Chain",
+    "ReadInto",
+    "chain_of",
+    "decode_into",
+    "fetch_chain",
+    "most_payload_bytes",
+    "read_tensor",
+    "subject",
+]
