@@ -223,7 +223,9 @@ def decode_block(
         params = zstandard.get_frame_parameters(view[start:stop])
         if params.content_size != end - begin:
             raise IntegrityError(f"{subject}: block {index} claims {params.content_size} bytes, not {end - begin}")
-        grouped = _decompressor().decompress(view[start:stop], max_output_size=end - begin)
+        # A frame fills its slot of the payload exactly: bytes after it (another frame, or
+        # anything else) mean the frame table does not describe the payload.
+        grouped = _decompressor().decompress(view[start:stop], max_output_size=end - begin, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{subject}: block {index} does not decompress: {exc}") from exc
     if len(grouped) != end - begin:
