@@ -365,4 +365,12 @@ def _shard_batches(chosen: Sequence[Encoded]) -> Iterable[list[Encoded]]:
         yield batch
 
 
-__all__ = ["COMPACT_AFTER_COMPRESSION", "DEFAULT_MAX_DEPTH", "MIN_BYTES", "SHARD_FORMAT", "Compression", "compress", "compressor"]
+__all__ = [
+    "COMPACT_AFTER_COMPRESSION",
+    "DEFAULT_MAX_DEPTH",
+    "MIN_BYTES",
+    "SHARD_FORMAT",
+    "Compression",
+    "compress",
+    "compressor",
+]

@@ -118,21 +118,18 @@ class Store:
         home.mkdir(parents=True, exist_ok=True)
         settings = Settings()
         direct = settings.direct_writes if direct_writes is None else direct_writes
-        database = Database.sqlite_file(home / METADATA_FILE)
+        blobs, depth = LocalBlobStore(home / "blobs"), settings.delta_depth
         return cls(
-            database, LocalBlobStore(home / "blobs"), home / "staging", direct_writes=direct,
-            delta_depth=settings.delta_depth,
-        )  # fmt: skip
+            Database.sqlite_file(home / METADATA_FILE), blobs, home / "staging", direct_writes=direct, delta_depth=depth
+        )
 
     def close(self) -> None:
         """Release database connections."""
         self.db.dispose()
 
     def clean_staging(self, older_than_seconds: float = STALE_SECONDS, *, now: float | None = None) -> CleanupReport:
-        """Delete temporary shard files that killed clients or servers left, once older than the threshold.
-
-        See :func:`service.cleanup.clean_staging`; pass 0 only when no save is running.
-        """
+        """Delete temporary shard files killed clients or servers left, once older than the threshold
+        (:func:`service.cleanup.clean_staging`; pass 0 only when no save is running)."""
         return clean_staging(self, older_than_seconds, now)
 
     # -- writing -------------------------------------------------------------------------
@@ -150,11 +147,8 @@ class Store:
         return lookup.find_missing(db=self.db, digests=digests)
 
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
-        """Those of ``sizes`` (byte lengths) that some stored tensor has (see :func:`lookup.sizes_held`).
-
-        A tensor of a size no stored tensor has is not stored: a save writes it at once, hashed
-        by the store as it writes, instead of hashing it first to ask. A hint, not a promise.
-        """
+        """Those of ``sizes`` (byte lengths) some stored tensor has: a save writes a tensor of another
+        size at once, hashed as it is written, without asking (a hint; :func:`lookup.sizes_held`)."""
         return lookup.sizes_held(db=self.db, sizes=sizes)
 
     def ingest_file(self, path: Path) -> ShardReceipt:

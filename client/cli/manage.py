@@ -9,6 +9,7 @@ import typer
 
 from client.cli.common import UsageProblem, echo_json, open_client, parse_target, reported, size
 from service.format.names import validate_run_id, validate_tag
+from service.records import GcReport
 
 #: ``--grace`` units: seconds, minutes, hours, days.
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -98,9 +99,8 @@ def gc(
         bool,
         typer.Option(
             "--compress",
-            help="First re-encode the tensors of versions older than the grace period, smallest first: "
-            "byte-grouped zstd, or a zstd XOR delta against the version before; the raw shards go once "
-            "the grace period has passed.",
+            help="First compress what versions older than the grace period added (byte-grouped zstd, or "
+            "zstd XOR deltas against the version before); the raw shards go once the grace period has passed.",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,
@@ -133,19 +133,7 @@ def gc(
         f"kept {report.shards_kept} shards, {report.shards_in_grace} of them unreferenced but within "
         f"the {grace.strip()} grace period"
     )
-    if compress:
-        before, after = report.bytes_before_compression, report.bytes_after_compression
-        share = f" ({after / before:.2f}x)" if before else ""
-        typer.echo(
-            f"{'would compress' if report.dry_run else 'compressed'} {report.tensors_compressed} tensors of "
-            f"{report.versions_compressed} versions ({report.tensors_as_deltas} as deltas): {size(before)} "
-            f"stored in {size(after)}{share}; the raw copies go once the grace period has passed"
-        )
-    if compact_below is not None:
-        typer.echo(
-            f"{'would compact' if report.dry_run else 'compacted'} {report.shards_compacted} shards: "
-            f"{size(report.bytes_compacted)} freed once the grace period has passed"
-        )
+    _echo_rewrites(report, compress=compress, compact=compact_below is not None)
     if report.orphan_blobs:
         what = f"{report.orphan_blobs} blobs ({size(report.orphan_bytes)}) have no shard record"
         if report.orphans_swept:
@@ -165,3 +153,20 @@ def gc(
             typer.echo(f"{what}; `ckptstore gc --orphans` aborts them")
     if report.dry_run:
         typer.echo("dry run: nothing was deleted")
+
+
+def _echo_rewrites(report: GcReport, *, compress: bool, compact: bool) -> None:
+    """The lines of a gc report about what compression and compaction rewrote."""
+    if compress:
+        before, after = report.bytes_before_compression, report.bytes_after_compression
+        share = f" ({after / before:.2f}x)" if before else ""
+        typer.echo(
+            f"{'would compress' if report.dry_run else 'compressed'} {report.tensors_compressed} tensors of "
+            f"{report.versions_compressed} versions ({report.tensors_as_deltas} as deltas): {size(before)} "
+            f"stored in {size(after)}{share}; the raw copies go once the grace period has passed"
+        )
+    if compact:
+        typer.echo(
+            f"{'would compact' if report.dry_run else 'compacted'} {report.shards_compacted} shards: "
+            f"{size(report.bytes_compacted)} freed once the grace period has passed"
+        )

@@ -5,9 +5,11 @@ shard's id. Works through the transport only (``locate`` + ``read_scatter`` + a 
 it checks an embedded store and a server alike. Each digest is read once however many versions
 and keys share it; a problem names the first key that references it and the shard holding it.
 
-Tensors are read in shard-and-offset order in bounded reads (:func:`client.loading.plan.plan_reads`)
-into two buffers that take turns: a background thread reads the next unit while the calling
-thread hashes the current one, so memory stays near two reads whatever the tensor sizes.
+Tensors stored encoded (``gc --compress``) are decoded, with the bases their deltas read, and the
+result hashed the same way. The rest are read in shard-and-offset order in bounded reads
+(:func:`client.loading.plan.plan_reads`) into two buffers that take turns: a background thread
+reads the next unit while the calling thread hashes the current one, so memory stays near two
+reads whatever the tensor sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from client.loading.plan import ReadUnit, Stored, plan_reads
 from client.loading.readahead import read_ahead
 from client.transport import Transport
+from service.encoded_reads import read_tensor
 from service.errors import CheckpointError, IntegrityError, NotFoundError
 from service.format.digest import TensorHasher, tensor_digest
 from service.format.digest import shard_id as shard_id_of
@@ -123,16 +126,18 @@ def verify(
         report.tensors += len(manifest.tensors)
         _collect(manifest, references, report)
     stored = sorted(d for d, ref in references.items() if 0 not in ref.shape)
-    located = _locate(transport, stored, references, report)
+    located = _locate(transport, stored, references, report)  # with the bases deltas decode from
+    referenced = [located[d] for d in stored if d in located]
     if on_total is not None:
-        on_total(sum(location.nbytes for location in located.values()))
-    order = sorted(located.values(), key=lambda loc: (loc.shard_id, loc.offset))
+        on_total(sum(location.nbytes for location in referenced))
+    order = sorted(referenced, key=lambda loc: (loc.shard_id, loc.offset))
     firsts: dict[str, TensorLocation] = {}
     for location in order:
         firsts.setdefault(location.shard_id, location)
     for shard_id, first in firsts.items():
         _check_header(transport, shard_id, references[first.digest], report)
-    _check_tensors(transport, order, references, report, on_bytes)
+    _check_tensors(transport, [loc for loc in order if not loc.encoded], references, report, on_bytes)
+    _check_encoded(transport, [loc for loc in order if loc.encoded], located, references, report, on_bytes)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -242,6 +247,28 @@ def _check_tensors(
                     _check(location, hashers.pop(piece.item).hexdigest(), reference, report)
                     if on_bytes is not None:
                         on_bytes(location.nbytes)
+
+
+def _check_encoded(
+    transport: Transport,
+    order: list[TensorLocation],
+    located: dict[str, TensorLocation],
+    references: dict[str, _Reference],
+    report: VerifyReport,
+    on_bytes: Callable[[int], object] | None,
+) -> None:
+    """Decode each tensor stored encoded (``gc --compress``), with the bases its deltas read, and check it."""
+    for location in order:
+        reference = references[location.digest]
+        try:
+            read_tensor(transport.read_into, located, location.digest)
+        except IntegrityError as exc:
+            report.problems.append(_problem(reference, location.digest, location.shard_id, str(exc)))
+        except CheckpointError as exc:
+            report.problems.append(_problem(reference, location.digest, location.shard_id, f"unreadable: {exc}"))
+        report.bytes += location.nbytes
+        if on_bytes is not None:
+            on_bytes(location.nbytes)
 
 
 def _fetched(

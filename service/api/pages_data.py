@@ -255,6 +255,10 @@ def tensor_download(store: Store, run_id: str, ref: str, key: str) -> TensorDown
             f"tensor {key[:200]!r} is stored in {len(entry.digests())} chunks; load it with the client instead"
         )
     location = store.locate([entry.digest])[entry.digest]
+    if location.encoded:  # compressed at rest: decoded (and checked) whole, then sent
+        decoded = store.read_tensor(entry.digest)
+        pieces = (memoryview(decoded)[start : start + PIECE_BYTES] for start in range(0, len(decoded), PIECE_BYTES))
+        return TensorDownload(download_name(entry), location.nbytes, pieces)
     chunks = store.iter_shard(location.shard_id, location.offset, location.nbytes, PIECE_BYTES)
     return TensorDownload(download_name(entry), location.nbytes, chunks)
 

@@ -30,9 +30,8 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import zstandard
 
 from service.errors import IntegrityError
@@ -50,7 +49,18 @@ BLOCK_BYTES = 1 << 20
 #: zstd level: 1 compresses bfloat16 weights to about 0.69x at ~300 MB/s a core; higher levels
 #: gain a point or two at half the speed.
 LEVEL = 1
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT = {2: "uint16", 4: "uint32", 8: "uint64"}
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def _numpy() -> Any:
+    """numpy, imported on first use: commands that never touch an encoded tensor (``serve``,
+    ``db``, ``ls``) start without it."""
+    import numpy
+
+    return numpy
 
 
 @dataclass(frozen=True)
@@ -89,11 +99,12 @@ def _group(block: np.ndarray, width: int) -> np.ndarray:
     """``block``'s bytes byte-grouped: each element's first byte, then each one's second, …"""
     if width == 1:
         return block
-    return np.ascontiguousarray(block.reshape(-1, width).T)
+    return _numpy().ascontiguousarray(block.reshape(-1, width).T)
 
 
 def _ungroup_into(grouped: np.ndarray, width: int, out: np.ndarray, *, xor: bool) -> None:
     """Write (or XOR into ``out`` when ``xor``) the elements whose byte groups ``grouped`` holds."""
+    np = _numpy()
     if width == 1:
         if xor:
             np.bitwise_xor(out, grouped, out=out)
@@ -128,6 +139,7 @@ def encode(
     """The payload of ``data`` (a tensor's raw bytes, elements ``width`` bytes wide): grouped and
     compressed, or, given ``base`` (raw bytes of the same length) and its digest, the XOR of the
     two grouped and compressed."""
+    np = _numpy()
     raw = np.frombuffer(data, dtype=np.uint8)
     if base is not None:
         other = np.frombuffer(base, dtype=np.uint8)
@@ -230,6 +242,7 @@ def decode_block(
         raise IntegrityError(f"{subject}: block {index} does not decompress: {exc}") from exc
     if len(grouped) != end - begin:
         raise IntegrityError(f"{subject}: block {index} decoded to {len(grouped)} bytes, not {end - begin}")
+    np = _numpy()
     target = np.frombuffer(out, dtype=np.uint8)
     if target.size != end - begin:
         raise ValueError(f"block {index} needs {end - begin} bytes of room, not {target.size}")
