@@ -29,8 +29,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +46,7 @@ from service.db import Database
 from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.encoded_reads import chain_of, read_tensor
+from service.errors import IntegrityError
 from service.format import encoding
 from service.format.digest import shard_id as blob_id_of
 from service.format.dtypes import itemsize
@@ -62,6 +65,8 @@ DEFAULT_MAX_DEPTH = 4
 SHARD_BYTES = 256 << 20
 #: Versions read per query.
 VERSION_BATCH = 200
+#: Raw bytes of tensors being encoded at once (each holds its bytes, its base's and its payload).
+IN_FLIGHT_BYTES = 1 << 30
 #: Raw bytes of a version's encoded tensors kept for the next version's deltas.
 CACHE_BYTES = 1 << 30
 #: Blocks compressed both ways to choose between a keyframe and a delta of a larger tensor.
@@ -77,6 +82,7 @@ class Encoded:
 
     digest: str
     old_shard: str
+    nbytes: int
     encoding: str
     payload: bytes
     base: str | None
@@ -157,15 +163,18 @@ class _Recent:
         self.previous: dict[str, bytes] = {}
         self.current: dict[str, bytes] = {}
         self.size = 0
+        self._lock = threading.Lock()
 
     def turn(self) -> None:
         """Start the next version: what this one encoded becomes what the next one may read."""
         self.previous, self.current, self.size = self.current, {}, 0
 
     def keep(self, digest: str, data: bytes) -> None:
-        if self.size + len(data) <= CACHE_BYTES:
-            self.current[digest] = data
-            self.size += len(data)
+        """Keep ``data`` for the next version while the cache has room (called from the workers)."""
+        with self._lock:
+            if self.size + len(data) <= CACHE_BYTES:
+                self.current[digest] = data
+                self.size += len(data)
 
 
 def _encode_version(
@@ -176,11 +185,12 @@ def _encode_version(
     max_depth: int,
     report: Compression,
     recent: _Recent,
-) -> list[Encoded]:
-    """Choose an encoding for every raw tensor a version added (in the parts its parent lacks)."""
+) -> Iterator[Encoded]:
+    """Choose an encoding for every raw tensor a version added (in the parts its parent lacks),
+    on a pool of threads, with at most :data:`IN_FLIGHT_BYTES` of tensors on their way."""
     added = [pid for pid in dict.fromkeys(parts) if pid not in set(parent_parts)]
     if not added:
-        return []
+        return
     with db.transaction() as session:
         mine = _pieces(_entries(session, added))
         dropped = [pid for pid in dict.fromkeys(parent_parts) if pid not in set(parts)]
@@ -201,21 +211,25 @@ def _encode_version(
                 base = parent[0] if _depth(locations, parent[0]) < max_depth else None
         jobs[digest] = (location, base)
     if not jobs:
-        return []
+        return
     with db.transaction() as session:
         depended_on = _needed(session, sorted(jobs))
     read = blobs.read_into
 
     def encode_one(digest: str) -> Encoded | None:
         location, base = jobs[digest]
-        data = bytes(read_tensor(read, locations, digest))
-        base_bytes = None
-        if base is not None and digest not in depended_on:
-            base_bytes = recent.previous.get(base)
-            if base_bytes is None:
-                base_bytes = bytes(read_tensor(read, locations, base))
-        else:
-            base = None
+        try:
+            data = bytes(read_tensor(read, locations, digest))
+            base_bytes = None
+            if base is not None and digest not in depended_on:
+                base_bytes = recent.previous.get(base)
+                if base_bytes is None:
+                    base_bytes = bytes(read_tensor(read, locations, base))
+            else:
+                base = None
+        except IntegrityError:
+            return None  # damaged bytes stay as they are, for `ckptstore verify` to name
+
         chosen = _choose(data, itemsize(location.dtype), base_bytes, base)
         if chosen is None:
             return None
@@ -223,13 +237,33 @@ def _encode_version(
         uses = base if name == "xor-grouped-zstd" else None
         needs = () if uses is None else (uses, *(link.digest for link in chain_of(locations, uses)[1:]))
         recent.keep(digest, data)
-        return Encoded(digest, location.shard_id, name, payload, uses, needs)
+        return Encoded(digest, location.shard_id, location.nbytes, name, payload, uses, needs)
 
-    with ThreadPoolExecutor(_workers(), thread_name_prefix="ckptstore-compress") as pool:
-        results = [r for r in pool.map(encode_one, sorted(jobs)) if r is not None]
-    report.raw_bytes += sum(locations[r.digest].nbytes for r in results)
-    report.stored_bytes += sum(len(r.payload) for r in results)
-    return results
+    pool = ThreadPoolExecutor(_workers(), thread_name_prefix="ckptstore-compress")
+    waiting: deque[tuple[int, Future[Encoded | None]]] = deque()
+    in_flight = 0
+    try:
+        for digest in sorted(jobs):
+            size = jobs[digest][0].nbytes
+            while waiting and in_flight + size > IN_FLIGHT_BYTES:
+                done_size, future = waiting.popleft()
+                in_flight -= done_size
+                yield from _counted(future.result(), report)
+            waiting.append((size, pool.submit(encode_one, digest)))
+            in_flight += size
+        while waiting:
+            yield from _counted(waiting.popleft()[1].result(), report)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _counted(encoded: Encoded | None, report: Compression) -> Iterator[Encoded]:
+    if encoded is not None:
+        report.tensors += 1
+        report.deltas += encoded.base is not None
+        report.raw_bytes += encoded.nbytes
+        report.stored_bytes += len(encoded.payload)
+        yield encoded
 
 
 _TENSORS = table(Tensor)
@@ -333,12 +367,11 @@ def compress(
                 db, blobs, [int(p) for p in parts], [int(p) for p in parent_parts or ()], max_depth, report, recent
             )
             report.versions += 1
-            report.tensors += len(chosen)
-            report.deltas += sum(1 for e in chosen if e.base is not None)
-            if not dry_run:
-                for batch in _shard_batches(chosen):
+            for batch in _shard_batches(chosen):
+                if not dry_run:
                     _write_shard(db, blobs, staging, batch)
                     report.shards += 1
+            if not dry_run:
                 _mark(db, run_id, version)
         if len(rows) < VERSION_BATCH:
             return report
@@ -352,7 +385,7 @@ def compressor(
     return functools.partial(compress, db, blobs, staging, max_depth=max_depth, dry_run=dry_run)
 
 
-def _shard_batches(chosen: Sequence[Encoded]) -> Iterable[list[Encoded]]:
+def _shard_batches(chosen: Iterable[Encoded]) -> Iterator[list[Encoded]]:
     batch: list[Encoded] = []
     size = 0
     for item in chosen:
