@@ -18,6 +18,7 @@ from typing import Protocol
 
 from client.loading.readahead import run_ahead
 from service.encoded_reads import ReadInto, decode_into, fetch_chain
+from service.errors import IntegrityError
 from service.format.digest import tensor_digest
 from service.records import TensorLocation
 
@@ -31,8 +32,11 @@ def decode_threads(cores: int | None = None) -> int:
 
 
 class EncodedJob(Protocol):
-    """A tensor on its way: where it is stored, its dtype and shape, and its destination's bytes."""
+    """A tensor on its way: the keys it serves, where it is stored, its dtype and shape, and its
+    destination's bytes."""
 
+    @property
+    def keys(self) -> Sequence[str]: ...
     @property
     def location(self) -> TensorLocation: ...
     @property
@@ -55,7 +59,7 @@ def decoded(
     stops, queued work is cancelled and running work waited for.
 
     Raises:
-        IntegrityError: a payload is corrupt or does not fit its tensor.
+        IntegrityError: a payload is corrupt or does not fit its tensor (named by its first key).
     """
     blocks_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptstore-decode-blocks")
 
@@ -76,7 +80,10 @@ def decoded(
         work = run_ahead(decode, jobs, views_for, ahead=2 * threads, threads=threads, name="ckptstore-decode")
         with closing(work):
             for job, _view, future in work:
-                future.result()
+                try:
+                    future.result()
+                except IntegrityError as exc:
+                    raise IntegrityError(f"{job.keys[0]}: {exc}") from exc
                 yield job, digest(job)
     finally:
         blocks_pool.shutdown(wait=True, cancel_futures=True)
