@@ -5,8 +5,8 @@ Deleting a version never deletes bytes; :func:`collect` does, later:
 - **Mark.** A tensor is *referenced* when a manifest part that some committed version lists
   names its digest (``part_refs`` of a ``manifest_parts`` row whose version count is above 0;
   see :mod:`service.manifest_parts`), or when a stored delta decodes from it (``tensor_needs``,
-  :mod:`service.compression`: a base goes in a later collection than the last delta needing
-  it). A shard is *live* while any of its tensor rows is
+  :mod:`service.compression`: a sweep that removes a delta is followed by another, which may
+  then remove what it decoded from). A shard is *live* while any of its tensor rows is
   referenced. Parts no version lists any more are deleted first, batch by batch under the
   exclusive lock, with their bodies and references.
 - **Grace.** A shard with no referenced tensor is still kept while it is recent (recorded less
@@ -57,8 +57,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.orm import Session, aliased
 
 from service.blobs import BlobStore, StaleUploads
@@ -78,6 +79,8 @@ IN_LIST = 500
 #: Shards swept, and blobs deleted, per hold of the exclusive lock (which makes saves wait): about
 #: 0.1-0.4 s of database work, or 100 file or object deletions.
 SWEEP_BATCH = 2000
+#: Sweeps one collection runs at most: one more per link of the longest delta chain it frees.
+MAX_SWEEP_ROUNDS = 18
 BLOB_BATCH = 100
 
 
@@ -166,8 +169,10 @@ def _recorded(session: Session, shard_ids: Sequence[str]) -> set[str]:
     return set(session.scalars(select(Shard.id).where(Shard.id.in_(shard_ids))))
 
 
-def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tuple[list[_Unreferenced], int]:
-    """Delete the rows of those of ``shard_ids`` still sweepable; returns them and how many are now in grace."""
+def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tuple[list[_Unreferenced], int, bool]:
+    """Delete the rows of those of ``shard_ids`` still sweepable; returns them, how many are now in
+    grace, and whether a swept tensor was a delta (what it decoded from may be sweepable now)."""
+    freed = False
     with db.transaction() as session:
         hold_exclusive(session)
         # Marked again under the lock: since the first look a commit may have referenced some, or
@@ -176,10 +181,11 @@ def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tup
         still = [u for u in marked if not u.protected]
         for ids in _batches([u.shard_id for u in still], IN_LIST):
             swept_tensors = select(Tensor.digest).where(Tensor.shard_id.in_(ids))
-            session.execute(delete(TensorNeed).where(TensorNeed.digest.in_(swept_tensors)))
+            needs = session.execute(delete(TensorNeed).where(TensorNeed.digest.in_(swept_tensors)))
+            freed = freed or bool(cast(CursorResult[Any], needs).rowcount)
             session.execute(delete(Tensor).where(Tensor.shard_id.in_(ids)))
             session.execute(delete(Shard).where(Shard.id.in_(ids)))
-        return still, len(marked) - len(still)
+        return still, len(marked) - len(still), freed
 
 
 def _sweep_parts(db: Database) -> int:
@@ -273,21 +279,31 @@ def collect(
     cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
     if not dry_run:
         _sweep_parts(db)  # the mark below ignores them anyway; this reclaims their rows
-    # A first look without the lock; each batch is marked again under it before anything goes, so
-    # saves wait for one batch at a time, never for the whole collection.
     with db.transaction() as session:
-        unreferenced = _unreferenced_shards(session, cutoff)
         total = int(session.scalar(select(func.count()).select_from(Shard)) or 0)
-    candidates = [u for u in unreferenced if not u.protected]
-    in_grace = len(unreferenced) - len(candidates)
-    swept = candidates if dry_run else []
-    if not dry_run:
+    swept: list[_Unreferenced] = []
+    # A round sweeping a delta may free what it decoded from: a chain goes in one collection,
+    # a round per link (a dry run looks once).
+    for _round in range(MAX_SWEEP_ROUNDS):
+        # A first look without the lock; each batch is marked again under it before anything
+        # goes, so saves wait for one batch at a time, never for the whole collection.
+        with db.transaction() as session:
+            unreferenced = _unreferenced_shards(session, cutoff)
+        candidates = [u for u in unreferenced if not u.protected]
+        in_grace = len(unreferenced) - len(candidates)
+        if dry_run:
+            swept = candidates
+            break
+        freed = False
         for batch in _batches([u.shard_id for u in candidates], SWEEP_BATCH):
-            gone, seen_meanwhile = _sweep_rows(db, batch, cutoff)
+            gone, seen_meanwhile, freed_batch = _sweep_rows(db, batch, cutoff)
             in_grace += seen_meanwhile
+            freed = freed or freed_batch
             # Only once their rows are committed: a blob must never go while a row names it.
             _delete_unrecorded_blobs(db, blobs, [u.shard_id for u in gone])
             swept.extend(gone)
+        if not freed:
+            break
     orphan_ids = _orphans(db, blobs)
     orphan_bytes = sum(blobs.size(blob_id) or 0 for blob_id in orphan_ids)
     orphans_swept = _delete_unrecorded_blobs(db, blobs, orphan_ids) if orphans and not dry_run else 0

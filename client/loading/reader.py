@@ -327,7 +327,11 @@ class TensorReader:
         location = self.locations[digest]
         data = byte_view(tensor)
         if location.encoded:
-            decode_into(self.transport.read_into, fetch_chain(self.transport.read_into, self.locations, digest), data)
+            read = self.transport.read_into
+            try:
+                decode_into(read, fetch_chain(read, self.locations, digest), data)
+            except IntegrityError as exc:
+                raise IntegrityError(f"{entry.key}: {exc}") from exc
         else:
             self.transport.read_into(location.shard_id, location.offset, data)
         hasher = TensorHasher(entry.dtype, shape)
