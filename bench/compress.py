@@ -608,7 +608,7 @@ def main() -> None:
         f"- model: Llama, {nparams / 1e6:.1f}M parameters (hidden {config.hidden_size}, {config.num_hidden_layers} "
         f"layers, vocab {config.vocab_size}, tied embeddings), random init; AdamW lr 1e-4 (fused), "
         f"{TOKENS_PER_STEP} random tokens a step; a save of model + optimizer every {STEPS_PER_VERSION} steps, "
-        f"{VERSIONS} versions; then `gc(compress=True, grace_seconds=0)` (store delta_depth 4)"
+        f"{VERSIONS} versions; then `gc(compress=True, grace_seconds=0)` (store deltas_per_keyframe 4)"
     )
     root = scratch_dir(args.workdir)
     try:

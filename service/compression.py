@@ -7,11 +7,14 @@ of:
 
 - its raw bytes (kept where they are: nothing is rewritten for less than :data:`MIN_GAIN`);
 - ``grouped-zstd``: its bytes grouped by byte position, compressed;
-- ``xor-grouped-zstd``: the XOR with the tensor of the same key (and chunk) in the parent
-  version, when that has the same dtype and shape, compressed the same way: a full fine-tune
-  moves each weight a little, so the XOR is mostly zero bits. A delta's base may be a delta;
-  the chain stays at most ``max_depth`` deltas deep (past that the tensor is stored whole, a
-  keyframe), and a tensor some delta already decodes from is only ever stored whole.
+- ``xor-grouped-zstd``: the XOR with the *keyframe* of the same key (and chunk), compressed
+  the same way: a full fine-tune moves each weight a little, so the XOR is mostly zero bits.
+  The keyframe is the parent version's tensor if that is stored whole (compressed or raw), or
+  the base of the parent's delta; when ``max_deltas`` deltas already decode from it, the tensor
+  is stored whole and becomes the next keyframe. Every delta thus decodes from one payload
+  below it: a load decodes at most two per tensor, however many versions a keyframe serves
+  (chains of deltas on deltas were a little smaller, and several times slower to load). A tensor
+  some delta already decodes from is only ever stored whole.
 
 The encoded tensors go into new shards (format v2: each entry a payload of
 :mod:`service.format.encoding`, stored as bytes), written as compaction writes (see
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from service import lookup
@@ -45,7 +48,7 @@ from service.blobs import BlobStore
 from service.db import Database
 from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
-from service.encoded_reads import chain_of, read_tensor
+from service.encoded_reads import chain_of, read_raw
 from service.errors import IntegrityError
 from service.format import encoding
 from service.format.digest import shard_id as blob_id_of
@@ -59,8 +62,8 @@ from service.records import TensorLocation
 MIN_BYTES = 64 << 10
 #: An encoding must save at least this share of a tensor's bytes to be stored.
 MIN_GAIN = 0.03
-#: Deltas a chain may hold before a tensor is stored whole again.
-DEFAULT_MAX_DEPTH = 4
+#: Deltas a keyframe may serve before a tensor is stored whole again (a new keyframe).
+DEFAULT_MAX_DELTAS = 4
 #: Payload bytes per encoded shard.
 SHARD_BYTES = 256 << 20
 #: Versions read per query.
@@ -69,8 +72,9 @@ VERSION_BATCH = 200
 IN_FLIGHT_BYTES = 1 << 30
 #: Raw bytes of a version's encoded tensors kept for the next version's deltas.
 CACHE_BYTES = 1 << 30
-#: Blocks compressed both ways to choose between a keyframe and a delta of a larger tensor.
-SAMPLE_BLOCKS = 4
+#: Stretches of a tensor compressed both ways to choose between a keyframe and a delta, and their size.
+SAMPLES = 4
+SAMPLE_BYTES = 256 << 10
 SHARD_FORMAT = "ckptstore.shard/2"
 #: The raw shards compression leaves are compacted when less than this share of them is live.
 COMPACT_AFTER_COMPRESSION = 0.5
@@ -105,22 +109,33 @@ def _workers() -> int:
     return max(1, min(os.cpu_count() or 1, 16))
 
 
-def _choose(data: bytes, width: int, base: bytes | None, base_digest: str | None) -> tuple[str, bytes] | None:
+def _choose(data: memoryview, width: int, base: memoryview | None, base_digest: str | None) -> tuple[str, bytes] | None:
     """The smaller of ``data`` grouped and compressed, and its delta against ``base``; None if
-    neither saves :data:`MIN_GAIN`."""
-    if base is not None and len(data) > SAMPLE_BLOCKS * encoding.BLOCK_BYTES:
-        # Compressed both ways, a few blocks spread over the tensor tell which way wins.
-        step = len(data) // SAMPLE_BLOCKS
-        picks = [slice(i * step, i * step + encoding.BLOCK_BYTES) for i in range(SAMPLE_BLOCKS)]
-        whole = sum(len(encoding.encode(data[p], width)) for p in picks)
-        delta = sum(len(encoding.encode(data[p], width, base=base[p], base_digest=base_digest)) for p in picks)
+    neither saves :data:`MIN_GAIN`.
+
+    Only the winner is compressed whole: a few samples spread over the tensor, compressed both
+    ways, tell which way wins (compressing everything twice halved the collection's speed).
+    """
+    if base is not None:
+        whole = delta = 0
+        for part in _samples(len(data)):
+            whole += len(encoding.encode(data[part], width))
+            delta += len(encoding.encode(data[part], width, base=base[part], base_digest=base_digest))
         if delta >= whole:
             base = None
-    options = [("grouped-zstd", encoding.encode(data, width))]
-    if base is not None:
-        options.append(("xor-grouped-zstd", encoding.encode(data, width, base=base, base_digest=base_digest)))
-    name, payload = min(options, key=lambda option: len(option[1]))
+    if base is None:
+        name, payload = "grouped-zstd", encoding.encode(data, width)
+    else:
+        name, payload = "xor-grouped-zstd", encoding.encode(data, width, base=base, base_digest=base_digest)
     return (name, payload) if len(payload) <= (1 - MIN_GAIN) * len(data) else None
+
+
+def _samples(nbytes: int) -> list[slice]:
+    """:data:`SAMPLES` stretches of :data:`SAMPLE_BYTES`, spread evenly over ``nbytes`` (one if it is short)."""
+    if nbytes <= SAMPLES * SAMPLE_BYTES:
+        return [slice(0, min(nbytes, SAMPLE_BYTES))]
+    step = nbytes // SAMPLES // 8 * 8  # element-aligned for every width
+    return [slice(i * step, i * step + SAMPLE_BYTES) for i in range(SAMPLES)]
 
 
 #: A stored piece of a tensor: its key, and its chunk's offsets (None: the whole tensor).
@@ -144,24 +159,32 @@ def _entries(session: Session, part_ids: Sequence[int]) -> list[dict[str, object
     return [entry for pid in part_ids for entry in json.loads(bodies[pid])]
 
 
-def _depth(locations: dict[str, TensorLocation], digest: str) -> int:
-    return sum(1 for link in chain_of(locations, digest) if link.base is not None)
+def _keyframe(locations: dict[str, TensorLocation], digest: str) -> str:
+    """The tensor a delta against ``digest``'s line would decode from: ``digest`` itself when it
+    is stored whole, else the bottom of its chain."""
+    return chain_of(locations, digest)[-1].digest
 
 
-def _needed(session: Session, digests: Sequence[str]) -> set[str]:
-    """Those of ``digests`` some stored delta decodes from."""
-    found: set[str] = set()
+def _dependents(session: Session, digests: Sequence[str]) -> dict[str, int]:
+    """How many stored deltas decode from each of ``digests`` (those none does are left out)."""
+    found: dict[str, int] = {}
     for batch in lookup.batches(digests):
-        found.update(session.scalars(select(TensorNeed.needs).where(TensorNeed.needs.in_(batch)).distinct()))
+        counted = session.execute(
+            select(TensorNeed.needs, func.count()).where(TensorNeed.needs.in_(batch)).group_by(TensorNeed.needs)
+        )
+        found.update((needs, int(count)) for needs, count in counted)
     return found
 
 
 class _Recent:
     """Raw bytes of the tensors the last version visited had encoded: the next one's delta bases."""
 
-    def __init__(self) -> None:
-        self.previous: dict[str, bytes] = {}
-        self.current: dict[str, bytes] = {}
+    def __init__(self, *, dry_run: bool) -> None:
+        #: On a dry run nothing is recorded, so the deltas it would store are kept here (delta ->
+        #: keyframe), for later versions to see as a real run would.
+        self.planned: dict[str, str] | None = {} if dry_run else None
+        self.previous: dict[str, memoryview] = {}
+        self.current: dict[str, memoryview] = {}
         self.size = 0
         self._lock = threading.Lock()
 
@@ -169,7 +192,7 @@ class _Recent:
         """Start the next version: what this one encoded becomes what the next one may read."""
         self.previous, self.current, self.size = self.current, {}, 0
 
-    def keep(self, digest: str, data: bytes) -> None:
+    def keep(self, digest: str, data: memoryview) -> None:
         """Keep ``data`` for the next version while the cache has room (called from the workers)."""
         with self._lock:
             if self.size + len(data) <= CACHE_BYTES:
@@ -182,7 +205,7 @@ def _encode_version(
     blobs: BlobStore,
     parts: list[int],
     parent_parts: list[int],
-    max_depth: int,
+    max_deltas: int,
     report: Compression,
     recent: _Recent,
 ) -> Iterator[Encoded]:
@@ -205,26 +228,38 @@ def _encode_version(
             continue
         parent = theirs.get(piece)
         base = None
-        if parent is not None and parent[0] != digest and parent[1] == dtype:
+        if max_deltas > 0 and parent is not None and parent[0] != digest and parent[1] == dtype:
             candidate = locations[parent[0]]
             if candidate.nbytes == location.nbytes and list(candidate.shape) == list(location.shape):
-                base = parent[0] if _depth(locations, parent[0]) < max_depth else None
+                planned = recent.planned or {}
+                base = planned.get(parent[0]) or _keyframe(locations, parent[0])
         jobs[digest] = (location, base)
     if not jobs:
         return
+    keyframes = sorted({base for _, base in jobs.values() if base is not None})
+    unlocated = [digest for digest in keyframes if digest not in locations]  # a dry run's planned keyframes
+    if unlocated:
+        locations.update(lookup.locate(db=db, digests=unlocated))
     with db.transaction() as session:
-        depended_on = _needed(session, sorted(jobs))
+        served = _dependents(session, keyframes + sorted(jobs))
+    if recent.planned:
+        for keyframe in recent.planned.values():
+            served[keyframe] = served.get(keyframe, 0) + 1
+    depended_on = {digest for digest in jobs if digest in served}
+    for digest, (location, base) in jobs.items():
+        if base is not None and served.get(base, 0) >= max_deltas:
+            jobs[digest] = (location, None)  # its keyframe serves enough deltas: a new keyframe
     read = blobs.read_into
 
     def encode_one(digest: str) -> Encoded | None:
         location, base = jobs[digest]
         try:
-            data = bytes(read_tensor(read, locations, digest))
+            data = memoryview(read_raw(read, locations, digest))
             base_bytes = None
             if base is not None and digest not in depended_on:
                 base_bytes = recent.previous.get(base)
                 if base_bytes is None:
-                    base_bytes = bytes(read_tensor(read, locations, base))
+                    base_bytes = memoryview(read_raw(read, locations, base))
             else:
                 base = None
         except IntegrityError:
@@ -336,15 +371,15 @@ def compress(
     staging: Path,
     cutoff: datetime,
     *,
-    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_deltas: int = DEFAULT_MAX_DELTAS,
     dry_run: bool,
 ) -> Compression:
     """Re-encode the tensors of every version committed before ``cutoff`` and not yet visited
     (see the module docstring); on a dry run, count what would be stored without writing."""
-    if max_depth < 0:
-        raise ValueError(f"max_depth {max_depth} must be at least 0")
+    if max_deltas < 0:
+        raise ValueError(f"max_deltas {max_deltas} must be at least 0")
     report = Compression()
-    recent = _Recent()
+    recent = _Recent(dry_run=dry_run)
     after: tuple[str, int] = ("", 0)
     while True:
         with db.transaction() as session:
@@ -364,10 +399,12 @@ def compress(
                 )
             recent.turn()
             chosen = _encode_version(
-                db, blobs, [int(p) for p in parts], [int(p) for p in parent_parts or ()], max_depth, report, recent
+                db, blobs, [int(p) for p in parts], [int(p) for p in parent_parts or ()], max_deltas, report, recent
             )
             report.versions += 1
             for batch in _shard_batches(chosen):
+                if recent.planned is not None:
+                    recent.planned.update((e.digest, e.base) for e in batch if e.base is not None)
                 if not dry_run:
                     _write_shard(db, blobs, staging, batch)
                     report.shards += 1
@@ -379,10 +416,10 @@ def compress(
 
 
 def compressor(
-    db: Database, blobs: BlobStore, staging: Path, max_depth: int, dry_run: bool
+    db: Database, blobs: BlobStore, staging: Path, max_deltas: int, dry_run: bool
 ) -> Callable[[datetime], Compression]:
     """:func:`compress` over a store, waiting for the cutoff its collection computes."""
-    return functools.partial(compress, db, blobs, staging, max_depth=max_depth, dry_run=dry_run)
+    return functools.partial(compress, db, blobs, staging, max_deltas=max_deltas, dry_run=dry_run)
 
 
 def _shard_batches(chosen: Iterable[Encoded]) -> Iterator[list[Encoded]]:
@@ -400,7 +437,7 @@ def _shard_batches(chosen: Iterable[Encoded]) -> Iterator[list[Encoded]]:
 
 __all__ = [
     "COMPACT_AFTER_COMPRESSION",
-    "DEFAULT_MAX_DEPTH",
+    "DEFAULT_MAX_DELTAS",
     "MIN_BYTES",
     "SHARD_FORMAT",
     "Compression",

@@ -23,7 +23,7 @@ from service.records import TensorLocation
 
 #: Reads ``len(buffer)`` bytes of a shard from an offset into ``buffer``.
 ReadInto = Callable[[str, int, memoryview], None]
-#: Longest chain followed: gc keeps chains far shorter (``CKPTSTORE_DELTA_DEPTH``).
+#: Longest chain followed (gc writes deltas one link deep, on a keyframe stored whole).
 MAX_CHAIN = 16
 
 
@@ -115,11 +115,13 @@ def decode_into(read: ReadInto, chain: Chain, out: memoryview, *, blocks: range 
     decode_chain(chain.links, view, blocks=blocks, subject=subject(chain.location))
 
 
-def read_tensor(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
-    """The raw bytes of the located tensor ``digest``, decoded if stored encoded, checked against its digest.
+def read_raw(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
+    """The raw bytes of the located tensor ``digest``, decoded if stored encoded, *not* checked
+    against its digest (re-encoding bytes needs no check: whatever they are, every load checks
+    what decoding them gives).
 
     Raises:
-        IntegrityError: the bytes read or decoded do not hash to the digest, or a payload is corrupt.
+        IntegrityError: a payload is corrupt or does not fit its tensor.
     """
     location = locations[digest]
     data = bytearray(location.nbytes)
@@ -127,6 +129,17 @@ def read_tensor(read: ReadInto, locations: Mapping[str, TensorLocation], digest:
         decode_into(read, fetch_chain(read, locations, digest), memoryview(data))
     else:
         read(location.shard_id, location.offset, memoryview(data))
+    return data
+
+
+def read_tensor(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
+    """The raw bytes of the located tensor ``digest``, decoded if stored encoded, checked against its digest.
+
+    Raises:
+        IntegrityError: the bytes read or decoded do not hash to the digest, or a payload is corrupt.
+    """
+    location = locations[digest]
+    data = read_raw(read, locations, digest)
     actual = tensor_digest(location.dtype, location.shape, data)
     if actual != digest:
         raise IntegrityError(f"{subject(location)} reads back as {actual[:16]}…; run `ckptstore verify`")
@@ -141,6 +154,7 @@ __all__ = [
     "decode_into",
     "fetch_chain",
     "most_payload_bytes",
+    "read_raw",
     "read_tensor",
     "subject",
 ]

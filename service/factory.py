@@ -91,6 +91,5 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
     except BaseException:
         database.dispose()
         raise
-    return Store(
-        database, blobs, settings.staging_dir, direct_writes=settings.direct_writes, delta_depth=settings.delta_depth
-    )
+    direct, deltas = settings.direct_writes, settings.deltas_per_keyframe
+    return Store(database, blobs, settings.staging_dir, direct_writes=direct, deltas_per_keyframe=deltas)

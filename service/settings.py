@@ -71,9 +71,9 @@ class Settings(BaseSettings):
     #: send shard bytes to S3 directly and the server verifies them there (``POST
     #: /v1/shards/<id>/uploads``). 0: every upload goes through the server.
     upload_url_seconds: int = Field(default=900, ge=0, le=7 * 24 * 3600)
-    #: Deltas a chain of tensors compressed by ``gc --compress`` may hold before a tensor is stored
-    #: whole again (:mod:`service.compression`): deeper chains are smaller, and slower to load.
-    delta_depth: int = Field(default=4, ge=0, le=12)
+    #: Deltas of later versions one tensor stored whole by ``gc --compress`` may serve as their
+    #: keyframe before a tensor is stored whole again (:mod:`service.compression`); 0: no deltas.
+    deltas_per_keyframe: int = Field(default=4, ge=0, le=64)
 
     @property
     def home_path(self) -> Path:

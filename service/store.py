@@ -63,7 +63,7 @@ class Store:
             (:mod:`service.direct_file`); None: whichever way is faster on the staging
             folder's disk, measured before the first shard is written and kept there
             (:mod:`service.write_probe`).
-        delta_depth: deltas a chain of tensors ``gc(compress=True)`` encodes may hold.
+        deltas_per_keyframe: deltas one tensor ``gc(compress=True)`` stores whole may serve.
     """
 
     #: Takes tensors whose digests the caller does not know (:meth:`put_tensors`).
@@ -77,10 +77,10 @@ class Store:
         *,
         max_header_bytes: int = MAX_HEADER_BYTES,
         direct_writes: bool | None = True,
-        delta_depth: int = 4,
+        deltas_per_keyframe: int = 4,
     ) -> None:
         self.db = db
-        self.delta_depth = delta_depth
+        self.deltas_per_keyframe = deltas_per_keyframe
         self.blobs = blobs
         self.staging_dir = Path(staging_dir)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
@@ -118,10 +118,9 @@ class Store:
         home.mkdir(parents=True, exist_ok=True)
         settings = Settings()
         direct = settings.direct_writes if direct_writes is None else direct_writes
-        blobs, depth = LocalBlobStore(home / "blobs"), settings.delta_depth
-        return cls(
-            Database.sqlite_file(home / METADATA_FILE), blobs, home / "staging", direct_writes=direct, delta_depth=depth
-        )
+        blobs, deltas = LocalBlobStore(home / "blobs"), settings.deltas_per_keyframe
+        database = Database.sqlite_file(home / METADATA_FILE)
+        return cls(database, blobs, home / "staging", direct_writes=direct, deltas_per_keyframe=deltas)
 
     def close(self) -> None:
         """Release database connections."""
@@ -266,7 +265,8 @@ class Store:
         from service.compaction import compact_and_collect
         from service.compression import COMPACT_AFTER_COMPRESSION, compressor
 
-        compressing = compressor(self.db, self.blobs, self.staging_dir, self.delta_depth, dry_run) if compress else None
+        deltas = self.deltas_per_keyframe
+        compressing = compressor(self.db, self.blobs, self.staging_dir, deltas, dry_run) if compress else None
         compact_below = COMPACT_AFTER_COMPRESSION if compress and compact_below is None else compact_below
         return compact_and_collect(
             db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,

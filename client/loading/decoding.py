@@ -11,7 +11,7 @@ handed out.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from typing import Protocol
@@ -63,28 +63,33 @@ def decoded(
     """
     blocks_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptstore-decode-blocks")
 
-    def decode(job: EncodedJob, out: memoryview) -> None:
+    def decode(job: EncodedJob, out: list[memoryview | str]) -> None:
         chain = fetch_chain(read, locations, job.location.digest)
+        view = out[0]
+        assert isinstance(view, memoryview)
         if chain.blocks <= SPLIT_BLOCKS:
-            decode_into(read, chain, out)
+            decode_into(read, chain, view)
         else:
             spans = [range(i, min(i + SPLIT_BLOCKS, chain.blocks)) for i in range(0, chain.blocks, SPLIT_BLOCKS)]
-            for future in [blocks_pool.submit(decode_into, read, chain, out, blocks=span) for span in spans]:
+            for future in [blocks_pool.submit(decode_into, read, chain, view, blocks=span) for span in spans]:
                 future.result()
+        # Hashed here, by the thread that decoded it while it is in its cache, not by the consumer.
+        out.append(tensor_digest(job.dtype, job.shape, view, parallel=threads == 1))
 
-    def views_for(_number: int, job: EncodedJob) -> memoryview:
-        return job.bytes()
+    def views_for(_number: int, job: EncodedJob) -> list[memoryview | str]:
+        return [job.bytes()]
 
-    digest: Callable[[EncodedJob], str] = lambda job: tensor_digest(job.dtype, job.shape, job.bytes())  # noqa: E731
     try:
         work = run_ahead(decode, jobs, views_for, ahead=2 * threads, threads=threads, name="ckptstore-decode")
         with closing(work):
-            for job, _view, future in work:
+            for job, done, future in work:
                 try:
                     future.result()
                 except IntegrityError as exc:
                     raise IntegrityError(f"{job.keys[0]}: {exc}") from exc
-                yield job, digest(job)
+                digest = done[-1]
+                assert isinstance(digest, str)
+                yield job, digest
     finally:
         blocks_pool.shutdown(wait=True, cancel_futures=True)
 

@@ -111,20 +111,19 @@ def _ungroup_into(grouped: np.ndarray, width: int, out: np.ndarray, *, xor: bool
         else:
             out[:] = grouped
         return
-    # Shifting planes into wide integers runs at memory speed; a strided transpose write was
-    # five times slower.
-    uint = _UINT[width]
-    count = grouped.size // width
-    planes = grouped.reshape(width, count)
-    value = planes[width - 1].astype(uint)
-    for index in range(width - 2, -1, -1):
-        np.left_shift(value, 8, out=value)
-        np.bitwise_or(value, planes[index], out=value, casting="unsafe")
-    target = out.view(uint)
-    if xor:
-        np.bitwise_xor(target, value, out=target)
+    planes = grouped.reshape(width, grouped.size // width)
+    target = np.empty_like(out) if xor else out
+    if width == 2:
+        # bfloat16 and float16: shifting the high plane into 16-bit integers and or-ing in the
+        # low one runs at memory speed (5 GB/s a core), twice np.stack's.
+        wide = target.view(np.uint16)
+        np.left_shift(planes[1], 8, out=wide, dtype=np.uint16)
+        np.bitwise_or(wide, planes[0], out=wide, casting="unsafe")
     else:
-        target[:] = value
+        # A strided transposing write was ten times slower than stacking the planes.
+        np.stack(tuple(planes), axis=1, out=target.reshape(-1, width))
+    if xor:
+        np.bitwise_xor(out, target, out=out)
 
 
 def encode(
@@ -226,6 +225,15 @@ def decode_block(
         IntegrityError: naming ``subject``, when the frame is cut short, corrupt or decodes to
             any other length than the block's.
     """
+    np = _numpy()
+    target = np.frombuffer(out, dtype=np.uint8)
+    if target.size != head.block(index)[1] - head.block(index)[0]:
+        raise ValueError(f"block {index} needs {head.block(index)[1] - head.block(index)[0]} bytes, not {target.size}")
+    _ungroup_into(_frame(head, payload, index, subject), head.group, target, xor=xor)
+
+
+def _frame(head: PayloadHead, payload: memoryview | bytes | bytearray, index: int, subject: str) -> np.ndarray:
+    """Block ``index`` of a payload decompressed, still byte-grouped, once checked (see :func:`decode_block`)."""
     begin, end = head.block(index)
     start, stop = head.frames[index]
     view = memoryview(payload)
@@ -242,11 +250,7 @@ def decode_block(
         raise IntegrityError(f"{subject}: block {index} does not decompress: {exc}") from exc
     if len(grouped) != end - begin:
         raise IntegrityError(f"{subject}: block {index} decoded to {len(grouped)} bytes, not {end - begin}")
-    np = _numpy()
-    target = np.frombuffer(out, dtype=np.uint8)
-    if target.size != end - begin:
-        raise ValueError(f"block {index} needs {end - begin} bytes of room, not {target.size}")
-    _ungroup_into(np.frombuffer(grouped, dtype=np.uint8), head.group, target, xor=xor)
+    return _numpy().frombuffer(grouped, dtype=_numpy().uint8)
 
 
 def decode_chain(
@@ -274,9 +278,21 @@ def decode_chain(
             raise IntegrityError(f"{subject}: its delta chain does not fit together")
     bottom_is_delta = chain[-1][0].base is not None
     view = memoryview(out).cast("B")
+    np = _numpy()
+    # Grouping permutes bytes the same way in every payload of one width, so the XORs of a chain
+    # apply to grouped blocks and the block is ungrouped once, not once per link.
+    same_width = len({head.group for head, _ in chain}) == 1
     for index in blocks if blocks is not None else range(len(first.frames)):
         begin, end = first.block(index)
         target = view[begin:end]
+        if same_width:
+            grouped = None
+            for head, payload in reversed(chain):
+                frame = _frame(head, payload, index, subject)
+                grouped = frame if grouped is None else np.bitwise_xor(grouped, frame)
+            assert grouped is not None
+            _ungroup_into(grouped, first.group, np.frombuffer(target, dtype=np.uint8), xor=bottom_is_delta)
+            continue
         for depth, (head, payload) in enumerate(reversed(chain)):
             decode_block(head, payload, index, target, xor=bottom_is_delta or depth > 0, subject=subject)
 

@@ -94,7 +94,7 @@ def test_a_fine_tune_loads_bit_for_bit_after_compression_in_far_less_room(store:
     for run, tune in tunes.items():
         assert tune.wrong_loads(ckpt, run) == {}, run
         for version in range(2, 5):
-            assert all(encodings(store, run, version)[key] == ("xor-grouped-zstd", version - 1) for key in WEIGHT_KEYS)
+            assert all(encodings(store, run, version)[key] == ("xor-grouped-zstd", 1) for key in WEIGHT_KEYS)
 
     # A load without a model returns the decoded state; one of some keys reads only those.
     state = ckpt.load("bf16", 4).state_dict
@@ -122,30 +122,34 @@ def test_a_fine_tune_loads_bit_for_bit_after_compression_in_far_less_room(store:
     assert dangling_needs(store) == []
 
 
-@pytest.mark.parametrize("depth", [0, 1, 2])
-def test_delta_chains_stay_within_the_depth_bound_with_keyframes_where_it_is_reached(
-    store: Store, home: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, depth: int
+@pytest.mark.parametrize("per_keyframe", [0, 1, 2])
+def test_each_keyframe_serves_at_most_the_set_number_of_deltas_each_one_link_deep(
+    store: Store, home: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, per_keyframe: int
 ) -> None:
-    monkeypatch.setenv("CKPTSTORE_DELTA_DEPTH", str(depth))
+    monkeypatch.setenv("CKPTSTORE_DELTAS_PER_KEYFRAME", str(per_keyframe))
     tune = FineTune(torch.bfloat16)
-    versions = range(1, 2 * (depth + 1) + 2)
+    versions = range(1, 2 * (per_keyframe + 1) + 2)
     with open_client(store, home, request, monkeypatch) as ckpt:
-        assert isinstance(ckpt.transport, Store) and ckpt.transport.delta_depth == depth
+        assert isinstance(ckpt.transport, Store) and ckpt.transport.deltas_per_keyframe == per_keyframe
         for version in versions:
             tune.save(ckpt, "run")
-            if version == 3:  # one collection part-way, one at the end: chains continue across them
+            if version == 3:  # one collection part-way, one at the end: keyframes serve across them
                 ckpt.gc(compress=True, grace_seconds=0)
         report = ckpt.gc(compress=True, grace_seconds=0)
         assert report.versions_compressed == len(versions) - 3
         chains = {v: encodings(store, "run", v) for v in versions}
-        assert max(d for found in chains.values() for _, d in found.values()) <= depth
+        assert max(d for found in chains.values() for _, d in found.values()) <= min(per_keyframe, 1)
+        keyed = {v: keyed_digests(store, "run", v) for v in versions}
         for version, found in chains.items():
-            expected = (version - 1) % (depth + 1)  # a keyframe, then deltas up to the bound, then a keyframe
+            keyframe = version - (version - 1) % (per_keyframe + 1)  # a keyframe, then its deltas, then a keyframe
             for key in WEIGHT_KEYS:
                 encoding, chained = found[key]
-                assert chained == expected, (version, key, found[key])
-                assert encoding == ("grouped-zstd" if expected == 0 else "xor-grouped-zstd"), (version, key)
-        if depth == 0:
+                assert chained == (0 if version == keyframe else 1), (version, key, found[key])
+                assert encoding == ("grouped-zstd" if version == keyframe else "xor-grouped-zstd"), (version, key)
+                if version != keyframe:  # every delta decodes from its keyframe, not from its parent
+                    digest = keyed[version][key]
+                    assert store.locate([digest])[digest].base == keyed[keyframe][key], (version, key)
+        if per_keyframe == 0:
             assert report.tensors_as_deltas == 0 and need_rows(store) == 0
         assert tune.wrong_loads(ckpt) == {}
 
@@ -183,8 +187,8 @@ def test_deltas_whose_bases_are_stored_raw_and_chunked_tensors_decode_and_keep_t
     where = store.locate(t.digest for series in tensors for t in series)
     for series in tensors:
         assert not where[series[0].digest].encoded  # no gain: kept raw, where it was
-        assert [deltas(where, t.digest) for t in series] == [0, 1, 2, 3]
-        assert [where[t.digest].base for t in series[1:]] == [t.digest for t in series[:3]]
+        assert [deltas(where, t.digest) for t in series] == [0, 1, 1, 1]
+        assert [where[t.digest].base for t in series[1:]] == [series[0].digest] * 3  # all on the keyframe
     assert report.tensors_compressed == report.tensors_as_deltas == 9
     assert report.bytes_after_compression < report.bytes_before_compression / 10
     assert all(store.read_tensor(t.digest) == t.data for series in tensors for t in series)
