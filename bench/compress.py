@@ -637,7 +637,7 @@ def main() -> None:
             print("\n".join(storage_rows(trained, *books[dtype])))
 
         print(f"\n## 2. Loads into an existing model and optimizer, medians of {args.repeats}\n")
-        print("The latest version (its tensors mostly deltas on deltas, down to version 1), and version 1 (every")
+        print("The latest version (its weights deltas on their keyframes in version 1), and version 1 (every")
         print("tensor stored whole). Cold: both stores' blob files evicted (`sync`, then `posix_fadvise(DONTNEED)`")
         print("on each) before each load; warm: right after. Each load is checked bit for bit once. Throughput:")
         print("the version's raw bytes over the load's wall time. MB read: the payloads the compressed store reads,")
