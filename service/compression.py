@@ -49,7 +49,7 @@ from service.db import Database
 from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.encoded_reads import chain_of, read_raw
-from service.errors import IntegrityError
+from service.errors import IntegrityError, NotFoundError, StorageError
 from service.format import encoding
 from service.format.digest import shard_id as blob_id_of
 from service.format.dtypes import itemsize
@@ -402,12 +402,15 @@ def compress(
                 db, blobs, [int(p) for p in parts], [int(p) for p in parent_parts or ()], max_deltas, report, recent
             )
             report.versions += 1
-            for batch in _shard_batches(chosen):
-                if recent.planned is not None:
-                    recent.planned.update((e.digest, e.base) for e in batch if e.base is not None)
-                if not dry_run:
-                    _write_shard(db, blobs, staging, batch)
-                    report.shards += 1
+            try:
+                for batch in _shard_batches(chosen):
+                    if recent.planned is not None:
+                        recent.planned.update((e.digest, e.base) for e in batch if e.base is not None)
+                    if not dry_run:
+                        _write_shard(db, blobs, staging, batch)
+                        report.shards += 1
+            except (NotFoundError, StorageError):
+                continue  # deleted, and its parts or tensors collected, while it was visited
             if not dry_run:
                 _mark(db, run_id, version)
         if len(rows) < VERSION_BATCH:

@@ -393,3 +393,33 @@ def test_a_corrupt_payload_fails_the_load_and_verify_by_name_never_with_wrong_da
 
     path.write_bytes(original)
     assert tune.wrong_loads(ckpt) == {}
+
+
+def test_a_version_deleted_and_collected_while_the_pass_visits_it_is_skipped(
+    store: Store, ckpt: client.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another collection removes version 2 (its parts and tensors) after this pass listed it: the
+    pass goes on with version 3 rather than failing."""
+    from service import compression
+
+    tune = FineTune(torch.bfloat16)
+    for _ in range(3):
+        tune.save(ckpt, "run")
+    real = compression._encode_version
+    visited: list[list[int]] = []
+
+    def meanwhile(db, blobs, parts, parent_parts, *rest):  # type: ignore[no-untyped-def]
+        visited.append(parts)
+        if len(visited) == 2:  # version 2, listed before it went
+            store.delete_version("run", 2)
+            store.gc(grace_seconds=0)
+        return real(db, blobs, parts, parent_parts, *rest)
+
+    monkeypatch.setattr(compression, "_encode_version", meanwhile)
+    report = store.gc(compress=True, grace_seconds=0)
+    assert len(visited) == 3 and report.versions_compressed == 3
+    tune.forget("run", [2])
+    assert [v.version for v in store.versions("run")] == [1, 3]
+    assert uncompressed_versions(store) == []
+    assert all(location.encoded for location in store.locate(large_digests(store, "run", 3).values()).values())
+    assert tune.wrong_loads(ckpt) == {}
