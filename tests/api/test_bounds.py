@@ -49,6 +49,7 @@ COLUMN_BOUNDS = {
     "shards.size": INT64_MAX,  # a file the server received, capped by CKPTSTORE_MAX_SHARD_BYTES
     "tensors.offset": INT64_MAX,  # within that file
     "tensors.nbytes": INT64_MAX,
+    "tensors.stored_nbytes": INT64_MAX,  # a payload the store wrote itself, within a shard's size
     "retention_policies.keep_last": MAX_KEEP,
     "retention_policies.keep_best": MAX_KEEP,
 }
