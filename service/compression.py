@@ -200,6 +200,50 @@ class _Recent:
                 self.size += len(data)
 
 
+def _plan(
+    db: Database,
+    mine: dict[Piece, tuple[str, str, list[int]]],
+    theirs: dict[Piece, tuple[str, str, list[int]]],
+    max_deltas: int,
+    recent: _Recent,
+) -> tuple[dict[str, tuple[TensorLocation, str | None]], dict[str, TensorLocation], set[str]] | None:
+    """Which of a version's pieces to encode (``mine``, against its parent's ``theirs``), each with
+    the keyframe a delta would decode from; their locations; and those some delta already needs.
+    None when there is nothing to encode."""
+    wanted = sorted({d for d, _, _ in mine.values()} | {d for d, _, _ in theirs.values()})
+    locations = lookup.locate(db=db, digests=wanted) if wanted else {}
+    jobs: dict[str, tuple[TensorLocation, str | None]] = {}
+    inherited = {d for d, _, _ in theirs.values()}
+    for piece, (digest, dtype, _shape) in mine.items():
+        location = locations[digest]
+        if location.encoded or location.nbytes < MIN_BYTES or digest in jobs or digest in inherited:
+            continue
+        parent = theirs.get(piece)
+        base = None
+        if max_deltas > 0 and parent is not None and parent[0] != digest and parent[1] == dtype:
+            candidate = locations[parent[0]]
+            if candidate.nbytes == location.nbytes and list(candidate.shape) == list(location.shape):
+                planned = recent.planned or {}
+                base = planned.get(parent[0]) or _keyframe(locations, parent[0])
+        jobs[digest] = (location, base)
+    if not jobs:
+        return None
+    keyframes = sorted({base for _, base in jobs.values() if base is not None})
+    unlocated = [digest for digest in keyframes if digest not in locations]  # a dry run's planned keyframes
+    if unlocated:
+        locations.update(lookup.locate(db=db, digests=unlocated))
+    with db.transaction() as session:
+        served = _dependents(session, keyframes + sorted(jobs))
+    if recent.planned:
+        for keyframe in recent.planned.values():
+            served[keyframe] = served.get(keyframe, 0) + 1
+    depended_on = {digest for digest in jobs if digest in served}
+    for digest, (location, base) in jobs.items():
+        if base is not None and served.get(base, 0) >= max_deltas:
+            jobs[digest] = (location, None)  # its keyframe serves enough deltas: a new keyframe
+    return jobs, locations, depended_on
+
+
 def _encode_version(
     db: Database,
     blobs: BlobStore,
@@ -218,37 +262,10 @@ def _encode_version(
         mine = _pieces(_entries(session, added))
         dropped = [pid for pid in dict.fromkeys(parent_parts) if pid not in set(parts)]
         theirs = _pieces(_entries(session, dropped)) if dropped else {}
-    wanted = sorted({d for d, _, _ in mine.values()} | {d for d, _, _ in theirs.values()})
-    locations = lookup.locate(db=db, digests=wanted) if wanted else {}
-    jobs: dict[str, tuple[TensorLocation, str | None]] = {}
-    inherited = {d for d, _, _ in theirs.values()}
-    for piece, (digest, dtype, _shape) in mine.items():
-        location = locations[digest]
-        if location.encoded or location.nbytes < MIN_BYTES or digest in jobs or digest in inherited:
-            continue
-        parent = theirs.get(piece)
-        base = None
-        if max_deltas > 0 and parent is not None and parent[0] != digest and parent[1] == dtype:
-            candidate = locations[parent[0]]
-            if candidate.nbytes == location.nbytes and list(candidate.shape) == list(location.shape):
-                planned = recent.planned or {}
-                base = planned.get(parent[0]) or _keyframe(locations, parent[0])
-        jobs[digest] = (location, base)
-    if not jobs:
+    planned = _plan(db, mine, theirs, max_deltas, recent)
+    if planned is None:
         return
-    keyframes = sorted({base for _, base in jobs.values() if base is not None})
-    unlocated = [digest for digest in keyframes if digest not in locations]  # a dry run's planned keyframes
-    if unlocated:
-        locations.update(lookup.locate(db=db, digests=unlocated))
-    with db.transaction() as session:
-        served = _dependents(session, keyframes + sorted(jobs))
-    if recent.planned:
-        for keyframe in recent.planned.values():
-            served[keyframe] = served.get(keyframe, 0) + 1
-    depended_on = {digest for digest in jobs if digest in served}
-    for digest, (location, base) in jobs.items():
-        if base is not None and served.get(base, 0) >= max_deltas:
-            jobs[digest] = (location, None)  # its keyframe serves enough deltas: a new keyframe
+    jobs, locations, depended_on = planned
     read = blobs.read_into
 
     def encode_one(digest: str) -> Encoded | None:
