@@ -1,5 +1,6 @@
-"""Fixtures for the engine tests: a store (SQLite, PostgreSQL) in a temporary home and a shard
-ingester. The S3 server and PostgreSQL databases come from tests/conftest.py."""
+"""Fixtures for the engine tests: a store (SQLite, PostgreSQL) in a temporary home, a shard
+ingester, and a client on that store. The S3 server and PostgreSQL databases come from
+tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from compression_kit import open_client
 from shardkit import BuiltShard, Ingest, RawTensor, build_shard
 
+import client
 from service.blobs import LocalBlobStore
 from service.db import Database
 from service.records import ShardReceipt
@@ -30,6 +33,15 @@ def store(request: pytest.FixtureRequest, home: Path) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
+
+
+@pytest.fixture
+def ckpt(
+    store: Store, home: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[client.Client]:
+    """A client on the ``store`` fixture's store (embedded SQLite, or PostgreSQL with local blobs)."""
+    with open_client(store, home, request, monkeypatch) as opened:
+        yield opened
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,15 +43,6 @@ from service.errors import IntegrityError, NotFoundError
 from service.format.encoding import head_bytes
 from service.store import Store
 from tests.client.models import tensors_equal
-
-
-@pytest.fixture
-def ckpt(
-    store: Store, home: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[client.Client]:
-    """A client on the ``store`` fixture's store (embedded SQLite, or PostgreSQL with local blobs)."""
-    with open_client(store, home, request, monkeypatch) as opened:
-        yield opened
 
 
 def encodings(store: Store, run: str, version: int) -> dict[str, tuple[str, int]]:

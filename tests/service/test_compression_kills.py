@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from compression_kit import (
     dangling_needs,
     deltas,
     large_digests,
-    open_client,
     shard_ids,
     uncompressed_versions,
 )
@@ -93,15 +91,6 @@ POINTS = {
     "mid-sweep": 1,
 }
 VERSIONS = 3
-
-
-@pytest.fixture
-def ckpt(
-    store: Store, home: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[client.Client]:
-    """A client on the ``store`` fixture's store (embedded SQLite, or PostgreSQL with local blobs)."""
-    with open_client(store, home, request, monkeypatch) as opened:
-        yield opened
 
 
 def kill_compression_at(point: str, store: Store, home: Path) -> None:
