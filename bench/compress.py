@@ -11,7 +11,8 @@ Prints, in one run:
 
 1. **Storage.** Raw bytes against the bytes stored after the collection (each tensor's stored
    payload, from the store's own records), for the first version, each later version's added
-   tensors, all 4 versions, and model weights against Adam moments; the blob files on disk.
+   tensors, all 4 versions, and model weights against Adam moments; the blob files on disk. Also
+   for a bf16 run saved after ``--later`` steps (200), when Adam's moments have settled.
 2. **Loads.** The latest version, and version 1 (no deltas), into an existing model and
    optimizer, from the compressed and the uncompressed store, alternating, medians of 3: cold
    (every blob file of both stores evicted with ``posix_fadvise(DONTNEED)`` after ``sync`` before
@@ -113,10 +114,16 @@ class Trained:
     raw_home: Path  # the same saves, never compressed
     train_seconds: float
     weights_v3: dict[str, torch.Tensor] = field(default_factory=dict)
+    warmup: int = 0  # steps trained before the first save
+
+    @property
+    def label(self) -> str:
+        """The run as the tables name it: its dtype, and where its saves begin if not at once."""
+        return f"{self.dtype}, saved after {self.warmup} steps" if self.warmup else self.dtype
 
 
-def train(config: LlamaConfig, dtype: str, root: Path) -> Trained:
-    """Train and save ``VERSIONS`` versions into a fresh store under ``root``; copy the store."""
+def train(config: LlamaConfig, dtype: str, root: Path, warmup: int = 0) -> Trained:
+    """Train ``warmup`` steps, then save ``VERSIONS`` versions into a fresh store under ``root``; copy the store."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(DTYPES[dtype])
     # The bf16 model's gradients come from an fp32 copy of its current weights (see the docstring).
@@ -125,11 +132,11 @@ def train(config: LlamaConfig, dtype: str, root: Path) -> Trained:
     tokens = torch.Generator().manual_seed(1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on 2 shared cores, two OpenMP threads spin-wait: 3-10x slower steps here
-    home = fresh_folder(root / f"{dtype}-compressed")
-    trained = Trained(dtype, model, optim, home, root / f"{dtype}-uncompressed", 0.0)
+    home = fresh_folder(root / f"{dtype}-{warmup}-compressed")
+    trained = Trained(dtype, model, optim, home, root / f"{dtype}-{warmup}-uncompressed", 0.0, warmup=warmup)
     started = time.perf_counter()
     with Client(home=home) as ckpt:
-        for step in range(1, VERSIONS * STEPS_PER_VERSION + 1):
+        for step in range(1, warmup + VERSIONS * STEPS_PER_VERSION + 1):
             if compute is not model:
                 with torch.no_grad():
                     for mine, theirs in zip(compute.parameters(), model.parameters(), strict=True):
@@ -145,11 +152,12 @@ def train(config: LlamaConfig, dtype: str, root: Path) -> Trained:
                 compute.zero_grad(set_to_none=False)
             optim.step()
             optim.zero_grad(set_to_none=False)  # gradients stay allocated: no fresh pages every step
-            if step % STEPS_PER_VERSION == 0:
+            number, due = divmod(step - warmup, STEPS_PER_VERSION)
+            if step > warmup and due == 0:
                 ckpt.save(RUN, model, optim, step=step)
-                if step // STEPS_PER_VERSION == VERSIONS - 1:
+                if number == VERSIONS - 1:
                     trained.weights_v3 = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                progress(f"{dtype}: saved version {step // STEPS_PER_VERSION}")
+                progress(f"{trained.label}: saved version {number}")
     trained.train_seconds = time.perf_counter() - started
     torch.set_num_threads(threads)
     # The uncompressed store: its own database, the same blob files (hard links: shards are written
@@ -243,7 +251,7 @@ def storage_rows(trained: Trained, books: Accounting, raw_books: Accounting) -> 
     def row(what: str, digests: dict[str, str], target: str = "") -> None:
         raw, stored = books.raw(digests), books.stored(digests)
         assert raw == raw_books.raw(digests), "the compressed and uncompressed stores disagree"
-        shown = f"| {trained.dtype} | {what} | {raw / MB:,.1f} | {stored / MB:,.1f} | {stored / raw:.3f}x"
+        shown = f"| {trained.label} | {what} | {raw / MB:,.1f} | {stored / MB:,.1f} | {stored / raw:.3f}x"
         rows.append(f"{shown} | {books.deltas(digests)} | {target} |")
 
     first = books.added(1)
@@ -258,7 +266,7 @@ def storage_rows(trained: Trained, books: Accounting, raw_books: Accounting) -> 
         row(f"{VERSIONS} versions: {what}", {d: w for d, w in every.items() if w == what}, "measured")
     on_disk, raw_disk = blob_bytes(trained.home), blob_bytes(trained.raw_home)
     rows.append(
-        f"| {trained.dtype} | blob files on disk (shard headers included) | {raw_disk / MB:,.1f} "
+        f"| {trained.label} | blob files on disk (shard headers included) | {raw_disk / MB:,.1f} "
         f"| {on_disk / MB:,.1f} | {on_disk / raw_disk:.3f}x | after a second gc (grace 0) | |"
     )
     return rows
@@ -594,6 +602,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="loads timed per store and cache state")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch parent on a real disk")
     parser.add_argument("--keep", action="store_true", help="keep the stores (to profile them) and say where")
+    parser.add_argument(
+        "--later",
+        type=int,
+        default=200,
+        help="also store bf16 versions saved after this many steps (moments past their first steps); 0: skip",
+    )
     args = parser.parse_args()
     params = 4.0 if args.quick else args.params
     rounds = 1 if args.quick else 2
@@ -625,7 +639,14 @@ def main() -> None:
             collections[dtype] = collect(trained.home)
             books[dtype] = (Accounting.of(trained.home), Accounting.of(trained.raw_home))
             loads[dtype] = load_times(trained, config, args.repeats)
-        trainings = ", ".join(f"{d} {t.train_seconds:.0f} s" for d, t in runs.items())
+        later = None
+        if args.later and "bf16" in runs and not args.quick:
+            progress(f"bf16: training {args.later} steps before the first save")
+            later = train(config, "bf16", root, warmup=args.later)
+            collect(later.home)
+            later_books = (Accounting.of(later.home), Accounting.of(later.raw_home))
+        everyone = [*runs.values(), *([later] if later else [])]
+        trainings = ", ".join(f"{t.label} {t.train_seconds:.0f} s" for t in everyone)
         print(f"- training and saving (not a measurement): {trainings}; scratch on {root}\n")
 
         print("## 1. Storage: raw bytes against bytes stored after `gc --compress`\n")
@@ -635,6 +656,14 @@ def main() -> None:
         print("|---|---|---:|---:|---:|---|---|")
         for dtype, trained in runs.items():
             print("\n".join(storage_rows(trained, *books[dtype])))
+        if later is not None:
+            print("\n".join(storage_rows(later, *later_books)))
+            print(
+                f"\nThe first runs save from step {STEPS_PER_VERSION}, while Adam's moments are young: `exp_avg_sq`,"
+                "\na sum over the steps so far, still grows by a third to twofold from one save to the next, and its"
+                f"\nexponents change. The run saved after {args.later} steps has settled moments, as a fine-tune's"
+                "\nlater checkpoints do (its storage only)."
+            )
 
         print(f"\n## 2. Loads into an existing model and optimizer, medians of {args.repeats}\n")
         print("The latest version (its weights deltas on their keyframes in version 1), and version 1 (every")
