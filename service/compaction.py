@@ -8,7 +8,8 @@ version loadable:
    references, or a stored delta decodes from) are above 0 and below ``below`` times its
    size, and it is outside the grace period (a recent shard, or one with a tensor reported
    present, may be about to be needed).
-   Shards of encoded tensors (:mod:`service.compression`) are not candidates.
+   A shard of encoded tensors (:mod:`service.compression`) counts its live payloads' bytes, and
+   is rewritten by :mod:`service.encoded_compaction`: its payloads are copied as they are.
 2. **Write.** Its live tensors are read from it and stored as a new shard through the ordinary
    write path: hashed again as they are written (a digest that does not come out equal stops
    the collection), content-addressed, recorded under the share lock. A crash here leaves a
@@ -31,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -40,6 +42,7 @@ from service.compression import Compression
 from service.db import Database
 from service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, table, utcnow
 from service.direct_file import ALIGNMENT
+from service.encoded_compaction import LivePayload, repack
 from service.errors import IntegrityError, InvalidInputError, NotFoundError
 from service.format.safetensors_header import ShardHeader
 from service.gc import check_grace, collect, hold_exclusive
@@ -52,11 +55,12 @@ WriteShard = Callable[[Sequence[UnhashedTensor]], tuple[ShardHeader, list[str]]]
 
 @dataclass(frozen=True)
 class Candidate:
-    """A shard worth compacting: its id, size and the bytes of its live tensors."""
+    """A shard worth compacting: its id, size, the bytes of its live tensors, and whether it holds encoded ones."""
 
     shard_id: str
     size: int
     live_bytes: int
+    encoded: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,27 +93,25 @@ def check_threshold(below: float) -> float:
 
 def candidates(session: Session, below: float, cutoff: datetime) -> list[Candidate]:
     """Shards outside the grace period whose live bytes are above 0 and below ``below`` of their size."""
+    stored = func.coalesce(Tensor.stored_nbytes, Tensor.nbytes)  # a payload's bytes, or the raw tensor's
     live = dict(
         session.execute(
-            select(Tensor.shard_id, func.sum(Tensor.nbytes)).where(_is_referenced()).group_by(Tensor.shard_id)  # type: ignore[arg-type]
+            select(Tensor.shard_id, func.sum(stored)).where(_is_referenced()).group_by(Tensor.shard_id)  # type: ignore[arg-type]
         ).all()
     )
-    # Shards of encoded tensors (format v2) are left as they are: their payloads are not
-    # tensors this rewrite could hash.
     shards = session.execute(
-        select(Shard.id, Shard.size, Shard.created_at, func.max(Tensor.last_seen_at))
+        select(Shard.id, Shard.size, Shard.created_at, func.max(Tensor.last_seen_at), func.count(Tensor.encoding))
         .join(Tensor, Tensor.shard_id == Shard.id)
         .group_by(Shard.id, Shard.size, Shard.created_at)
-        .having(func.count(Tensor.encoding) == 0)
         .order_by(Shard.id)
     )
     found = []
-    for shard_id, size, created_at, seen in shards:
+    for shard_id, size, created_at, seen, encoded in shards:
         live_bytes = int(live.get(shard_id) or 0)
         recent = created_at >= cutoff or (seen is not None and seen >= cutoff)
         # A new shard's header is padded to a disk block: a shard freeing less is not worth it.
         if not recent and 0 < live_bytes < below * size and size - live_bytes > 2 * ALIGNMENT:
-            found.append(Candidate(shard_id=shard_id, size=int(size), live_bytes=live_bytes))
+            found.append(Candidate(shard_id=shard_id, size=int(size), live_bytes=live_bytes, encoded=encoded > 0))
     return found
 
 
@@ -122,6 +124,18 @@ def _live_tensors(db: Database, shard_id: str) -> list[tuple[str, str, list[int]
             .order_by(Tensor.offset)
         )
         return [(d, dtype, list(shape), int(offset), int(nbytes)) for d, dtype, shape, offset, nbytes in rows]
+
+
+def _live_payloads(db: Database, shard_id: str) -> list[LivePayload]:
+    """The referenced encoded tensors stored in ``shard_id``, by offset."""
+    with db.transaction() as session:
+        rows = session.execute(
+            select(Tensor.digest, Tensor.offset, Tensor.nbytes, Tensor.stored_nbytes, Tensor.encoding, Tensor.base)
+            .where(Tensor.shard_id == shard_id, Tensor.encoding.is_not(None), _is_referenced())  # type: ignore[arg-type]
+            .order_by(Tensor.offset)
+        )
+        # Encoded rows always have a payload length and an encoding (the query selects only those).
+        return [LivePayload(d, int(o), int(n), int(s or 0), str(e), b) for d, o, n, s, e, b in rows]
 
 
 _TENSORS = table(Tensor)
@@ -180,17 +194,31 @@ def compact_shard(db: Database, blobs: BlobStore, write: WriteShard, shard_id: s
 
 
 def compact(
-    db: Database, blobs: BlobStore, write: WriteShard, *, below: float, cutoff: datetime, dry_run: bool
+    db: Database,
+    blobs: BlobStore,
+    write: WriteShard,
+    *,
+    below: float,
+    cutoff: datetime,
+    dry_run: bool,
+    staging: Path | None = None,
 ) -> Compaction:
-    """Compact every candidate shard (see the module docstring); on a dry run only count them."""
+    """Compact every candidate shard (see the module docstring); on a dry run only count them.
+
+    Shards of encoded tensors are compacted only given ``staging``, the folder their new shards
+    are written in.
+    """
     with db.transaction() as session:
-        picked = candidates(session, check_threshold(below), cutoff)
+        picked = [c for c in candidates(session, check_threshold(below), cutoff) if staging or not c.encoded]
     if dry_run:
         # The new shard holds the live bytes plus a header: a close estimate of what is freed.
         return Compaction(shards=len(picked), bytes_reclaimable=sum(c.size - c.live_bytes for c in picked))
     shards = reclaimable = 0
     for candidate in picked:
-        new_size = compact_shard(db, blobs, write, candidate.shard_id)
+        if candidate.encoded and staging is not None:
+            new_size = repack(db, blobs, staging, candidate.shard_id, _live_payloads(db, candidate.shard_id))
+        else:
+            new_size = compact_shard(db, blobs, write, candidate.shard_id)
         if new_size is not None:
             shards += 1
             reclaimable += max(candidate.size - new_size, 0)
@@ -208,6 +236,7 @@ def compact_and_collect(
     orphans: bool,
     now: datetime | None,
     compress: Callable[[datetime], Compression] | None = None,
+    staging: Path | None = None,
 ) -> GcReport:
     """Compress (given ``compress``, :mod:`service.compression`), compact every candidate shard
     (given ``below``), then collect garbage (:func:`service.gc.collect`); one report of all three.
@@ -221,7 +250,9 @@ def compact_and_collect(
     # Counted again: with no grace period, the shards compression just left are compacted now.
     cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
     compaction = (
-        compact(db, blobs, write, below=below, cutoff=cutoff, dry_run=dry_run) if below is not None else Compaction()
+        compact(db, blobs, write, below=below, cutoff=cutoff, dry_run=dry_run, staging=staging)
+        if below is not None
+        else Compaction()
     )
     report = collect(db, blobs, grace_seconds=grace_seconds, dry_run=dry_run, orphans=orphans, now=now)
     return report.model_copy(

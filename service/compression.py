@@ -336,8 +336,23 @@ _MOVE = (
 )
 
 
-def _write_shard(db: Database, blobs: BlobStore, staging: Path, batch: Sequence[Encoded]) -> int:
-    """Store ``batch`` as one v2 shard and move its tensors' rows onto it; how many moved."""
+#: Moves an encoded tensor's row to a new shard holding the same payload (see :mod:`service.encoded_compaction`).
+_REPACK = (
+    update(_TENSORS)
+    .where(
+        _TENSORS.c.digest == bindparam("b_digest"),
+        _TENSORS.c.shard_id == bindparam("b_old"),
+        _TENSORS.c.encoding == bindparam("b_encoding"),
+    )
+    .values(shard_id=bindparam("b_new"), offset=bindparam("b_offset"))
+)
+
+
+def write_encoded_shard(
+    db: Database, blobs: BlobStore, staging: Path, batch: Sequence[Encoded], *, repack: bool = False
+) -> tuple[int, int]:
+    """Store ``batch`` as one v2 shard and move its tensors' rows onto it: raw rows (``repack``:
+    rows of the same payload in ``old_shard``); how many moved, and the shard's size."""
     head = header_bytes([(e.digest, "U8", [len(e.payload)]) for e in batch], {"format": SHARD_FORMAT}, align=8)
     shard_id = blob_id_of(head)
     size = len(head) + sum(len(e.payload) for e in batch)
@@ -367,12 +382,12 @@ def _write_shard(db: Database, blobs: BlobStore, staging: Path, batch: Sequence[
                 "b_digest": item.digest, "b_old": item.old_shard, "b_new": shard_id, "b_offset": offset,
                 "b_encoding": item.encoding, "b_stored": len(item.payload), "b_base": item.base,
             }  # fmt: skip
-            if connection.execute(_MOVE, row).rowcount:
+            if connection.execute(_REPACK if repack else _MOVE, row).rowcount:
                 moved += 1
                 insert_missing(session, TensorNeed, [{"digest": item.digest, "needs": n} for n in item.needs])
         old = sorted({item.old_shard for item in batch})
         session.execute(update(Shard).where(Shard.id.in_(old)).values(created_at=utcnow()))
-    return moved
+    return moved, size
 
 
 def _mark(db: Database, run_id: str, version: int) -> None:
@@ -424,7 +439,7 @@ def compress(
                     if recent.planned is not None:
                         recent.planned.update((e.digest, e.base) for e in batch if e.base is not None)
                     if not dry_run:
-                        _write_shard(db, blobs, staging, batch)
+                        write_encoded_shard(db, blobs, staging, batch)
                         report.shards += 1
             except (NotFoundError, StorageError):
                 continue  # deleted, and its parts or tensors collected, while it was visited
@@ -461,6 +476,8 @@ __all__ = [
     "MIN_BYTES",
     "SHARD_FORMAT",
     "Compression",
+    "Encoded",
     "compress",
     "compressor",
+    "write_encoded_shard",
 ]

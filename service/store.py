@@ -271,6 +271,7 @@ class Store:
         return compact_and_collect(
             db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,
             grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now, compress=compressing,
+            staging=self.staging_dir,
         )  # fmt: skip
 
     # -- reading -------------------------------------------------------------------------

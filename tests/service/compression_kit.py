@@ -9,6 +9,10 @@ save adds nine tensors ``gc --compress`` re-encodes; the biases and step counts 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -207,3 +211,59 @@ def need_rows(store: Store) -> int:
     """How many ``tensor_needs`` rows the store holds."""
     with store.db.transaction() as session:
         return len(session.execute(select(TensorNeed.digest)).all())
+
+
+# -- a collection killed part-way ---------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The start of a child's script: the store opened from the environment as ``ckptstore gc`` opens
+#: it, and ``dying(call, before=)``, which wraps a function so that its Nth call (``argv[2]``)
+#: kills the process with SIGKILL, before or after the call. ``argv[1]`` names the kill point.
+KILLABLE_STORE = """
+import os, signal, sys
+
+import service.compaction, service.compression, service.gc
+from service.factory import open_store
+from service.settings import local_settings
+
+point, nth = sys.argv[1], int(sys.argv[2])
+store = open_store(local_settings())
+calls = 0
+
+
+def dying(call, *, before):
+    def wrapped(*args, **kwargs):
+        global calls
+        calls += 1
+        if before and calls == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = call(*args, **kwargs)
+        if not before and calls == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    return wrapped
+
+
+"""
+
+
+def run_killed(script: str, point: str, nth: int, store: Store, home: Path) -> None:
+    """Run ``script`` (:data:`KILLABLE_STORE` and what follows it) on the store in a child, and
+    check that it died of SIGKILL at ``point``'s ``nth`` call."""
+    env = {**os.environ, "CKPTSTORE_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    env.pop("CKPTSTORE_URL", None)
+    if store.db.url.startswith("sqlite"):
+        env.pop("CKPTSTORE_DATABASE_URL", None)
+        env.pop("CKPTSTORE_BLOBS", None)
+    else:
+        assert env["CKPTSTORE_DATABASE_URL"].startswith("postgresql")  # set by open_client
+    done = subprocess.run(
+        [sys.executable, "-c", script, point, str(nth)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"

@@ -10,21 +10,19 @@ before or after the call.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from compression_kit import (
+    KILLABLE_STORE,
     LARGE_KEYS,
     WEIGHT_KEYS,
     FineTune,
     dangling_needs,
     deltas,
     large_digests,
+    run_killed,
     shard_ids,
     uncompressed_versions,
 )
@@ -32,33 +30,9 @@ from compression_kit import (
 import client
 from service.store import Store
 
-ROOT = Path(__file__).resolve().parents[2]
-
-CHILD = """
-import os, signal, sys
-
-import service.compaction, service.compression, service.gc
-from service.factory import open_store
-from service.settings import local_settings
-
-point, nth = sys.argv[1], int(sys.argv[2])
-store = open_store(local_settings())
-calls = 0
-
-
-def dying(call, *, before):
-    def wrapped(*args, **kwargs):
-        global calls
-        calls += 1
-        if before and calls == nth:
-            os.kill(os.getpid(), signal.SIGKILL)
-        result = call(*args, **kwargs)
-        if not before and calls == nth:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return result
-    return wrapped
-
-
+CHILD = (
+    KILLABLE_STORE
+    + """
 if point == "shard-written":  # a shard written to the staging folder, not yet in the blob store
     store.blobs.put_file = dying(store.blobs.put_file, before=True)
 elif point == "blob-stored":  # a shard's blob is in the blob store, its transaction not begun
@@ -67,7 +41,7 @@ elif point == "mid-transaction":  # tensors moved onto the new shard, not commit
     service.compression.insert_missing = dying(service.compression.insert_missing, before=True)
 elif point == "mid-version":  # one shard of a version recorded, the next not written
     service.compression.SHARD_BYTES = 1
-    service.compression._write_shard = dying(service.compression._write_shard, before=False)
+    service.compression.write_encoded_shard = dying(service.compression.write_encoded_shard, before=False)
 elif point == "version-unmarked":  # every shard of a version recorded, the version not marked
     service.compression._mark = dying(service.compression._mark, before=True)
 elif point == "before-compaction":  # every version compressed, the raw shards not yet compacted
@@ -79,6 +53,7 @@ else:
 store.gc(compress=True, grace_seconds=0)
 raise SystemExit(3)  # the kill point was never reached
 """
+)
 
 #: Where the child dies, and at which call of the wrapped function.
 POINTS = {
@@ -95,23 +70,7 @@ VERSIONS = 3
 
 def kill_compression_at(point: str, store: Store, home: Path) -> None:
     """Run ``gc(compress=True, grace_seconds=0)`` on the store in a child killed at ``point``."""
-    env = {**os.environ, "CKPTSTORE_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    env.pop("CKPTSTORE_URL", None)
-    if store.db.url.startswith("sqlite"):
-        env.pop("CKPTSTORE_DATABASE_URL", None)
-        env.pop("CKPTSTORE_BLOBS", None)
-    else:
-        assert env["CKPTSTORE_DATABASE_URL"].startswith("postgresql")  # set by open_client
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, point, str(POINTS[point])],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == -signal.SIGKILL, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    run_killed(CHILD, point, POINTS[point], store, home)
 
 
 def encoded_tensors(store: Store, version: int) -> int:

@@ -1,0 +1,70 @@
+"""Compaction of encoded shards: their live payloads copied, byte for byte, into a new shard.
+
+:mod:`service.compression` stores the payloads of each version it visits in shards of their own.
+Once versions are deleted, such a shard can hold payloads nothing loads or decodes from any more
+beside live ones: a first version's frozen base weights, say, next to keyframes whose deltas have
+all gone. :mod:`service.compaction` picks it as it picks a raw shard (live bytes below a share of
+its size, outside the grace period) and hands its live payloads here. Each is checked first (read,
+decoded with whatever it decodes from, and hashed against its digest: a damaged one stops the
+collection, as a damaged raw tensor does), then they are written as a new v2 shard, and in one
+transaction under the exclusive collection lock each row still in the old shard with the same
+encoding moves to it and the old shard is stamped, to be swept once the grace period has passed.
+Payloads keep their encoding, base and length, so what deltas need (``tensor_needs``) is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from service import lookup
+from service.blobs import BlobStore
+from service.compression import Encoded, write_encoded_shard
+from service.db import Database
+from service.encoded_reads import read_tensor
+from service.errors import NotFoundError
+
+
+@dataclass(frozen=True)
+class LivePayload:
+    """A referenced encoded tensor of the shard being compacted, as its row records it."""
+
+    digest: str
+    offset: int
+    nbytes: int
+    stored_nbytes: int
+    encoding: str
+    base: str | None
+
+
+def repack(db: Database, blobs: BlobStore, staging: Path, shard_id: str, live: Sequence[LivePayload]) -> int | None:
+    """Copy ``live`` (payloads of ``shard_id``) into a new shard and move their rows onto it; the
+    new shard's size, or None if the shard went meanwhile or a row moved elsewhere first.
+
+    Raises:
+        IntegrityError: a live payload no longer decodes to its digest.
+    """
+    if not live:
+        return None
+    try:
+        locations = lookup.locate(db=db, digests=[payload.digest for payload in live])
+        batch = []
+        for payload in live:
+            data = bytearray(payload.stored_nbytes)
+            blobs.read_into(shard_id, payload.offset, memoryview(data))
+            # Decoded and hashed before a byte is copied: compaction must not carry damage along.
+            read_tensor(blobs.read_into, locations, payload.digest)
+            batch.append(
+                Encoded(
+                    digest=payload.digest, old_shard=shard_id, nbytes=payload.nbytes, encoding=payload.encoding,
+                    payload=bytes(data), base=payload.base, needs=(),
+                )
+            )  # fmt: skip
+    except NotFoundError:
+        return None  # swept by another collection since the pick
+    moved, size = write_encoded_shard(db, blobs, staging, batch, repack=True)
+    return size if moved == len(batch) else None
+
+
+__all__ = ["LivePayload", "repack"]
