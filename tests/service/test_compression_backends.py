@@ -16,7 +16,16 @@ import boto3
 import httpx
 import pytest
 import torch
-from compression_kit import LARGE_KEYS, FineTune, blob_bytes, large_digests, uncompressed_versions
+from compression_kit import (
+    BELOW,
+    LARGE_KEYS,
+    FineTune,
+    a_pinned_shard,
+    blob_bytes,
+    large_digests,
+    shard_ids,
+    uncompressed_versions,
+)
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -126,6 +135,17 @@ FIGURES = (
     "bytes_before_compression",
     "bytes_after_compression",
 )
+
+
+def test_an_encoded_shard_is_compacted_through_the_server_and_loads_every_way(ways: Ways) -> None:
+    tune, pinned = a_pinned_shard(ways.store, ways.remote)
+
+    report = ways.remote.gc(grace_seconds=0, compact_below=BELOW)
+
+    assert (report.shards_compacted, report.shards_swept) == (1, 1)
+    assert pinned not in shard_ids(ways.store) and set(ways.blobs.list_ids()) == shard_ids(ways.store)
+    for way in (ways.embedded, ways.remote):
+        assert tune.wrong_loads(way) == {}
 
 
 def test_gc_compress_on_the_command_line_reports_what_it_did_and_a_dry_run_what_it_would(tmp_path: Path) -> None:

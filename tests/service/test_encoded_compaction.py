@@ -13,38 +13,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from compression_kit import KILLABLE_STORE, FineTune, blob_bytes, keyed_digests, run_killed, shard_ids
+from compression_kit import (
+    BELOW,
+    FROZEN,
+    KILLABLE_STORE,
+    a_pinned_shard,
+    blob_bytes,
+    keyed_digests,
+    run_killed,
+    shard_ids,
+)
 
 import client
 from service.errors import IntegrityError
 from service.store import Store
-
-FROZEN = "model/0.weight"
-#: Above the share of its bytes the first version's shard keeps live (the frozen weights, about
-#: 0.6 of it) and below 1: that shard, and only it, is a candidate.
-BELOW = 0.9
-
-
-def a_pinned_shard(store: Store, ckpt: client.Client) -> tuple[FineTune, str]:
-    """Versions 1 and 2 compressed, version 3 saved raw, versions 1 and 2 deleted: the frozen
-    weights are the one live payload of version 1's encoded shard. The tune, and that shard."""
-    tune = FineTune(torch.bfloat16)
-    tune.model[0].weight.requires_grad_(False)
-    tune.save(ckpt, "run")
-    tune.save(ckpt, "run")
-    ckpt.gc(compress=True, grace_seconds=0)
-    frozen = keyed_digests(store, "run", 1)[FROZEN]
-    pinned = store.locate([frozen])[frozen]
-    assert pinned.encoding == "grouped-zstd"
-    tune.save(ckpt, "run")  # version 3 holds the frozen weights too: they stay where they are
-    assert keyed_digests(store, "run", 3)[FROZEN] == frozen
-    for version in (1, 2):
-        ckpt.delete("run", version)
-    tune.forget("run", [1, 2])
-    ckpt.gc(grace_seconds=0)
-    assert pinned.shard_id in shard_ids(store)  # one live payload keeps the shard
-    return tune, pinned.shard_id
 
 
 def test_a_shard_pinned_by_one_payload_is_compacted_and_what_lives_loads_bit_for_bit(
