@@ -7,6 +7,7 @@ any tool that only looks at a store) start without importing torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -155,17 +156,22 @@ class Connection:
         size into a new shard; the old shard goes once the grace period has passed. ``compress``
         first re-encodes, smallest first, the tensors each version older than the grace period
         added: byte-grouped and compressed, or as a compressed XOR delta against the same tensor
-        of the version before; loads decode them, and the raw shards go once the grace period has
-        passed. A server asks for an admin token.
+        of an earlier version stored whole (its keyframe); loads decode them, and the raw shards
+        go once the grace period has passed; on a terminal a bar counts the bytes visited (a
+        server's collection shows none). A server asks for an admin token.
         """
+        from client.progress import byte_bar  # here: only a compressing collection shows a bar
+
         self._settle()
-        return self.transport.gc(
-            grace_seconds=grace_seconds,
-            dry_run=dry_run,
-            orphans=orphans,
-            compact_below=compact_below,
-            compress=compress,
-        )
+        with byte_bar(0, "compress") if compress else contextlib.nullcontext() as bar:
+            return self.transport.gc(
+                grace_seconds=grace_seconds,
+                dry_run=dry_run,
+                orphans=orphans,
+                compact_below=compact_below,
+                compress=compress,
+                on_bytes=bar.update if bar is not None else None,
+            )
 
     # -- retention -----------------------------------------------------------------------
 

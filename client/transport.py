@@ -110,10 +110,12 @@ class Transport(Protocol):
         orphans: bool = False,
         compact_below: float | None = None,
         compress: bool = False,
+        on_bytes: Callable[[int], object] | None = None,
     ) -> GcReport:
         """Sweep shards no version references (None: the default grace period), first compressing
-        the tensors versions older than that added (``compress``) and compacting shards whose
-        live bytes are below ``compact_below`` of their size."""
+        the tensors versions older than that added (``compress``; each one's raw bytes told to
+        ``on_bytes`` where the work runs in this process) and compacting shards whose live bytes
+        are below ``compact_below`` of their size."""
 
     def close(self) -> None:
         """Release resources."""

@@ -252,9 +252,11 @@ def _encode_version(
     max_deltas: int,
     report: Compression,
     recent: _Recent,
+    on_bytes: Callable[[int], object] | None = None,
 ) -> Iterator[Encoded]:
     """Choose an encoding for every raw tensor a version added (in the parts its parent lacks),
-    on a pool of threads, with at most :data:`IN_FLIGHT_BYTES` of tensors on their way."""
+    on a pool of threads, with at most :data:`IN_FLIGHT_BYTES` of tensors on their way; each
+    tensor's raw bytes are told to ``on_bytes`` once it is done."""
     added = [pid for pid in dict.fromkeys(parts) if pid not in set(parent_parts)]
     if not added:
         return
@@ -294,17 +296,24 @@ def _encode_version(
     pool = ThreadPoolExecutor(_workers(), thread_name_prefix="ckptstore-compress")
     waiting: deque[tuple[int, Future[Encoded | None]]] = deque()
     in_flight = 0
+
+    def done() -> Iterator[Encoded]:
+        size, future = waiting.popleft()
+        encoded = future.result()
+        if on_bytes is not None:
+            on_bytes(size)
+        return _counted(encoded, report)
+
     try:
         for digest in sorted(jobs):
             size = jobs[digest][0].nbytes
             while waiting and in_flight + size > IN_FLIGHT_BYTES:
-                done_size, future = waiting.popleft()
-                in_flight -= done_size
-                yield from _counted(future.result(), report)
+                in_flight -= waiting[0][0]
+                yield from done()
             waiting.append((size, pool.submit(encode_one, digest)))
             in_flight += size
         while waiting:
-            yield from _counted(waiting.popleft()[1].result(), report)
+            yield from done()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -405,9 +414,11 @@ def compress(
     *,
     max_deltas: int = DEFAULT_MAX_DELTAS,
     dry_run: bool,
+    on_bytes: Callable[[int], object] | None = None,
 ) -> Compression:
     """Re-encode the tensors of every version committed before ``cutoff`` and not yet visited
-    (see the module docstring); on a dry run, count what would be stored without writing."""
+    (see the module docstring); on a dry run, count what would be stored without writing.
+    ``on_bytes`` is told the raw bytes of each tensor visited, as it is done."""
     if max_deltas < 0:
         raise ValueError(f"max_deltas {max_deltas} must be at least 0")
     report = Compression()
@@ -430,9 +441,8 @@ def compress(
                     else None
                 )
             recent.turn()
-            chosen = _encode_version(
-                db, blobs, [int(p) for p in parts], [int(p) for p in parent_parts or ()], max_deltas, report, recent
-            )
+            ours, theirs = [int(p) for p in parts], [int(p) for p in parent_parts or ()]
+            chosen = _encode_version(db, blobs, ours, theirs, max_deltas, report, recent, on_bytes)
             report.versions += 1
             try:
                 for batch in _shard_batches(chosen):
@@ -451,10 +461,15 @@ def compress(
 
 
 def compressor(
-    db: Database, blobs: BlobStore, staging: Path, max_deltas: int, dry_run: bool
+    db: Database,
+    blobs: BlobStore,
+    staging: Path,
+    max_deltas: int,
+    dry_run: bool,
+    on_bytes: Callable[[int], object] | None = None,
 ) -> Callable[[datetime], Compression]:
     """:func:`compress` over a store, waiting for the cutoff its collection computes."""
-    return functools.partial(compress, db, blobs, staging, max_deltas=max_deltas, dry_run=dry_run)
+    return functools.partial(compress, db, blobs, staging, max_deltas=max_deltas, dry_run=dry_run, on_bytes=on_bytes)
 
 
 def _shard_batches(chosen: Iterable[Encoded]) -> Iterator[list[Encoded]]:

@@ -250,14 +250,15 @@ class Store:
         compact_below: float | None = None,
         compress: bool = False,
         now: datetime | None = None,
+        on_bytes: Callable[[int], object] | None = None,
     ) -> GcReport:
         """Delete shards no committed version references, sparing recent ones; see :mod:`service.gc`.
 
-        ``grace_seconds`` (default one hour) spares shards recorded or reported present less
-        than that long ago; ``orphans`` also deletes blobs no shard row names; ``compress`` first
-        re-encodes the tensors versions older than that added (:mod:`service.compression`), then
-        compacts below half unless told; ``compact_below`` rewrites shards whose live bytes are
-        below that fraction (:mod:`service.compaction`).
+        ``grace_seconds`` (default one hour) spares shards recorded or reported present less than
+        that long ago; ``orphans`` also deletes blobs no shard row names; ``compress`` first
+        re-encodes the tensors versions older than that added (:mod:`service.compression`; each
+        one's raw bytes then told to ``on_bytes``), then compacts below half unless told;
+        ``compact_below`` rewrites shards whose live bytes are below that fraction (:mod:`service.compaction`).
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
         if compact_below is None and not compress:
@@ -265,13 +266,12 @@ class Store:
         from service.compaction import compact_and_collect
         from service.compression import COMPACT_AFTER_COMPRESSION, compressor
 
-        deltas = self.deltas_per_keyframe
-        compressing = compressor(self.db, self.blobs, self.staging_dir, deltas, dry_run) if compress else None
+        deltas, staging = self.deltas_per_keyframe, self.staging_dir
+        compressing = compressor(self.db, self.blobs, staging, deltas, dry_run, on_bytes) if compress else None
         compact_below = COMPACT_AFTER_COMPRESSION if compress and compact_below is None else compact_below
         return compact_and_collect(
             db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,
-            grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now, compress=compressing,
-            staging=self.staging_dir,
+            grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now, compress=compressing, staging=staging,
         )  # fmt: skip
 
     # -- reading -------------------------------------------------------------------------

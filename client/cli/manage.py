@@ -99,8 +99,8 @@ def gc(
         bool,
         typer.Option(
             "--compress",
-            help="First compress what versions older than the grace period added (byte-grouped zstd, or "
-            "zstd XOR deltas against the version before); the raw shards go once the grace period has passed.",
+            help="First compress what versions older than the grace period added (byte-grouped zstd, or zstd "
+            "XOR deltas on an earlier version's tensor); the raw shards go once the grace period has passed.",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,

@@ -373,8 +373,10 @@ class HttpTransport:
         orphans: bool = False,
         compact_below: float | None = None,
         compress: bool = False,
+        on_bytes: Callable[[int], object] | None = None,
     ) -> GcReport:
-        """Garbage-collect on the server (admin scope; safe to retry: a second pass sweeps nothing new)."""
+        """Garbage-collect on the server (admin scope; safe to retry: a second pass sweeps nothing new).
+        The server does the work: ``on_bytes`` is never called."""
         payload = {
             "dry_run": dry_run,
             "grace_seconds": grace_seconds,

@@ -36,6 +36,7 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 import client
+import client.progress
 from client.cli import app
 from service.db.models import Shard, Version
 from service.encoded_reads import read_tensor
@@ -110,6 +111,28 @@ def test_a_fine_tune_loads_bit_for_bit_after_compression_in_far_less_room(store:
     assert later.tensors_as_deltas >= 2 * len(WEIGHT_KEYS)
     assert not any(tune.wrong_loads(ckpt, run) for run, tune in tunes.items())
     assert dangling_needs(store) == []
+
+
+def test_a_compressing_collection_tells_the_bytes_it_visits_and_the_client_shows_them_on_a_bar(
+    store: Store, ckpt: client.Client, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tune = FineTune(torch.bfloat16)
+    for _ in range(2):
+        tune.save(ckpt, "run")
+    large = {d for version in (1, 2) for d in large_digests(store, "run", version).values()}
+    told: list[int] = []
+
+    report = store.gc(compress=True, grace_seconds=0, on_bytes=told.append)
+
+    assert report.tensors_compressed == len(large) == len(told)
+    assert sum(told) == report.bytes_before_compression == sum(store.locate(large)[d].nbytes for d in large)
+    tune.save(ckpt, "run")
+    monkeypatch.setattr(client.progress, "bars_enabled", lambda: True)  # as on a terminal
+    capsys.readouterr()
+    assert ckpt.gc(compress=True, grace_seconds=0).versions_compressed == 1
+    assert "compress: " in capsys.readouterr().err
+    assert ckpt.gc(grace_seconds=0).versions_compressed == 0
+    assert "compress" not in capsys.readouterr().err  # a collection that compresses nothing shows no bar
 
 
 @pytest.mark.parametrize("per_keyframe", [0, 1, 2])
