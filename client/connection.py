@@ -163,7 +163,8 @@ class Connection:
         from client.progress import byte_bar  # here: only a compressing collection shows a bar
 
         self._settle()
-        with byte_bar(0, "compress") if compress else contextlib.nullcontext() as bar:
+        here = compress and not getattr(self.transport, "remote", False)
+        with byte_bar(0, "compress") if here else contextlib.nullcontext() as bar:
             return self.transport.gc(
                 grace_seconds=grace_seconds,
                 dry_run=dry_run,

@@ -22,7 +22,8 @@ class Transport(Protocol):
     store hashes them as it writes them), and :meth:`sizes_held`; a save then sends unhashed
     the tensors that changed in place and those of a size the store holds no tensor of.
     A store with a ``read_ranges(ranges)`` method (a server) answers many ``(shard_id, offset,
-    buffers)`` ranges in one request; a load then batches its reads of many shards.
+    buffers)`` ranges in one request; a load then batches its reads of many shards. A store
+    with ``remote`` True (a server) does its work, such as a garbage collection, elsewhere.
     """
 
     #: Whether :meth:`put_tensors` is available.

@@ -116,6 +116,8 @@ class HttpTransport:
 
     #: A shard's upload URL names its id, so every tensor is hashed before it is sent.
     takes_unhashed = False
+    #: Work such as a garbage collection runs on the server, not in this process.
+    remote = True
 
     def __init__(
         self,

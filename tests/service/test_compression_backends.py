@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import client
+import client.progress
 from client.cli import app
 from service.api import create_app
 from service.blobs import BlobStore
@@ -94,7 +95,9 @@ def ways(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
         store.close()
 
 
-def test_the_same_versions_load_bit_for_bit_every_way_before_and_after_compression(ways: Ways) -> None:
+def test_the_same_versions_load_bit_for_bit_every_way_before_and_after_compression(
+    ways: Ways, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     tunes = {"bf16": FineTune(torch.bfloat16), "fp32": FineTune(torch.float32)}
     for step in range(3):
         for run, tune in tunes.items():
@@ -103,8 +106,11 @@ def test_the_same_versions_load_bit_for_bit_every_way_before_and_after_compressi
         assert not any(tune.wrong_loads(way, run) for run, tune in tunes.items())
     before = blob_bytes(ways.blobs)
 
+    monkeypatch.setattr(client.progress, "bars_enabled", lambda: True)  # as on a terminal
+    capsys.readouterr()
     report = ways.remote.gc(compress=True, grace_seconds=0)
 
+    assert "compress" not in capsys.readouterr().err  # the server did the work: no bar here
     assert report.versions_compressed == 6 and report.tensors_compressed == 6 * len(LARGE_KEYS)
     assert 0 < report.tensors_as_deltas and report.bytes_after_compression < report.bytes_before_compression / 2
     assert blob_bytes(ways.blobs) < before - (report.bytes_before_compression - report.bytes_after_compression) / 2
