@@ -12,19 +12,30 @@ tensor can take before anything is read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from service.errors import IntegrityError
-from service.format.digest import tensor_digest
+from service.format.digest import TensorHasher, tensor_digest
 from service.format.dtypes import itemsize
-from service.format.encoding import PayloadHead, block_count, decode_chain, head_bytes, parse_head
+from service.format.encoding import (
+    PayloadHead,
+    block_count,
+    check_chain,
+    decode_block_frames,
+    decode_chain,
+    frame_count,
+    head_bytes,
+    parse_head,
+)
 from service.records import TensorLocation
 
 #: Reads ``len(buffer)`` bytes of a shard from an offset into ``buffer``.
 ReadInto = Callable[[str, int, memoryview], None]
 #: Longest chain followed (gc writes deltas one link deep, on a keyframe stored whole).
 MAX_CHAIN = 16
+#: Largest block :func:`iter_decoded` decodes (gc writes blocks of 1 MiB): what it holds at once.
+MAX_STREAMED_BLOCK = 16 << 20
 
 
 def subject(location: TensorLocation) -> str:
@@ -115,6 +126,64 @@ def decode_into(read: ReadInto, chain: Chain, out: memoryview, *, blocks: range 
     decode_chain(chain.links, view, blocks=blocks, subject=subject(chain.location))
 
 
+def _read_head(read: ReadInto, link: TensorLocation) -> PayloadHead:
+    """The checked header of ``link``'s payload, read alone: its fixed part, then its frame table."""
+    if not 0 < link.length <= most_payload_bytes(link.nbytes):
+        raise IntegrityError(f"{subject(link)}: a {link.length}-byte payload cannot hold {link.nbytes} bytes")
+    fixed = bytearray(min(link.length, head_bytes(0)))
+    read(link.shard_id, link.offset, memoryview(fixed))
+    # Checked before it is read: a count the payload has no room for is no reason to allocate.
+    length = min(link.length, head_bytes(min(frame_count(fixed), link.length // 4)))
+    head = bytearray(length)
+    read(link.shard_id, link.offset, memoryview(head))
+    parsed = parse_head(head, nbytes=link.nbytes, width=itemsize(link.dtype), subject=subject(link))
+    if parsed.base != link.base or parsed.size != link.length:
+        raise IntegrityError(f"{subject(link)}: its payload does not match what the store records of it")
+    return parsed
+
+
+def iter_decoded(
+    read: ReadInto, locations: Mapping[str, TensorLocation], digest: str, piece_bytes: int
+) -> Iterator[bytes]:
+    """The raw bytes of the located tensor ``digest``, stored encoded, in pieces of at most
+    ``piece_bytes``, decoding a block at a time: only the payloads' headers and one block (of at
+    most :data:`MAX_STREAMED_BLOCK`) are held at once, however large the tensor.
+
+    Raises:
+        IntegrityError: a payload is corrupt, or (after the last piece) the bytes do not hash to
+            ``digest``: whoever passed the pieces on must then abandon what it sent.
+    """
+    chain = chain_of(locations, digest)
+    encoded = [link for link in chain if link.encoded]
+    raw_base = chain[len(encoded)] if len(encoded) < len(chain) else None
+    heads = [_read_head(read, link) for link in encoded]
+    check_chain(heads, subject=subject(chain[0]))
+    if heads[0].block_bytes > MAX_STREAMED_BLOCK:
+        raise IntegrityError(f"{subject(chain[0])}: blocks of {heads[0].block_bytes} bytes are too large to stream")
+    hasher = TensorHasher(chain[0].dtype, chain[0].shape, parallel=False)
+    block = memoryview(bytearray(heads[0].block_bytes))
+    for index in range(len(heads[0].frames)):
+        begin, end = heads[0].block(index)
+        out = block[: end - begin]
+        if raw_base is not None:
+            read(raw_base.shard_id, raw_base.offset + begin, out)
+        frames = []
+        for link, head in zip(encoded, heads, strict=True):
+            start, stop = head.frames[index]
+            if stop - start > most_payload_bytes(end - begin):
+                raise IntegrityError(f"{subject(link)}: block {index}'s frame of {stop - start} bytes is too long")
+            frame = bytearray(stop - start)
+            read(link.shard_id, link.offset + start, memoryview(frame))
+            frames.append((head, frame))
+        decode_block_frames(frames, index, out, subject=subject(chain[0]))
+        hasher.update(out)
+        for start in range(0, len(out), piece_bytes):
+            yield bytes(out[start : start + piece_bytes])
+    actual = hasher.hexdigest()
+    if actual != digest:
+        raise IntegrityError(f"{subject(chain[0])} reads back as {actual[:16]}…; run `ckptstore verify`")
+
+
 def read_raw(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
     """The raw bytes of the located tensor ``digest``, decoded if stored encoded, *not* checked
     against its digest (re-encoding bytes needs no check: whatever they are, every load checks
@@ -153,6 +222,7 @@ __all__ = [
     "chain_of",
     "decode_into",
     "fetch_chain",
+    "iter_decoded",
     "most_payload_bytes",
     "read_raw",
     "read_tensor",

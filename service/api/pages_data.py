@@ -32,6 +32,7 @@ from service.api.pages_runs import (
 )
 from service.api.streaming import PIECE_BYTES
 from service.diff import TensorChange, VersionDiff, diff_manifests
+from service.encoded_reads import iter_decoded
 from service.errors import InvalidInputError, NotFoundError
 from service.format.manifest import Manifest, TensorEntry
 from service.format.names import parse_ref
@@ -254,10 +255,10 @@ def tensor_download(store: Store, run_id: str, ref: str, key: str) -> TensorDown
         raise InvalidInputError(
             f"tensor {key[:200]!r} is stored in {len(entry.digests())} chunks; load it with the client instead"
         )
-    location = store.locate([entry.digest])[entry.digest]
-    if location.encoded:  # compressed at rest: decoded (and checked) whole, then sent
-        decoded = store.read_tensor(entry.digest)
-        pieces = (memoryview(decoded)[start : start + PIECE_BYTES] for start in range(0, len(decoded), PIECE_BYTES))
+    located = store.locate([entry.digest])
+    location = located[entry.digest]
+    if location.encoded:  # compressed at rest: decoded a block at a time as it is sent, and checked
+        pieces = iter_decoded(store.read_into, located, entry.digest, PIECE_BYTES)
         return TensorDownload(download_name(entry), location.nbytes, pieces)
     chunks = store.iter_shard(location.shard_id, location.offset, location.nbytes, PIECE_BYTES)
     return TensorDownload(download_name(entry), location.nbytes, chunks)

@@ -241,20 +241,37 @@ def decode_block(
     _ungroup_into(_frame(head, payload, index, subject), head.group, target, xor=xor)
 
 
+def frame_count(fixed: memoryview | bytes | bytearray) -> int:
+    """The block count a payload's first :func:`head_bytes` ``(0)`` bytes declare (0 if they are
+    fewer): how much of its header to read next, once checked against the payload's length."""
+    return int(_HEAD.unpack_from(fixed)[-1]) if len(fixed) >= _HEAD.size else 0
+
+
 def _frame(head: PayloadHead, payload: memoryview | bytes | bytearray, index: int, subject: str) -> np.ndarray:
     """Block ``index`` of a payload decompressed, still byte-grouped, once checked (see :func:`decode_block`)."""
-    begin, end = head.block(index)
+    return _inflate(head, _frame_bytes(head, payload, index, subject), index, subject)
+
+
+def _frame_bytes(head: PayloadHead, payload: memoryview | bytes | bytearray, index: int, subject: str) -> memoryview:
+    """The bytes of block ``index``'s frame within a whole payload."""
     start, stop = head.frames[index]
     view = memoryview(payload)
     if stop > view.nbytes:
         raise IntegrityError(f"{subject}: payload ends inside block {index}")
+    return view[start:stop]
+
+
+def _inflate(head: PayloadHead, frame: memoryview | bytes | bytearray, index: int, subject: str) -> np.ndarray:
+    """Block ``index``'s frame (its bytes alone) decompressed, still byte-grouped, once checked."""
+    begin, end = head.block(index)
+    view = memoryview(frame)
     try:
-        params = zstandard.get_frame_parameters(view[start:stop])
+        params = zstandard.get_frame_parameters(view)
         if params.content_size != end - begin:
             raise IntegrityError(f"{subject}: block {index} claims {params.content_size} bytes, not {end - begin}")
         # A frame fills its slot of the payload exactly: bytes after it (another frame, or
         # anything else) mean the frame table does not describe the payload.
-        grouped = _decompressor().decompress(view[start:stop], max_output_size=end - begin, allow_extra_data=False)
+        grouped = _decompressor().decompress(view, max_output_size=end - begin, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{subject}: block {index} does not decompress: {exc}") from exc
     if len(grouped) != end - begin:
@@ -279,31 +296,55 @@ def decode_chain(
     Raises:
         IntegrityError: a payload is corrupt, or the chain's payloads do not fit together.
     """
-    if not chain:
-        raise ValueError("an empty chain decodes to nothing")
+    check_chain([head for head, _ in chain], subject=subject)
     first = chain[0][0]
-    for (head, _), (below, _) in zip(chain, chain[1:], strict=False):
-        if head.base is None or head.block_bytes != below.block_bytes or head.nbytes != below.nbytes:
-            raise IntegrityError(f"{subject}: its delta chain does not fit together")
-    bottom_is_delta = chain[-1][0].base is not None
     view = memoryview(out).cast("B")
-    np = _numpy()
-    # Grouping permutes bytes the same way in every payload of one width, so the XORs of a chain
-    # apply to grouped blocks and the block is ungrouped once, not once per link.
-    same_width = len({head.group for head, _ in chain}) == 1
     for index in blocks if blocks is not None else range(len(first.frames)):
         begin, end = first.block(index)
-        target = view[begin:end]
-        if same_width:
-            grouped = None
-            for head, payload in reversed(chain):
-                frame = _frame(head, payload, index, subject)
-                grouped = frame if grouped is None else np.bitwise_xor(grouped, frame)
-            assert grouped is not None
-            _ungroup_into(grouped, first.group, np.frombuffer(target, dtype=np.uint8), xor=bottom_is_delta)
-            continue
-        for depth, (head, payload) in enumerate(reversed(chain)):
-            decode_block(head, payload, index, target, xor=bottom_is_delta or depth > 0, subject=subject)
+        frames = [(head, _frame_bytes(head, payload, index, subject)) for head, payload in chain]
+        decode_block_frames(frames, index, view[begin:end], subject=subject)
+
+
+def check_chain(heads: Sequence[PayloadHead], *, subject: str) -> None:
+    """Check that payload headers listed as a tensor's own, then its base's, … fit together:
+    each above the last a delta, all of one block size and raw length.
+
+    Raises:
+        IntegrityError: naming ``subject``, when they do not.
+    """
+    if not heads:
+        raise ValueError("an empty chain decodes to nothing")
+    for head, below in zip(heads, heads[1:], strict=False):
+        if head.base is None or head.block_bytes != below.block_bytes or head.nbytes != below.nbytes:
+            raise IntegrityError(f"{subject}: its delta chain does not fit together")
+
+
+def decode_block_frames(
+    frames: Sequence[tuple[PayloadHead, memoryview | bytes | bytearray]], index: int, out: memoryview, *, subject: str
+) -> None:
+    """Decode block ``index`` of a chain (checked by :func:`check_chain`) from each payload's
+    frame of that block alone, listed as in :func:`decode_chain`, into ``out`` (the block's raw
+    bytes; when the last payload is a delta, its raw base's block must be there already).
+
+    Raises:
+        IntegrityError: naming ``subject``, when a frame is corrupt or does not fill its block.
+    """
+    np = _numpy()
+    first = frames[0][0]
+    target = np.frombuffer(out, dtype=np.uint8)
+    bottom_is_delta = frames[-1][0].base is not None
+    # Grouping permutes bytes the same way in every payload of one width, so the XORs of a chain
+    # apply to grouped blocks and the block is ungrouped once, not once per link.
+    if len({head.group for head, _ in frames}) == 1:
+        grouped = None
+        for head, frame in reversed(frames):
+            inflated = _inflate(head, frame, index, subject)
+            grouped = inflated if grouped is None else np.bitwise_xor(grouped, inflated)
+        assert grouped is not None
+        _ungroup_into(grouped, first.group, target, xor=bottom_is_delta)
+        return
+    for depth, (head, frame) in enumerate(reversed(frames)):
+        _ungroup_into(_inflate(head, frame, index, subject), head.group, target, xor=bottom_is_delta or depth > 0)
 
 
 __all__ = [
@@ -313,9 +354,12 @@ __all__ = [
     "Encoding",
     "PayloadHead",
     "block_count",
+    "check_chain",
     "decode_block",
+    "decode_block_frames",
     "decode_chain",
     "encode",
+    "frame_count",
     "head_bytes",
     "parse_head",
 ]

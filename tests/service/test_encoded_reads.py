@@ -1,5 +1,6 @@
 """Reading located tensors whatever their encoding: raw, a payload, or a delta chain down to a
-raw or encoded base, over shards held in memory, and every way the records can mislead."""
+raw or encoded base, over shards held in memory, and every way the records can mislead; whole
+(``read_tensor``) and streamed a block at a time (``iter_decoded``)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from service.encoded_reads import (
     chain_of,
     decode_into,
     fetch_chain,
+    iter_decoded,
     most_payload_bytes,
     read_tensor,
 )
 from service.errors import IntegrityError
 from service.format.digest import tensor_digest
 from service.format.dtypes import byte_length, itemsize
-from service.format.encoding import BLOCK_BYTES, encode
+from service.format.encoding import BLOCK_BYTES, encode, head_bytes
 from service.records import TensorLocation
 
 
@@ -102,14 +104,24 @@ def chain(
     return {location.digest: location for location in located}, data
 
 
+def streamed(shards: Shards, locations: dict[str, TensorLocation], digest: str, piece_bytes: int = 1000) -> bytes:
+    """``digest``'s bytes as :func:`iter_decoded` streams them, each piece checked for size."""
+    pieces = list(iter_decoded(shards.read, locations, digest, piece_bytes))
+    assert all(0 < len(piece) <= piece_bytes for piece in pieces)
+    return b"".join(pieces)
+
+
 def refused(shards: Shards, locations: dict[str, TensorLocation], digest: str, *fragments: str) -> str:
-    """Read ``digest``, which must fail with an IntegrityError naming the tensor and ``fragments``."""
-    with pytest.raises(IntegrityError) as caught:
-        read_tensor(shards.read, locations, digest)
-    message = str(caught.value)
-    assert "\n" not in message and "tensor " in message
-    for fragment in fragments:
-        assert fragment in message
+    """Read ``digest`` whole and, stored encoded, streamed: each must fail with an IntegrityError
+    naming the tensor and ``fragments``."""
+    readers = [read_tensor, streamed] if locations[digest].encoded else [read_tensor]
+    for reader in readers:
+        with pytest.raises(IntegrityError) as caught:
+            reader(shards.read if reader is read_tensor else shards, locations, digest)  # type: ignore[arg-type]
+        message = str(caught.value)
+        assert "\n" not in message and "tensor " in message
+        for fragment in fragments:
+            assert fragment in message
     return message
 
 
@@ -131,10 +143,12 @@ def test_chains_read_back_exactly(bottom: str, depth: int) -> None:
     locations, data = chain(shards, "BF16", [40, 50], depth, bottom)
     top = tensor_digest("BF16", [40, 50], data[-1])
     assert len(chain_of(locations, top)) == (depth + 1 if bottom == "raw" else depth)
-    assert read_tensor(shards.read, locations, top) == data[-1]
+    assert read_tensor(shards.read, locations, top) == data[-1] == streamed(shards, locations, top)
     # Every version below the top reads back too, through the rest of the chain.
     for version in data:
-        assert read_tensor(shards.read, locations, tensor_digest("BF16", [40, 50], version)) == version
+        digest = tensor_digest("BF16", [40, 50], version)
+        assert read_tensor(shards.read, locations, digest) == version
+        assert not locations[digest].encoded or streamed(shards, locations, digest, 333) == version
 
 
 @pytest.mark.parametrize("dtype", ["U8", "F16", "F32", "F64"])
@@ -143,6 +157,40 @@ def test_every_width_reads_back(dtype: str) -> None:
     shape = [3, 40 // itemsize(dtype)]
     locations, data = chain(shards, dtype, shape, 2, "keyframe", seed=3)
     assert read_tensor(shards.read, locations, tensor_digest(dtype, shape, data[-1])) == data[-1]
+
+
+@pytest.mark.parametrize("bottom", ["raw", "keyframe"])
+def test_a_streamed_tensor_is_read_a_block_at_a_time(bottom: str) -> None:
+    """Two and a half blocks, a delta on its base: no read is longer than a block's frame, where a
+    whole read reads each payload at once."""
+    shards = Shards()
+    shape = [BLOCK_BYTES * 5 // 8]  # 2.5 MiB of float32
+    locations, data = chain(shards, "F32", shape, 2 if bottom == "keyframe" else 1, bottom)
+    top = tensor_digest("F32", shape, data[-1])
+    longest = max(location.length for location in locations.values())
+    assert longest > BLOCK_BYTES * 1.2
+
+    assert streamed(shards, locations, top, BLOCK_BYTES // 3) == data[-1]
+    assert max(length for _, _, length in shards.reads) <= most_payload_bytes(BLOCK_BYTES)
+    shards.reads.clear()
+    assert read_tensor(shards.read, locations, top) == data[-1]
+    assert max(length for _, _, length in shards.reads) >= min(longest, BLOCK_BYTES * 2)
+
+
+def test_a_frame_longer_than_its_block_can_be_is_refused_before_it_is_read() -> None:
+    shards = Shards()
+    shape = [BLOCK_BYTES * 5 // 8]
+    locations, data = chain(shards, "F32", shape, 1, "keyframe")
+    digest = tensor_digest("F32", shape, data[0])
+    location = locations[digest]
+    table = location.offset + head_bytes(0)
+    body = shards.data[location.shard_id]
+    lengths = np.frombuffer(bytes(body[table : table + 12]), dtype="<u4").copy()
+    # The same payload length, all but two bytes of it claimed by the first frame.
+    body[table : table + 12] = np.array([lengths.sum() - 2, 1, 1], dtype="<u4").tobytes()
+    with pytest.raises(IntegrityError, match=f"{digest[:16]}.*block 0's frame of {lengths.sum() - 2} bytes"):
+        streamed(shards, locations, digest)
+    assert max(length for _, _, length in shards.reads) <= head_bytes(3)
 
 
 def test_a_chain_of_max_chain_deltas_is_followed() -> None:
