@@ -22,8 +22,9 @@ from service import lookup
 from service.blobs import BlobStore
 from service.compression import Encoded, write_encoded_shard
 from service.db import Database
-from service.encoded_reads import read_tensor
+from service.encoded_reads import check_digest, decode_into, fetch_chain
 from service.errors import NotFoundError
+from service.format.digest import tensor_digest
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,17 @@ def repack(db: Database, blobs: BlobStore, staging: Path, shard_id: str, live: S
         locations = lookup.locate(db=db, digests=[payload.digest for payload in live])
         batch = []
         for payload in live:
-            data = bytearray(payload.stored_nbytes)
-            blobs.read_into(shard_id, payload.offset, memoryview(data))
-            # Decoded and hashed before a byte is copied: compaction must not carry damage along.
-            read_tensor(blobs.read_into, locations, payload.digest)
+            # Decoded and hashed before it is copied (compaction must not carry damage along), from
+            # the payload bytes read once: the same bytes are then copied.
+            chain = fetch_chain(blobs.read_into, locations, payload.digest)
+            decoded = bytearray(payload.nbytes)
+            decode_into(blobs.read_into, chain, memoryview(decoded))
+            location = locations[payload.digest]
+            check_digest(location, tensor_digest(location.dtype, location.shape, decoded))
             batch.append(
                 Encoded(
                     digest=payload.digest, old_shard=shard_id, nbytes=payload.nbytes, encoding=payload.encoding,
-                    payload=bytes(data), base=payload.base, needs=(),
+                    payload=bytes(chain.links[0][1]), base=payload.base, needs=(),
                 )
             )  # fmt: skip
     except NotFoundError:

@@ -99,15 +99,26 @@ def fetch_chain(read: ReadInto, locations: Mapping[str, TensorLocation], digest:
         if not link.encoded:
             raw_base = link
             break
-        if not 0 < link.length <= most_payload_bytes(link.nbytes):
-            raise IntegrityError(f"{subject(link)}: a {link.length}-byte payload cannot hold {link.nbytes} bytes")
+        _check_length(link)
         payload = bytearray(link.length)
         read(link.shard_id, link.offset, memoryview(payload))
-        head = parse_head(payload, nbytes=link.nbytes, width=itemsize(link.dtype), subject=subject(link))
-        if head.base != link.base or head.size != link.length:
-            raise IntegrityError(f"{subject(link)}: its payload does not match what the store records of it")
-        links.append((head, payload))
+        links.append((_checked_head(link, payload), payload))
     return Chain(location=chain[0], links=tuple(links), raw_base=raw_base)
+
+
+def _check_length(link: TensorLocation) -> None:
+    """Refuse a recorded payload length no payload of the tensor can have, before reading it."""
+    if not 0 < link.length <= most_payload_bytes(link.nbytes):
+        raise IntegrityError(f"{subject(link)}: a {link.length}-byte payload cannot hold {link.nbytes} bytes")
+
+
+def _checked_head(link: TensorLocation, head: bytearray) -> PayloadHead:
+    """The header of ``link``'s payload (``head``: the payload, or its header alone), checked
+    against the tensor and against what the store records of the payload."""
+    parsed = parse_head(head, nbytes=link.nbytes, width=itemsize(link.dtype), subject=subject(link))
+    if parsed.base != link.base or parsed.size != link.length:
+        raise IntegrityError(f"{subject(link)}: its payload does not match what the store records of it")
+    return parsed
 
 
 def decode_into(read: ReadInto, chain: Chain, out: memoryview, *, blocks: range | None = None) -> None:
@@ -128,18 +139,14 @@ def decode_into(read: ReadInto, chain: Chain, out: memoryview, *, blocks: range 
 
 def _read_head(read: ReadInto, link: TensorLocation) -> PayloadHead:
     """The checked header of ``link``'s payload, read alone: its fixed part, then its frame table."""
-    if not 0 < link.length <= most_payload_bytes(link.nbytes):
-        raise IntegrityError(f"{subject(link)}: a {link.length}-byte payload cannot hold {link.nbytes} bytes")
+    _check_length(link)
     fixed = bytearray(min(link.length, head_bytes(0)))
     read(link.shard_id, link.offset, memoryview(fixed))
     # Checked before it is read: a count the payload has no room for is no reason to allocate.
     length = min(link.length, head_bytes(min(frame_count(fixed), link.length // 4)))
     head = bytearray(length)
     read(link.shard_id, link.offset, memoryview(head))
-    parsed = parse_head(head, nbytes=link.nbytes, width=itemsize(link.dtype), subject=subject(link))
-    if parsed.base != link.base or parsed.size != link.length:
-        raise IntegrityError(f"{subject(link)}: its payload does not match what the store records of it")
-    return parsed
+    return _checked_head(link, head)
 
 
 def iter_decoded(
@@ -179,9 +186,13 @@ def iter_decoded(
         hasher.update(out)
         for start in range(0, len(out), piece_bytes):
             yield bytes(out[start : start + piece_bytes])
-    actual = hasher.hexdigest()
-    if actual != digest:
-        raise IntegrityError(f"{subject(chain[0])} reads back as {actual[:16]}…; run `ckptstore verify`")
+    check_digest(chain[0], hasher.hexdigest())
+
+
+def check_digest(location: TensorLocation, actual: str) -> None:
+    """Refuse bytes of ``location``'s tensor that hashed to ``actual``, not to its digest."""
+    if actual != location.digest:
+        raise IntegrityError(f"{subject(location)} reads back as {actual[:16]}…; run `ckptstore verify`")
 
 
 def read_raw(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
@@ -209,9 +220,7 @@ def read_tensor(read: ReadInto, locations: Mapping[str, TensorLocation], digest:
     """
     location = locations[digest]
     data = read_raw(read, locations, digest)
-    actual = tensor_digest(location.dtype, location.shape, data)
-    if actual != digest:
-        raise IntegrityError(f"{subject(location)} reads back as {actual[:16]}…; run `ckptstore verify`")
+    check_digest(location, tensor_digest(location.dtype, location.shape, data))
     return data
 
 
@@ -220,6 +229,7 @@ __all__ = [
     "Chain",
     "ReadInto",
     "chain_of",
+    "check_digest",
     "decode_into",
     "fetch_chain",
     "iter_decoded",
