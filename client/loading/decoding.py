@@ -14,6 +14,7 @@ import os
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
+from dataclasses import dataclass
 from typing import Protocol
 
 from client.loading.readahead import run_ahead
@@ -46,6 +47,14 @@ class EncodedJob(Protocol):
     def bytes(self) -> memoryview: ...
 
 
+@dataclass
+class _Decoding:
+    """One tensor's destination bytes, and the digest of what was decoded into them once done."""
+
+    view: memoryview
+    digest: str = ""
+
+
 def decoded(
     read: ReadInto,
     locations: Mapping[str, TensorLocation],
@@ -63,10 +72,9 @@ def decoded(
     """
     blocks_pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptstore-decode-blocks")
 
-    def decode(job: EncodedJob, out: list[memoryview | str]) -> None:
+    def decode(job: EncodedJob, out: _Decoding) -> None:
         chain = fetch_chain(read, locations, job.location.digest)
-        view = out[0]
-        assert isinstance(view, memoryview)
+        view = out.view
         if chain.blocks <= SPLIT_BLOCKS:
             decode_into(read, chain, view)
         else:
@@ -74,10 +82,10 @@ def decoded(
             for future in [blocks_pool.submit(decode_into, read, chain, view, blocks=span) for span in spans]:
                 future.result()
         # Hashed here, by the thread that decoded it while it is in its cache, not by the consumer.
-        out.append(tensor_digest(job.dtype, job.shape, view, parallel=threads == 1))
+        out.digest = tensor_digest(job.dtype, job.shape, view, parallel=threads == 1)
 
-    def views_for(_number: int, job: EncodedJob) -> list[memoryview | str]:
-        return [job.bytes()]
+    def views_for(_number: int, job: EncodedJob) -> _Decoding:
+        return _Decoding(job.bytes())
 
     try:
         work = run_ahead(decode, jobs, views_for, ahead=2 * threads, threads=threads, name="ckptstore-decode")
@@ -87,9 +95,7 @@ def decoded(
                     future.result()
                 except IntegrityError as exc:
                     raise IntegrityError(f"{job.keys[0]}: {exc}") from exc
-                digest = done[-1]
-                assert isinstance(digest, str)
-                yield job, digest
+                yield job, done.digest
     finally:
         blocks_pool.shutdown(wait=True, cancel_futures=True)
 
