@@ -12,7 +12,7 @@ import torch
 from client import jsonstate, keys, names
 from client.loading import selection
 from client.loading.device_copy import DeviceCopier
-from client.loading.reader import TensorReader
+from client.loading.reader import TensorReader, plain_empty
 from client.loading.selection import ModelPlan
 from client.placement import device_for
 from client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
@@ -167,16 +167,24 @@ def _placed_reader(
     The whole section is needed at once anyway (an optimizer loads its full state_dict), so
     reading it in storage order first costs no extra memory and saves round trips. Each tensor
     goes to its device as it arrives (:class:`DeviceCopier`), so the copies overlap the reads and
-    host memory holds only the tensors that stay there.
+    host memory holds only the tensors that stay there. Those are read into pageable memory, not
+    the copier's pinned blocks: a tensor the optimizer keeps on the host (Adam's ``step``) must
+    not hold a pinned block for as long as the optimizer lives.
     """
     keys = [k for k in reader.entries if k.startswith(prefix) and wanted(k)]
     # Optimizer tensors keep their saved dtype: no silent upcast of bf16 state.
     places = {key: device_for(reader.entries[key], param_devices, target) for key in keys}
     copier = DeviceCopier(places.values())
     fetched: dict[str, torch.Tensor] = {}
-    with copier, closing(reader.read_many(keys, host_empty=copier.host_empty)) as stream:
-        for key, tensor in stream:
-            fetched[key] = copier.to(tensor, places[key])
+    moved = [key for key in keys if places[key].type != "cpu"]
+    kept = [key for key in keys if places[key].type == "cpu"]
+    with copier:
+        for chosen, host_empty in ((moved, copier.host_empty), (kept, plain_empty)):
+            if not chosen:
+                continue
+            with closing(reader.read_many(chosen, host_empty=host_empty)) as stream:
+                for key, tensor in stream:
+                    fetched[key] = copier.to(tensor, places[key])
 
     def tensor_for(key: str) -> torch.Tensor:
         if key not in fetched:
