@@ -70,6 +70,8 @@ class Snapshot:
     staged_bytes: int
     #: The device type each record's live tensor is on (a staged copy is on the host).
     device_types: list[str]
+    #: Done once the copies from accelerators are complete on the host (None: nothing to wait for).
+    copied: torch.cuda.Event | None = None
 
 
 class SaveRun:
@@ -133,6 +135,8 @@ class SaveRun:
 
         Returns the plan and the ledger marks to keep once a version holding these is committed.
         """
+        if self.snapshot is not None and self.snapshot.copied is not None:
+            self.snapshot.copied.synchronize()  # the staged copies' last bytes may still be on their way
         plan, marks = self.plan()
         lengths = plan.lengths
         with (

@@ -21,6 +21,7 @@ import torch
 
 from client.results import SaveResult
 from client.saving.hashing import DigestCache, Taken
+from client.saving.packed_staging import PackedStaging
 from client.saving.saver import Snapshot
 from client.state import FlatState
 from client.tensors import dtype_name
@@ -81,11 +82,12 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._packed = PackedStaging()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the staging buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Bytes of host memory held by the staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values()) + self._packed.nbytes
 
     def snapshot(self, flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> Snapshot:
         """Copy what the background save must not read live; returns the snapshot.
@@ -105,7 +107,10 @@ class Staging:
         staged: list[torch.Tensor] = []
         copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once and stays tied
         teach: dict[int, tuple[torch.Tensor, Taken | None]] = {}
-        sources: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {False: ([], []), True: ([], [])}
+        into: list[torch.Tensor] = []
+        out_of: list[torch.Tensor] = []
+        on_cuda: dict[int, tuple[str, torch.Tensor]] = {}  # staged together at the end
+        slots: list[tuple[int, torch.Tensor]] = []  # where in ``staged`` their copies go
         used: set[str] = set()
         for index, (record, digest) in enumerate(zip(records, known, strict=True)):
             tensor = record.tensor
@@ -117,25 +122,54 @@ class Staging:
             if not host_too and devices[index] == "cpu":
                 staged.append(tensor)
                 continue
+            used.add(record.key)
+            if devices[index] == "cuda":
+                on_cuda.setdefault(id(tensor), (record.key, tensor))
+                slots.append((len(staged), tensor))
+                staged.append(tensor)  # replaced by its copy below
+                continue
             copy = copies.get(id(tensor))
             if copy is None:
                 copy = self._buffer(record.key, tensor, devices[index])
                 copies[id(tensor)] = copy
-                into, out_of = sources[devices[index] == "cuda"]
                 into.append(copy)
                 out_of.append(tensor)
-            used.add(record.key)
             staged.append(copy)
         with torch.no_grad():  # a copy of a parameter must not join its autograd graph
-            for from_cuda, (into, out_of) in sources.items():
-                if into:  # one call for all: a third less time than a copy_ each
-                    torch._foreach_copy_(into, out_of, non_blocking=from_cuda)
-        if sources[True][0]:  # wait for the copies started without blocking
-            torch.cuda.synchronize()
+            if into:  # one call for all: a third less time than a copy_ each
+                torch._foreach_copy_(into, out_of)
+        copied = self._stage_cuda(list(on_cuda.values()), copies) if on_cuda else None
+        if not on_cuda:
+            self._packed.release()
+        for slot, tensor in slots:
+            staged[slot] = copies[id(tensor)]
         if len(used) != len(self._buffers):  # a buffer no record used this time is let go
             self._buffers = {key: buffer for key, buffer in self._buffers.items() if key in used}
         staged_bytes = sum(copy.nbytes for copy in copies.values())
-        return Snapshot(staged, known, teach, staged_bytes, devices)
+        return Snapshot(staged, known, teach, staged_bytes, devices, copied)
+
+    def _stage_cuda(self, tensors: list[tuple[str, torch.Tensor]], copies: dict[int, torch.Tensor]) -> torch.cuda.Event:
+        """Copy CUDA ``tensors`` (key, tensor) to pinned host memory, into ``copies`` by id.
+
+        Returns once the live tensors may change: the event says when the host copies are
+        complete. Gathered on the device and moved in one transfer where they fit
+        (:class:`PackedStaging`); else one transfer each, waited for here.
+        """
+        packed = self._packed.stage([tensor for _, tensor in tensors])
+        if packed is not None:
+            for (_, tensor), host in zip(tensors, packed.host, strict=True):
+                copies[id(tensor)] = host
+            packed.gathered.synchronize()
+            return packed.copied
+        buffers = [self._buffer(key, tensor, "cuda") for key, tensor in tensors]
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, [tensor for _, tensor in tensors], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(tensors[0][1].device))
+        copied.synchronize()  # the copies read the live tensors: wait for them here
+        for (_, tensor), buffer in zip(tensors, buffers, strict=True):
+            copies[id(tensor)] = buffer
+        return copied
 
     def _buffer(self, key: str, tensor: torch.Tensor, device: str) -> torch.Tensor:
         """This key's staging buffer, shaped for ``tensor`` (on the host, pinned for a CUDA tensor)."""

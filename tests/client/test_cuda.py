@@ -152,3 +152,53 @@ def test_a_load_stages_through_pinned_blocks_it_reuses_and_gives_back(tmp_path: 
     # The blocks of one load serve the next: pinned memory does not grow with the loads, and it is
     # bounded by the reads in flight (at most eight of 64 MiB ahead), not the 576 MiB loaded.
     assert 0 < pinned[0] <= 1 << 30 and max(pinned) <= pinned[0] * 5 // 4
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_background_save_stores_the_state_before_steps_taken_at_once_on_another_stream(
+    tmp_path: Path, packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live tensors may change as soon as save returns, on any stream: the caller waited
+    for the copies that read them (gathered on the device, or one transfer each past the limit)."""
+    from client.saving import packed_staging
+
+    if not packed:
+        monkeypatch.setattr(packed_staging, "LIMIT_BYTES", 1024)
+    model, optim = _trained(fused=False)
+    with client.Client(home=tmp_path) as ckpt:
+        for step in range(3):
+            expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            moments = [s["exp_avg"].clone() for s in optim.state.values()]
+            handle = ckpt.save("run", model, optim, blocking=False)
+            assert isinstance(handle, client.SaveHandle)
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):  # not ordered after the save's copies by the stream itself
+                train(model, optim, range(3 + step, 4 + step))
+            handle.result()
+            loaded = ckpt.load("run")
+            assert loaded.state_dict is not None
+            for key, value in expected.items():
+                assert tensors_equal(loaded.state_dict[key].cuda(), value), key
+            fresh = TinyNet(seed=5).cuda()
+            fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            ckpt.load("run", model=fresh, optim=fresh_optim, device="cuda")
+            for state, moment in zip(fresh_optim.state.values(), moments, strict=True):
+                assert torch.equal(state["exp_avg"], moment)
+            torch.cuda.synchronize()
+
+
+def test_background_saves_from_the_device_reuse_their_pinned_buffers(tmp_path: Path) -> None:
+    model, optim = _trained(fused=False)
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model, optim)
+        held = []
+        for step in range(4):
+            train(model, optim, range(2 + step, 3 + step))
+            handle = ckpt.save("run", model, optim, blocking=False)
+            assert isinstance(handle, client.SaveHandle) and handle.staged_bytes > 0
+            handle.result()
+            torch.cuda.synchronize()
+            held.append((ckpt._staging.nbytes, torch.cuda.host_memory_stats()["allocated_bytes.current"]))
+    staged = handle.staged_bytes
+    assert all(nbytes == held[0][0] for nbytes, _ in held) and staged <= held[0][0] <= staged + 64 * 64
+    assert all(pinned == held[0][1] for _, pinned in held)  # the same blocks, save after save

@@ -1,0 +1,111 @@
+"""A background save's accelerator tensors, staged in one transfer instead of one per tensor.
+
+A LoRA or adapter save stages a few hundred small tensors (adapters, optimizer moments) every
+step. Copied to pinned host memory one by one, each is a transfer of its own (a few
+microseconds of driver time and an allocator event each), and the caller then waited for all
+of them. :class:`PackedStaging` instead gathers them on their device into one buffer, in one
+copy kernel per dtype, and moves that buffer to one pinned host buffer in a single transfer.
+The caller waits only for the gather (after which the live tensors may change on any stream);
+the transfer to the host runs on while the caller goes on, and the save's background thread
+waits for it (:attr:`Packed.copied`) before it reads a byte.
+
+Both buffers are kept from save to save while the tensors keep their dtypes and shapes, so
+each save reuses them; the device buffer is bounded (:data:`LIMIT_BYTES`), and a save that
+would need more stages tensor by tensor as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: The most device memory the gather buffer may take; a larger state is staged tensor by tensor.
+LIMIT_BYTES = 256 << 20
+#: Each tensor's place in the buffers starts at a multiple of this (every dtype's alignment divides it).
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Host copies of staged tensors, and the events that say when they are safe to use."""
+
+    #: Each staged tensor's host copy (a view into one pinned buffer), in the order given.
+    host: list[torch.Tensor]
+    #: Recorded after the gather on the device: once done, the live tensors may change.
+    gathered: torch.cuda.Event
+    #: Recorded after the transfer to the host: once done, :attr:`host` holds the bytes.
+    copied: torch.cuda.Event
+
+
+class PackedStaging:
+    """One device buffer and one pinned host buffer, reused by one client's background saves."""
+
+    def __init__(self) -> None:
+        self._layout: list[tuple[torch.dtype, torch.Size]] | None = None
+        self._device_buffer: torch.Tensor | None = None
+        self._host_buffer: torch.Tensor | None = None
+        self._device_views: list[torch.Tensor] = []
+        self._host_views: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of pinned host memory held."""
+        return 0 if self._host_buffer is None else self._host_buffer.numel()
+
+    def stage(self, tensors: list[torch.Tensor]) -> Packed | None:
+        """Queue the gather of ``tensors`` (all on one CUDA device) and its transfer to the host.
+
+        Returns None, queueing nothing, where they are on several devices or would take more
+        than :data:`LIMIT_BYTES` (or more than the device has free): the caller stages them
+        one by one.
+        """
+        device = tensors[0].device
+        if any(tensor.device != device for tensor in tensors):
+            return None
+        layout = [(tensor.dtype, tensor.shape) for tensor in tensors]
+        if layout != self._layout and not self._allocate(layout, device):
+            return None
+        stream = torch.cuda.current_stream(device)
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for view, tensor in zip(self._device_views, tensors, strict=True):
+            into, out_of = by_dtype.setdefault(tensor.dtype, ([], []))
+            into.append(view)
+            out_of.append(tensor)
+        with torch.no_grad(), torch.cuda.device(device):
+            for into, out_of in by_dtype.values():
+                torch._foreach_copy_(into, out_of)  # one kernel per dtype where they are contiguous
+            gathered = torch.cuda.Event()
+            gathered.record(stream)
+            assert self._host_buffer is not None and self._device_buffer is not None
+            self._host_buffer.copy_(self._device_buffer, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return Packed(list(self._host_views), gathered, copied)
+
+    def release(self) -> None:
+        """Let go of both buffers."""
+        self._layout, self._device_buffer, self._host_buffer = None, None, None
+        self._device_views, self._host_views = [], []
+
+    def _allocate(self, layout: list[tuple[torch.dtype, torch.Size]], device: torch.device) -> bool:
+        """Buffers and views for ``layout``; False (holding nothing) if it does not fit."""
+        self.release()
+        offsets, total = [], 0
+        for dtype, shape in layout:
+            offsets.append(total)
+            size = shape.numel() * dtype.itemsize
+            total += -(-size // ALIGN) * ALIGN
+        if total > LIMIT_BYTES:
+            return False
+        try:
+            device_buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            return False
+        host_buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        for (dtype, shape), offset in zip(layout, offsets, strict=True):
+            size = shape.numel() * dtype.itemsize
+            self._device_views.append(device_buffer[offset : offset + size].view(dtype).view(shape))
+            self._host_views.append(host_buffer[offset : offset + size].view(dtype).view(shape))
+        self._layout, self._device_buffer, self._host_buffer = layout, device_buffer, host_buffer
+        return True
