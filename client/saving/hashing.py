@@ -135,10 +135,21 @@ def gathered_samples(tensors: list[torch.Tensor]) -> list[bytes]:
 
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`_picked` of ``tensor`` as a 2-D uint8 view, one row per run (one row for a small
-    tensor); copied only where its elements do not lie side by side or are conjugated/negated."""
-    picked = _picked(tensor)
-    if picked.is_conj() or picked.is_neg():
-        picked = picked.resolve_conj().resolve_neg()
+    tensor); copied only where its elements do not lie side by side or are conjugated/negated.
+
+    A contiguous tensor's rows are one ``as_strided`` view of it (a fifth of the time of the
+    views :func:`_picked` chains, which matters at a hundred frozen tensors a save)."""
+    if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+        count = tensor.numel()
+        run = SAMPLE_ELEMENTS // SAMPLE_RUNS
+        if count >= SAMPLE_ELEMENTS:
+            rows = count // run
+            step = rows // SAMPLE_RUNS
+            shape, strides = (-(-rows // step), run), (step * run, 1)
+        else:
+            shape, strides = (1, count), (max(count, 1), 1)
+        return tensor.as_strided(shape, strides, tensor.storage_offset()).view(torch.uint8)
+    picked = _picked(tensor).resolve_conj().resolve_neg()
     if picked.dim() == 1:
         picked = picked.contiguous().view(1, picked.numel())
     elif picked.stride(1) != 1:
