@@ -101,10 +101,11 @@ class Client(Connection):
         self._pending: SaveHandle | None = None
 
     def close(self) -> None:
-        """Wait for a background save, then release the store's resources."""
+        """Wait for a background save, then release the store's resources and the staging buffers."""
         self._wait_for_background(report=False)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        self._staging.release()
         self.transport.close()
 
     def __enter__(self) -> Client:

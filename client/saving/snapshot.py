@@ -89,6 +89,11 @@ class Staging:
         """Bytes of host memory held by the staging buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values()) + self._packed.nbytes
 
+    def release(self) -> None:
+        """Let go of every staging buffer (host, pinned and device memory); later saves allocate anew."""
+        self._buffers = {}
+        self._packed.release()
+
     def snapshot(self, flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> Snapshot:
         """Copy what the background save must not read live; returns the snapshot.
 

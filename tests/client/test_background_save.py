@@ -93,6 +93,20 @@ def test_staging_holds_only_what_the_cache_does_not_know(backend: Backend) -> No
     assert second.staged_bytes == trainable + moments + 256 * 4
     assert first.staged_bytes > second.staged_bytes + 256 * 256 * 4 - 1
     assert second.result().version == 2
+    assert ckpt._staging.nbytes == second.staged_bytes  # the buffers the next save reuses
+
+
+def test_closing_the_client_lets_go_of_its_staging_buffers(tmp_path: Path) -> None:
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    ckpt = client.Client(home=tmp_path)
+    handle = ckpt.save("bg", model, optim, blocking=False)
+    assert isinstance(handle, SaveHandle)
+    assert ckpt._staging.nbytes == handle.staged_bytes > 0
+    ckpt.close()  # waits for the save, then frees what it staged into
+    assert handle.done() and handle.result().version == 1
+    assert ckpt._staging.nbytes == 0
 
 
 def _fail_next_commit(monkeypatch: pytest.MonkeyPatch, backend: Backend) -> None:
