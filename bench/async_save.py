@@ -10,7 +10,11 @@ Every figure comes from the same run, on an embedded store on this machine's dis
   against the first full save;
 - a LoRA Llama of many modules (transformers + peft, r=8 on q_proj and v_proj, 16 layers,
   ~540 modules), saved in the background after every step: the median time the call blocks
-  against a plain clone of its trainable and optimizer state after a step.
+  against a plain clone of its trainable and optimizer state after a step;
+- the same loop's step time with torch on one thread (so a background thread has a core of its
+  own), with a background save after every step, and with two threads of known work started
+  in its place: one that sleeps (waiting costs the loop nothing) and one that runs Python
+  (the loop pays for every millisecond of it: the interpreter is shared).
 
     .venv/bin/python bench/async_save.py                 # 512 MiB base, median of 5
     .venv/bin/python bench/async_save.py --size-mib 64 --repeats 1
@@ -19,14 +23,17 @@ Every figure comes from the same run, on an embedded store on this machine's dis
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -83,14 +90,18 @@ def state_tensors(model: nn.Module, optim: torch.optim.Optimizer, trainable_only
     return tensors
 
 
-def peft_llama_rows(root: Path, repeats: int) -> list[tuple[str, float, str]]:
-    """Blocked time of a background save after each step of a many-module LoRA Llama, against
-    a plain clone of its trainable and optimizer state (rows to print; none without peft)."""
+#: A model, its optimizer, one training step of it, and its trainable and optimizer state.
+Loop = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None], Callable[[], list[torch.Tensor]]]
+
+
+def peft_llama() -> Loop | None:
+    """A LoRA Llama of many modules (peft, r=8 on q_proj and v_proj, 16 layers) with AdamW, one
+    step taken: (model, optim, train one step, its trainable and optimizer state); None without peft."""
     try:
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
-        return []
+        return None
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=16,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
@@ -109,6 +120,16 @@ def peft_llama_rows(root: Path, repeats: int) -> list[tuple[str, float, str]]:
         return trainable + [v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
     train()
+    return model, optim, train, state
+
+
+def peft_llama_rows(root: Path, repeats: int) -> list[tuple[str, float, str]]:
+    """Blocked time of a background save after each step of a many-module LoRA Llama, against
+    a plain clone of its trainable and optimizer state (rows to print; none without peft)."""
+    built = peft_llama()
+    if built is None:
+        return []
+    model, optim, train, state = built
     blocked: list[float] = []
     with Client(home=root / "peft") as ckpt:
         ckpt.save("lora", model, optim)
@@ -128,6 +149,82 @@ def peft_llama_rows(root: Path, repeats: int) -> list[tuple[str, float, str]]:
     ]
 
 
+class _Busy(threading.Thread):
+    """A thread that, once started, sleeps or runs Python for ``seconds`` of its own CPU time."""
+
+    def __init__(self, seconds: float, python: bool) -> None:
+        super().__init__(daemon=True)
+        self.seconds, self.python = seconds, python
+
+    def run(self) -> None:
+        if not self.python:
+            time.sleep(self.seconds)
+            return
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+
+    def result(self) -> None:
+        self.join()
+
+
+def loop_cost_table(root: Path, steps: int, rounds: int) -> list[str]:
+    """What a background save after every step costs the LoRA Llama's loop, with torch on one
+    thread so that the save's thread has a core of its own, against two threads of known work
+    started after every step in its place: one sleeping, one running Python (Markdown lines)."""
+    built = peft_llama()
+    if built is None:
+        return []
+    model, optim, train, _ = built
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Client(home=root / "loop") as ckpt:
+            ckpt.save("lora", model, optim)
+            ckpt.save("lora", model, optim, blocking=False).result()  # the staging buffers, off the clock
+
+            def busy(seconds: float, python: bool) -> _Busy:
+                thread = _Busy(seconds, python)
+                thread.start()
+                return thread
+
+            after: dict[str, Callable[[], object]] = {
+                "nothing": lambda: None,
+                "`save(..., blocking=False)`": lambda: ckpt.save("lora", model, optim, blocking=False),
+                "a thread that sleeps 40 ms": lambda: busy(0.040, python=False),
+                "a thread that runs 10 ms of Python": lambda: busy(0.010, python=True),
+            }
+            seconds: dict[str, list[float]] = {name: [] for name in after}
+            for _ in range(rounds):
+                for name, then in after.items():
+                    gc.collect()
+                    pending: Any = None
+                    started = time.perf_counter()
+                    for _ in range(steps):
+                        train()
+                        if pending is not None:
+                            pending.result()  # as a save waits for the one before it
+                        pending = then()
+                    seconds[name].append((time.perf_counter() - started) / steps)
+                    if pending is not None:
+                        pending.result()
+    finally:
+        torch.set_num_threads(threads)
+    base = statistics.median(seconds["nothing"])
+    lines = [
+        f"Step time of the LoRA Llama's loop (`torch.set_num_threads(1)`), by what starts after each step "
+        f"({steps} steps, median of {rounds} rounds):",
+        "",
+        "| after every step | step ms | more than nothing, ms |",
+        "|---|---:|---:|",
+    ]
+    for name, values in seconds.items():
+        step_s = statistics.median(values)
+        more = "-" if name == "nothing" else f"{(step_s - base) * 1e3:+.1f}"
+        lines.append(f"| {name} | {step_s * 1e3:.1f} | {more} |")
+    return lines
+
+
 def main() -> None:
     """Run every measurement and print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,6 +235,7 @@ def main() -> None:
     layers = max(1, args.size_mib * MIB // (WIDTH * WIDTH * 4))
     root = Path(tempfile.mkdtemp(prefix="ckpt-async-", dir=args.dir))
     rows: list[tuple[str, float, str]] = []
+    loop_lines: list[str] = []
     try:
         model = Adapted(layers)
         optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -225,6 +323,7 @@ def main() -> None:
             ("DCP async_save: until stored", statistics.median(total_dcp), ""),
         ]
         rows += peft_llama_rows(root, args.repeats)
+        loop_lines = loop_cost_table(root, steps=16, rounds=max(2, args.repeats // 2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -268,6 +367,9 @@ def main() -> None:
     print(f"{'ratio':<50} {'value':>8}  floor")
     for name, numerator, denominator, floor in ratios:
         print(f"{name:<50} {numerator / denominator:>8.3f}  {floor}")
+    if loop_lines:
+        print()
+        print("\n".join(loop_lines))
 
 
 if __name__ == "__main__":
