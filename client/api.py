@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -21,9 +20,13 @@ from client.loading.reader import TensorReader
 from client.names import NamesCache
 from client.progress import byte_bar
 from client.results import LoadResult, SaveResult
+from client.saving import save_process
+from client.saving.background import BackgroundSaves
 from client.saving.hashing import DigestCache, SaveLedger
+from client.saving.save_process import SaveProcess
 from client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
-from client.saving.snapshot import SaveHandle, Staging
+from client.saving.shared_staging import SharedSnapshot
+from client.saving.snapshot import SaveHandle
 from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
 from service.errors import (
     InvalidInputError,
@@ -75,6 +78,11 @@ class Client(Connection):
         shard_bytes: target size of each shard written.
         hash_cache: reuse digests of frozen tensors that did not change since this client
             last hashed them.
+        background: where ``save(..., blocking=False)`` hashes, writes and commits: on a
+            ``"thread"`` of this process (the default), or in a ``"process"`` this client starts
+            on its first background save (a store opened in this process only, not a server):
+            then the training loop's interpreter is not shared with the save
+            (:mod:`client.saving.save_process`).
     """
 
     def __init__(
@@ -87,7 +95,12 @@ class Client(Connection):
         hash_cache: bool = True,
         retry_seconds: float | None = None,
         create: bool = True,
+        background: Literal["thread", "process"] = "thread",
     ) -> None:
+        if background not in ("thread", "process"):
+            raise InvalidInputError(f"background must be 'thread' or 'process', not {background!r}")
+        if background == "process" and url:
+            raise InvalidInputError("background='process' saves into a store opened in this process, not a server")
         super().__init__(url, home=home, token=token, retry_seconds=retry_seconds, create=create)
         prepare_writes = getattr(self.transport, "prepare_writes", None)
         if prepare_writes is not None:  # an embedded store picks its write mode before the first save
@@ -95,24 +108,22 @@ class Client(Connection):
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
-        self._staging = Staging()
         self._names = NamesCache()
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: SaveHandle | None = None
+        helper = None
+        if background == "process":
+            helper = SaveProcess(str(home) if home is not None else None, shard_bytes, UPLOADS_IN_FLIGHT)
+        self._background = BackgroundSaves(helper)
 
     def close(self) -> None:
         """Wait for a background save, then release the store's resources and the staging buffers."""
-        self._wait_for_background(report=False)
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-        self._staging.release()
+        self._background.close()
         self.transport.close()
 
     def __enter__(self) -> Client:
         return self
 
     def _settle(self) -> None:
-        self._wait_for_background(report=False)
+        self._background.wait(report=False)
 
     def _history_changed(self) -> None:
         self.ledger.forget_committed()
@@ -211,7 +222,7 @@ class Client(Connection):
         policy becomes exactly that before this version is committed, and the commit applies it
         (see :meth:`set_retention`): e.g. ``keep_last=3, keep_best=1, metric="val_loss"``.
         """
-        self._wait_for_background(report=True)
+        self._background.wait(report=True)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
@@ -234,7 +245,7 @@ class Client(Connection):
         if blocking and any(record.tensor.is_cuda for record in flat.records):
             # Accelerator tensors reach the host in one batched copy into reused pinned buffers,
             # not one synchronising copy per tensor for hashing and another for writing.
-            snapshot = self._staging.snapshot(flat, self.digest_cache, host_too=False)
+            snapshot = self._background.staging.snapshot(flat, self.digest_cache, host_too=False)
             return self._save_run(
                 run_id, flat, step=step, metrics=metrics, tags=tags, started=started, snapshot=snapshot
             ).run()
@@ -270,7 +281,7 @@ class Client(Connection):
         group's ``params`` a list of names); its parameters are stored as trainable, and
         :meth:`load` with ``optim=`` restores it. ``scheduler_state`` is a scheduler's state_dict.
         """
-        self._wait_for_background(report=True)
+        self._background.wait(report=True)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
@@ -339,40 +350,29 @@ class Client(Connection):
         tags: list[str],
         started: float,
     ) -> SaveHandle:
-        """Snapshot ``flat`` now; check its manifest and save it on this client's background thread.
+        """Snapshot ``flat`` now; check its manifest and save it in the background
+        (:mod:`client.saving.background`).
 
         Step and metrics are checked now; the rest of the manifest is built and checked in the
         background (its cost grows with the tensor count): a bad key fails the handle, as any
         other error of the save does.
         """
         check_step_and_metrics(step, metrics)
-        snapshot = self._staging.snapshot(flat, self.digest_cache)
         metrics = dict(metrics) if metrics is not None else None  # the caller may change it
 
-        def save() -> SaveResult:
+        def here(snapshot: Snapshot) -> SaveResult:
             run = self._save_run(
                 run_id, flat, step=step, metrics=metrics, tags=tags, started=started, snapshot=snapshot
             )
             return run.run()
 
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-        self._pending = SaveHandle(self._worker.submit(save), snapshot.staged_bytes)
-        return self._pending
+        def elsewhere(helper: SaveProcess, shared: SharedSnapshot) -> SaveResult | None:
+            def request() -> dict[str, Any]:
+                return save_process.message(shared, flat, run_id, step=step, metrics=metrics, tags=tags)
 
-    def _wait_for_background(self, *, report: bool) -> None:
-        """Wait for this client's background save, if one is running. With ``report``, raise its
-        error if the save failed and no ``result()`` call has raised it yet."""
-        handle = self._pending
-        if handle is None:
-            return
-        handle.wait()
-        error = handle.error()
-        if error is None or handle.observed:
-            self._pending = None
-        elif report:
-            self._pending, handle.observed = None, True
-            raise error
+            return save_process.save_elsewhere(helper, shared, request, started=started, cache=self.digest_cache)
+
+        return self._background.start(flat, self.digest_cache, here, elsewhere)
 
     def save_settings(self, ledger: SaveLedger) -> SaveSettings:
         """What a save through this client writes to and with: transport, shard size, uploads
@@ -459,7 +459,7 @@ class Client(Connection):
         some bytes of the corrupt tensor (and of those after it), so load again from a
         sound version before using it.
         """
-        self._wait_for_background(report=False)
+        self._background.wait(report=False)
         started = time.perf_counter()
         if optim is not None and model is None:
             raise InvalidInputError("loading optimizer state needs the model too: state is keyed by parameter name")

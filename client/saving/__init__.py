@@ -1,12 +1,15 @@
 """The save path: what a save stores and how its bytes reach the store.
 
 - :mod:`.plan`: which tensors go in which shard (torch-free, on plain sizes);
-- :mod:`.snapshot`: background saves (``blocking=False``): the state copied, then saved off the loop;
+- :mod:`.background`: background saves (``blocking=False``), one at a time, on the client's
+  thread or in a save process (:mod:`.save_process`, staging into :mod:`.shared_staging`);
+- :mod:`.snapshot`, :mod:`.packed_staging`: the state copied into staging buffers, accelerator
+  tensors gathered on their device and moved in one transfer;
 - :mod:`.hashing`: digests, the frozen-tensor cache and the ledger of what a save may skip;
 - :mod:`.upload`, :mod:`.shards`: shards written and sent through the transport;
 - :mod:`.saver`: one save run, from flattened state to a committed version.
 
-May import torch, the top of ``client`` (state, tensors, transport, results, progress) and
+May import torch, the top of ``client`` (state, tensors, transport, connection, results, progress) and
 ``service`` (errors, format, records); never ``client.loading``, ``client.http``,
 ``client.formats`` or the packages above it.
 """

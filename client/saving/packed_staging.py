@@ -26,6 +26,18 @@ LIMIT_BYTES = 256 << 20
 ALIGN = 64
 
 
+def gather(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copy each of ``tensors`` into its view (on the same device): one copy kernel per dtype
+    where they are contiguous, not one per tensor."""
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for view, tensor in zip(views, tensors, strict=True):
+        into, out_of = by_dtype.setdefault(tensor.dtype, ([], []))
+        into.append(view)
+        out_of.append(tensor)
+    for into, out_of in by_dtype.values():
+        torch._foreach_copy_(into, out_of)
+
+
 @dataclass(frozen=True)
 class Packed:
     """Host copies of staged tensors, and the events that say when they are safe to use."""
@@ -67,14 +79,8 @@ class PackedStaging:
         if layout != self._layout and not self._allocate(layout, device):
             return None
         stream = torch.cuda.current_stream(device)
-        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for view, tensor in zip(self._device_views, tensors, strict=True):
-            into, out_of = by_dtype.setdefault(tensor.dtype, ([], []))
-            into.append(view)
-            out_of.append(tensor)
         with torch.no_grad(), torch.cuda.device(device):
-            for into, out_of in by_dtype.values():
-                torch._foreach_copy_(into, out_of)  # one kernel per dtype where they are contiguous
+            gather(self._device_views, tensors)
             gathered = torch.cuda.Event()
             gathered.record(stream)
             assert self._host_buffer is not None and self._device_buffer is not None

@@ -19,7 +19,7 @@ import client
 from client.saving.snapshot import SaveHandle
 from service.errors import StorageError
 from tests.client.conftest import Backend
-from tests.client.models import TinyNet, tensors_equal, train
+from tests.client.models import Adapter, TinyNet, tensors_equal, train
 from tests.faults.faulty import fail_staging_writes
 
 
@@ -64,17 +64,6 @@ def test_a_background_save_holds_the_state_as_it_was_when_save_returned(backend:
     assert not tensors_equal(_state(model, optim)["model/body.0.weight"], expected[1]["model/body.0.weight"])
 
 
-class Adapter(nn.Module):
-    """A frozen base of cacheable size (256 KiB) and a small trainable head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.base = nn.Linear(256, 256)
-        self.base.requires_grad_(False)
-        self.head = nn.Linear(256, 8)
-
-
 def test_staging_holds_only_what_the_cache_does_not_know(backend: Backend) -> None:
     ckpt = backend.client
     model = Adapter()
@@ -93,7 +82,7 @@ def test_staging_holds_only_what_the_cache_does_not_know(backend: Backend) -> No
     assert second.staged_bytes == trainable + moments + 256 * 4
     assert first.staged_bytes > second.staged_bytes + 256 * 256 * 4 - 1
     assert second.result().version == 2
-    assert ckpt._staging.nbytes == second.staged_bytes  # the buffers the next save reuses
+    assert ckpt._background.nbytes == second.staged_bytes  # the buffers the next save reuses
 
 
 def test_closing_the_client_lets_go_of_its_staging_buffers(tmp_path: Path) -> None:
@@ -103,10 +92,10 @@ def test_closing_the_client_lets_go_of_its_staging_buffers(tmp_path: Path) -> No
     ckpt = client.Client(home=tmp_path)
     handle = ckpt.save("bg", model, optim, blocking=False)
     assert isinstance(handle, SaveHandle)
-    assert ckpt._staging.nbytes == handle.staged_bytes > 0
+    assert ckpt._background.nbytes == handle.staged_bytes > 0
     ckpt.close()  # waits for the save, then frees what it staged into
     assert handle.done() and handle.result().version == 1
-    assert ckpt._staging.nbytes == 0
+    assert ckpt._background.nbytes == 0
 
 
 def _fail_next_commit(monkeypatch: pytest.MonkeyPatch, backend: Backend) -> None:
@@ -251,8 +240,8 @@ def test_a_snapshot_of_accelerator_tensors_only_reads_host_tensors_live_and_save
     with client.Client(home=tmp_path / "plain") as plain, client.Client(home=tmp_path / "staged") as staged:
         plain.save("run", model, optim)
         flat = flatten(model, optim, None, None)
-        snapshot = staged._staging.snapshot(flat, staged.digest_cache, host_too=False)
-        assert snapshot.staged_bytes == 0 and staged._staging.nbytes == 0
+        snapshot = staged._background.staging.snapshot(flat, staged.digest_cache, host_too=False)
+        assert snapshot.staged_bytes == 0 and staged._background.staging.nbytes == 0
         assert all(a is b.tensor for a, b in zip(snapshot.tensors, flat.records, strict=True))
         staged._save_run("run", flat, step=None, metrics=None, tags=[], started=0.0, snapshot=snapshot).run()
         ours, theirs = plain.transport.manifest("run"), staged.transport.manifest("run")

@@ -198,7 +198,29 @@ def test_background_saves_from_the_device_reuse_their_pinned_buffers(tmp_path: P
             assert isinstance(handle, client.SaveHandle) and handle.staged_bytes > 0
             handle.result()
             torch.cuda.synchronize()
-            held.append((ckpt._staging.nbytes, torch.cuda.host_memory_stats()["allocated_bytes.current"]))
+            held.append((ckpt._background.nbytes, torch.cuda.host_memory_stats()["allocated_bytes.current"]))
     staged = handle.staged_bytes
     assert all(nbytes == held[0][0] for nbytes, _ in held) and staged <= held[0][0] <= staged + 64 * 64
     assert all(pinned == held[0][1] for _, pinned in held)  # the same blocks, save after save
+
+
+def test_a_save_process_stores_the_device_state_as_it_was_when_save_returned(tmp_path: Path) -> None:
+    """With ``background="process"`` the copies go through a shared file registered as pinned
+    memory; steps taken at once on another stream do not reach the version."""
+    model, optim = _trained(fused=False)
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        for step in range(3):
+            expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            handle = ckpt.save("run", model, optim, blocking=False)
+            assert isinstance(handle, client.SaveHandle)
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                train(model, optim, range(3 + step, 4 + step))
+            handle.result()
+            torch.cuda.synchronize()
+            manifest = ckpt.transport.manifest("run")
+            assert {e.key: e.device_type for e in manifest.tensors}["model/body.0.weight"] == "cuda"
+            fresh = TinyNet(seed=5).cuda()
+            ckpt.load("run", model=fresh, device="cuda")
+            for key, value in expected.items():
+                assert tensors_equal(fresh.state_dict()[key], value), key

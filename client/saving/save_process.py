@@ -1,0 +1,307 @@
+"""Background saves in a save process, so the training process's interpreter stays with training.
+
+A background save on a thread of the training process holds that process's interpreter while it
+hashes, builds the manifest and commits: a loop that launches its work from Python pays for
+every millisecond of it (``bench/async_save.py`` measures it). With ``Client(background="process")``
+the snapshot is copied into a shared file (:mod:`client.saving.shared_staging`) and the rest of
+the save runs in a helper process this client starts on its first background save and keeps:
+it opens the same embedded store (the same ``home`` and environment) and runs the same save
+(:class:`client.saving.saver.SaveRun`) on the staged copies. The client's background thread
+only sends the save's records and reads the answer.
+
+The two processes talk in JSON lines over the helper's stdin and a private copy of its stdout
+(no pickling): the helper's own output goes to stderr. A tensor whose digest the client's cache
+knew was not staged; if the store lacks it (another process deleted its versions), the helper
+says so and the client saves from its own thread, which can read the live tensor. If the helper
+dies, the save fails with a StorageError (the version may or may not exist, as for a process
+killed while it commits) and the next background save starts a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import torch
+
+from client.connection import open_transport
+from client.results import SaveResult
+from client.saving.hashing import DigestCache, SaveLedger
+from client.saving.saver import SaveRun, SaveSettings, Snapshot
+from client.saving.shared_staging import SharedSnapshot
+from client.state import FlatState, TensorRecord
+from client.tensors import NAME_TO_TORCH, dtype_name
+from service import errors
+from service.errors import CheckpointError, StorageError
+
+#: Seconds ``close`` waits for the helper to finish after its input is closed.
+CLOSE_SECONDS = 30.0
+
+
+class SaveProcess:
+    """The helper process of one client; :meth:`save` is called from that client's background thread."""
+
+    def __init__(self, home: str | None, shard_bytes: int, uploads_in_flight: int) -> None:
+        self._opening = {"home": home, "shard_bytes": shard_bytes, "uploads_in_flight": uploads_in_flight}
+        self._process: subprocess.Popen[bytes] | None = None
+        self._answers: IO[bytes] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The helper's process id while it runs."""
+        return self._process.pid if self._process is not None and self._process.poll() is None else None
+
+    def save(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one save to the helper and return its answer (see :func:`serve`).
+
+        Raises:
+            StorageError: the helper ended before it answered.
+        """
+        with self._lock:
+            process, answers = self._started()
+            try:
+                assert process.stdin is not None
+                process.stdin.write(json.dumps(message).encode() + b"\n")
+                process.stdin.flush()
+                line = answers.readline()
+            except OSError:
+                line = b""
+            if not line:
+                code = self._ended()
+                raise StorageError(
+                    f"the save process ended (exit status {code}) before it answered; the version may not exist"
+                )
+            answer: dict[str, Any] = json.loads(line)
+            return answer
+
+    def close(self) -> None:
+        """End the helper: its input is closed, it finishes and exits (killed if it does not)."""
+        with self._lock:
+            if self._process is None:
+                return
+            process, self._process = self._process, None
+            try:
+                if process.stdin is not None:
+                    process.stdin.close()
+                process.wait(CLOSE_SECONDS)
+            except (OSError, subprocess.TimeoutExpired):
+                process.kill()
+                process.wait()
+            finally:
+                if self._answers is not None:
+                    self._answers.close()
+                    self._answers = None
+
+    def _started(self) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+        if self._process is not None and self._process.poll() is None and self._answers is not None:
+            return self._process, self._answers
+        self._ended()
+        read, write = os.pipe()
+        env = {**os.environ, "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "client.saving.save_process", str(write)],
+            stdin=subprocess.PIPE,
+            pass_fds=(write,),
+            env=env,
+        )
+        os.close(write)
+        self._process, self._answers = process, os.fdopen(read, "rb")
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(self._opening).encode() + b"\n")
+        process.stdin.flush()
+        return process, self._answers
+
+    def _ended(self) -> int | None:
+        """Forget a helper that has ended (or is ending); its exit status."""
+        process, self._process = self._process, None
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
+        if process is None:
+            return None
+        if process.stdin is not None:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+        try:
+            return process.wait(CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+
+def message(
+    shared: SharedSnapshot,
+    flat: FlatState,
+    run_id: str,
+    *,
+    step: int | None,
+    metrics: dict[str, float] | None,
+    tags: list[str],
+) -> dict[str, Any]:
+    """What the helper needs of a save: each record's place, the state tree, step, metrics, tags."""
+    snapshot = shared.snapshot
+    records = [
+        [
+            record.key,
+            record.placement,
+            record.param,
+            record.trainable,
+            dtype_name(tensor, record.key),
+            list(tensor.shape),
+            device,
+            known,
+            offset,
+        ]
+        for record, tensor, device, known, offset in zip(
+            flat.records, snapshot.tensors, snapshot.device_types, snapshot.known, shared.offsets, strict=True
+        )
+    ]
+    return {
+        "run_id": run_id,
+        "step": step,
+        "metrics": metrics,
+        "tags": tags,
+        "file": shared.path,
+        "size": shared.size,
+        "records": records,
+        "state": flat.state,
+    }
+
+
+def save_elsewhere(
+    helper: SaveProcess, shared: SharedSnapshot, request: Callable[[], dict[str, Any]], *, started: float,
+    cache: DigestCache | None,
+) -> SaveResult | None:  # fmt: skip
+    """Have ``helper`` save ``shared`` (``request`` builds its :func:`message`); None if it cannot
+    (the store lacks a tensor only the live model holds: the client saves on its own thread
+    instead). Teaches ``cache`` the digests of the frozen tensors the snapshot staged."""
+    snapshot = shared.snapshot
+    if snapshot.copied is not None:
+        snapshot.copied.synchronize()  # the copies from the device are in the shared file
+    answer = helper.save(request())
+    done = answer_to_result(answer, snapshot)
+    if done is None:
+        return None
+    result, digests = done
+    if cache is not None:
+        for index, (live, taken) in snapshot.teach.items():
+            cache.put(live, digests[index], taken)
+    return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+
+def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveResult, list[str]] | None:
+    """The SaveResult and every record's digest from the helper's answer; None if the helper
+    found a digest the client knew missing from the store (save on the client's thread then).
+
+    Raises:
+        CheckpointError: the save's error, as the helper raised it (its class, where the error
+            tree has it).
+    """
+    if "missing" in answer:
+        return None
+    if "error" in answer:
+        kind = getattr(errors, str(answer["error"].get("type")), None)
+        text = str(answer["error"].get("message"))
+        if kind is errors.MissingTensorsError:
+            return None
+        if isinstance(kind, type) and issubclass(kind, CheckpointError) and kind is not errors.MissingTensorsError:
+            raise kind(text)
+        raise CheckpointError(text)
+    result = SaveResult(**answer["result"])
+    digests = [str(d) for d in answer["digests"]]
+    if len(digests) != len(snapshot.tensors):
+        raise CheckpointError("the save process answered with another number of digests than tensors")
+    return result, digests
+
+
+# -- the helper ------------------------------------------------------------------------
+
+
+def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+    """The helper's loop: open the store the first line names, then answer each save line."""
+    opening = json.loads(requests.readline() or b"null")
+    if not isinstance(opening, dict):
+        return
+    transport = open_transport(None, opening.get("home"), None)
+    try:
+        prepare_writes = getattr(transport, "prepare_writes", None)
+        if prepare_writes is not None:
+            prepare_writes()
+        # No digest cache: every tensor comes staged or with its digest. Its own ledger: what its
+        # last version references need not be asked about again.
+        settings = SaveSettings(
+            transport, int(opening["shard_bytes"]), int(opening["uploads_in_flight"]), None, SaveLedger()
+        )
+        files: dict[str, torch.Tensor] = {}
+        for line in requests:
+            try:
+                answer = _save(settings, json.loads(line), files)
+            except CheckpointError as exc:
+                answer = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+            except Exception as exc:  # anything else is this save's failure, not the helper's end
+                answer = {"error": {"type": "CheckpointError", "message": f"{type(exc).__name__}: {exc}"}}
+            answers.write(json.dumps(answer).encode() + b"\n")
+            answers.flush()
+    finally:
+        transport.close()
+
+
+def _save(settings: SaveSettings, request: dict[str, Any], files: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Run one save of the staged copies in the shared file ``request`` names."""
+    path, size = str(request["file"]), int(request["size"])
+    host = files.get(path)
+    if host is None:
+        files.clear()  # a new layout: the client removed the old file
+        host = files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    flat = FlatState()
+    tensors: list[torch.Tensor] = []
+    known: list[str | None] = []
+    devices: list[str] = []
+    for key, placement, param, trainable, dtype, shape, device, digest, offset in request["records"]:
+        kind = NAME_TO_TORCH[dtype]
+        if offset is None:  # known to the client's cache, not staged: only its digest is needed
+            tensor = torch.empty(shape, dtype=kind, device="meta")
+        else:
+            count = kind.itemsize * int(torch.Size(shape).numel())
+            tensor = host[offset : offset + count].view(kind).view(shape)
+        flat.records.append(TensorRecord(key, tensor, placement, param, trainable))
+        tensors.append(tensor)
+        known.append(digest)
+        devices.append(device)
+    flat.state = request["state"]
+    held = [d for d in known if d is not None]
+    if held and settings.transport.missing(held):
+        return {"missing": True}
+    run = SaveRun(
+        settings,
+        request["run_id"],
+        flat,
+        step=request["step"],
+        metrics=request["metrics"],
+        tags=list(request["tags"]),
+        started=time.perf_counter(),
+        snapshot=Snapshot(tensors, known, {}, 0, devices, None),
+    )
+    result = run.run()
+    return {"result": dataclasses.asdict(result), "digests": run.digests}
+
+
+def main() -> None:
+    """Entry point of the helper: ``python -m client.saving.save_process FD`` (FD: where answers go)."""
+    answers = os.fdopen(int(sys.argv[1]), "wb")
+    os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
+    serve(sys.stdin.buffer, answers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Background saves in a save process (``Client(background="process")``): the same versions as
+saves on the client's thread, from a shared file; a fallback to the thread when the store lacks a
+tensor only the live model holds; a killed helper fails its save alone; nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import client
+from client import SaveHandle
+from client.saving import shared_staging
+from tests.client.models import Adapter, TinyNet, tensors_equal, train
+
+
+def _state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    state = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, values in optim.state.items():
+        state.update({f"optim/{names[id(param)]}/{k}": v.clone() for k, v in values.items()})
+    return state
+
+
+def _loaded(ckpt: client.Client, version: int) -> dict[str, torch.Tensor]:
+    model = TinyNet(seed=7)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.load("run", version, model=model, optim=optim)
+    return _state(model, optim)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+
+
+def _files() -> set[Path]:
+    return set(shared_staging.shared_folder().glob(f"{shared_staging.PREFIX}{os.getpid()}-*"))
+
+
+def test_a_save_process_stores_what_a_save_on_the_thread_stores(tmp_path: Path) -> None:
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    before = _files()
+    with (
+        client.Client(home=tmp_path / "thread") as plain,
+        client.Client(home=tmp_path / "process", background="process") as helped,
+    ):
+        expected = []
+        for step in range(3):
+            expected.append(_state(model, optim))
+            handles = [c.save("run", model, optim, step=step, blocking=False) for c in (plain, helped)]
+            train(model, optim, range(2 + step, 3 + step))  # at once: the versions hold the state before
+            results = [h.result() for h in handles if isinstance(h, SaveHandle)]
+            assert [r.version for r in results] == [step + 1, step + 1]
+        assert helped._background.process is not None and helped._background.process.pid is not None
+        for version, state in enumerate(expected, start=1):
+            ours, theirs = plain.transport.manifest("run", version), helped.transport.manifest("run", version)
+            assert {e.key: e.digest for e in ours.tensors} == {e.key: e.digest for e in theirs.tensors}
+            assert ours.state == theirs.state and theirs.step == version - 1
+            assert _same(_loaded(helped, version), state)
+        assert len(_files() - before) == 1  # one shared file, reused save after save
+        process = helped._background.process
+    assert process.pid is None and _files() == before  # closing ends the helper and removes the file
+
+
+def test_a_tensor_the_store_lost_is_saved_from_the_live_model_on_the_thread(tmp_path: Path) -> None:
+    """The digest cache knows the frozen weight, so the snapshot does not stage it; once another
+    client deleted every version holding it and collected, the helper cannot save it, and the
+    client saves on its own thread, reading the live weight."""
+    model = Adapter()
+    optim = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    with client.Client(home=tmp_path, background="process") as ckpt, client.Client(home=tmp_path) as other:
+        ckpt.save("run", model, optim)
+        handle = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(handle, SaveHandle) and handle.result().version == 2
+        assert handle.staged_bytes < 256 * 256 * 4  # the frozen weight came from the cache
+        for version in (1, 2):
+            other.delete("run", version)
+        assert other.gc(grace_seconds=0).tensors_swept > 0
+        handle = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(handle, SaveHandle) and handle.result().version == 3
+        fresh = Adapter()
+        with torch.no_grad():
+            fresh.base.weight.zero_()
+        ckpt.load("run", model=fresh)
+        assert tensors_equal(fresh.base.weight, model.base.weight)
+
+
+def test_a_killed_save_process_fails_its_save_and_the_next_save_starts_another(tmp_path: Path) -> None:
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        first = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(first, SaveHandle) and first.result().version == 1
+        process = ckpt._background.process
+        assert process is not None and process.pid is not None
+        killed = process.pid
+        os.kill(killed, signal.SIGKILL)
+        broken = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(broken, SaveHandle)
+        with pytest.raises(client.StorageError, match="save process ended"):
+            broken.result()
+        train(model, optim, range(2, 3))
+        expected = _state(model, optim)
+        again = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(again, SaveHandle)
+        version = again.result().version
+        assert process.pid not in (None, killed)
+        assert [v.version for v in ckpt.versions("run")] == [1, version]
+        assert _same(_loaded(ckpt, version), expected)
+
+
+def test_a_save_process_needs_a_store_opened_in_this_process(tmp_path: Path) -> None:
+    with pytest.raises(client.InvalidInputError, match="not a server"):
+        client.Client("http://127.0.0.1:9", background="process")
+    with pytest.raises(client.InvalidInputError, match="'thread' or 'process'"):
+        client.Client(home=tmp_path, background="processes")  # type: ignore[arg-type]
+
+
+EXITING = """
+import torch
+import client
+from tests.client.models import TinyNet, train
+ckpt = client.Client(home={home!r}, background="process")
+model = TinyNet()
+optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+train(model, optim, range(2))
+ckpt.save("run", model, optim, blocking=False)
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.slow  # a saving subprocess run to its exit
+def test_a_process_exiting_with_a_save_in_its_save_process_waits_for_it(tmp_path: Path) -> None:
+    before = set(shared_staging.shared_folder().glob(f"{shared_staging.PREFIX}*"))
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(EXITING.format(home=str(tmp_path / "store"))))
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
+    env |= {"CKPTSTORE_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr[-2000:]
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    with client.Client(home=tmp_path / "store") as ckpt:
+        assert [v.version for v in ckpt.versions("run")] == [1]
+        assert _same(_loaded(ckpt, 1), _state(model, optim))
+    assert set(shared_staging.shared_folder().glob(f"{shared_staging.PREFIX}*")) <= before  # removed at exit
