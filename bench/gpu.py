@@ -14,7 +14,8 @@ One run prints two tables, every figure from the same process:
 2. LoRA (r=8 on q_proj/v_proj, peft when importable) on a small Llama, AdamW, batch 4 x 512 random
    tokens: the mean step time with ``client.save(..., blocking=False)`` every k steps against no
    saving (each step ends with a device synchronize), and the median time the save call blocks
-   the loop.
+   the loop; then again with ``Client(background="process")`` (the save's Python in a helper
+   process, not the training loop's interpreter).
 
 Times against safetensors' are printed as in bench/compare.py (seconds / safetensors' seconds:
 below 1.00x is faster). A method that fails gets a note in its row and the run goes on.
@@ -474,10 +475,12 @@ class Loop:
     every: int
     step_s: float
     blocked: list[float]
+    #: Where the background saves ran, if not on the client's thread.
+    where: str = ""
 
 
 def run_loop(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor, ckpt: Client,
-             steps: int, every: int) -> Loop:  # fmt: skip
+             steps: int, every: int, where: str = "") -> Loop:  # fmt: skip
     """``steps`` steps, a background save after every ``every``-th (none for 0).
 
     Each row starts from a collected heap: the objects building the model left for the cyclic
@@ -495,7 +498,7 @@ def run_loop(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tenso
     elapsed = time.perf_counter() - started
     if handle is not None:
         handle.result()  # untimed: the last save finishes; raises if any failed
-    return Loop(every, elapsed / steps, blocked)
+    return Loop(every, elapsed / steps, blocked, where)
 
 
 def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, root: Path, deadline: float) -> str:
@@ -511,14 +514,18 @@ def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, roo
         train_step(model, optim, tokens)
         warm.append(time.perf_counter() - started)
     step_s = statistics.median(warm[1:])
-    with Client(home=root / "lora") as ckpt:
+    with Client(home=root / "lora") as ckpt, Client(home=root / "lora-p", background="process") as helped:
         # Off the clock: the first save writes the frozen base; the first background one allocates
-        # the staging buffers. From then on a save stages the trainable state alone.
+        # the staging buffers (and starts the save process). From then on a save stages the
+        # trainable state alone.
         first = timed(lambda: ckpt.save("lora", model, optim))[0]
         ckpt.save("lora", model, optim, blocking=False).result()
+        helped.save("lora", model, optim)
+        helped.save("lora", model, optim, blocking=False).result()
         left = deadline - time.perf_counter()
-        steps = max(16, min(sizes.steps, int(left / (4 * 1.3 * step_s)) // 16 * 16))
+        steps = max(16, min(sizes.steps, int(left / (7 * 1.3 * step_s)) // 16 * 16))
         loops = [run_loop(model, optim, tokens, ckpt, steps, every) for every in (0, 1, 4, 16)]
+        loops += [run_loop(model, optim, tokens, helped, steps, every, "save process") for every in (1, 4, 16)]
     total = sum(p.numel() for p in model.parameters())
     state = tensor_bytes(trainable) + tensor_bytes(
         v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
@@ -539,6 +546,7 @@ def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, roo
     ]
     for loop in loops:
         which = "none" if not loop.every else f"every {loop.every} step{'s' if loop.every > 1 else ''}"
+        which += f", {loop.where}" if loop.where else ""
         overhead = f"{(loop.step_s / base - 1) * 100:+.1f}%" if loop.every else "-"
         median = f"{statistics.median(loop.blocked) * 1e3:.1f}" if loop.blocked else "-"
         top = f"{max(loop.blocked) * 1e3:.1f}" if loop.blocked else "-"
