@@ -38,8 +38,8 @@ from client.saving.saver import SaveRun, SaveSettings, Snapshot
 from client.saving.shared_staging import SharedSnapshot
 from client.state import FlatState, TensorRecord
 from client.tensors import NAME_TO_TORCH, dtype_name
-from service import errors
-from service.errors import CheckpointError, StorageError
+from service.errors import CheckpointError, MissingTensorsError, StorageError, error_class_for_code
+from service.secrets_mask import mask_urls
 
 #: Seconds ``close`` waits for the helper to finish after its input is closed.
 CLOSE_SECONDS = 30.0
@@ -204,19 +204,15 @@ def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveRe
     found a digest the client knew missing from the store (save on the client's thread then).
 
     Raises:
-        CheckpointError: the save's error, as the helper raised it (its class, where the error
-            tree has it).
+        CheckpointError: the save's error, of the class the helper raised (by its code).
     """
     if "missing" in answer:
         return None
     if "error" in answer:
-        kind = getattr(errors, str(answer["error"].get("type")), None)
-        text = str(answer["error"].get("message"))
-        if kind is errors.MissingTensorsError:
+        kind = error_class_for_code(str(answer["error"].get("code")))
+        if kind is MissingTensorsError:  # swept since the helper looked: the live model has it
             return None
-        if isinstance(kind, type) and issubclass(kind, CheckpointError) and kind is not errors.MissingTensorsError:
-            raise kind(text)
-        raise CheckpointError(text)
+        raise kind(str(answer["error"].get("message")))
     result = SaveResult(**answer["result"])
     digests = [str(d) for d in answer["digests"]]
     if len(digests) != len(snapshot.tensors):
@@ -247,9 +243,10 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
             try:
                 answer = _save(settings, json.loads(line), files)
             except CheckpointError as exc:
-                answer = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+                answer = {"error": {"code": exc.code, "message": str(exc)}}
             except Exception as exc:  # anything else is this save's failure, not the helper's end
-                answer = {"error": {"type": "CheckpointError", "message": f"{type(exc).__name__}: {exc}"}}
+                text = mask_urls(f"{type(exc).__name__}: {exc}")  # a driver's text may hold a URL's secrets
+                answer = {"error": {"code": CheckpointError.code, "message": text}}
             answers.write(json.dumps(answer).encode() + b"\n")
             answers.flush()
     finally:

@@ -119,6 +119,20 @@ def test_a_killed_save_process_fails_its_save_and_the_next_save_starts_another(t
         assert _same(_loaded(ckpt, version), expected)
 
 
+def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
+    """The manifest is built and checked in the helper: a name the format cannot hold fails that
+    save's handle with the error a save on the thread raises."""
+    model = nn.Module()
+    model.add_module("x" * 1100, nn.Linear(2, 2))  # a key longer than the format holds
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        failed = ckpt.save("run", model, blocking=False)
+        assert isinstance(failed, SaveHandle)
+        with pytest.raises(client.InvalidManifestError, match="tensors/0/key"):
+            failed.result()
+        fine = ckpt.save("run", TinyNet(), blocking=False)
+        assert isinstance(fine, SaveHandle) and fine.result().version == 1
+
+
 def test_a_save_process_needs_a_store_opened_in_this_process(tmp_path: Path) -> None:
     with pytest.raises(client.InvalidInputError, match="not a server"):
         client.Client("http://127.0.0.1:9", background="process")
