@@ -16,6 +16,7 @@ would need more stages tensor by tensor as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +27,33 @@ LIMIT_BYTES = 256 << 20
 ALIGN = 64
 
 
-def gather(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-    """Copy each of ``tensors`` into its view (on the same device): one copy kernel per dtype
+def places(layout: Sequence[tuple[torch.dtype, torch.Size]]) -> tuple[list[int], int]:
+    """Where each tensor of ``layout`` (dtype, shape) starts in one buffer holding them all, each
+    at a multiple of :data:`ALIGN`, and the buffer's size in bytes."""
+    offsets, total = [], 0
+    for dtype, shape in layout:
+        offsets.append(total)
+        total += -(-(shape.numel() * dtype.itemsize) // ALIGN) * ALIGN
+    return offsets, total
+
+
+def views(
+    buffer: torch.Tensor, layout: Sequence[tuple[torch.dtype, torch.Size]], offsets: list[int]
+) -> list[torch.Tensor]:
+    """Each tensor of ``layout`` as a view into the uint8 ``buffer`` at its offset (:func:`places`)."""
+    found = []
+    for (dtype, shape), offset in zip(layout, offsets, strict=True):
+        found.append(buffer[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape))
+    return found
+
+
+def gather(targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """Copy each of ``tensors`` into its target (on the same device): one copy kernel per dtype
     where they are contiguous, not one per tensor."""
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for view, tensor in zip(views, tensors, strict=True):
+    for target, tensor in zip(targets, tensors, strict=True):
         into, out_of = by_dtype.setdefault(tensor.dtype, ([], []))
-        into.append(view)
+        into.append(target)
         out_of.append(tensor)
     for into, out_of in by_dtype.values():
         torch._foreach_copy_(into, out_of)
@@ -97,11 +118,7 @@ class PackedStaging:
     def _allocate(self, layout: list[tuple[torch.dtype, torch.Size]], device: torch.device) -> bool:
         """Buffers and views for ``layout``; False (holding nothing) if it does not fit."""
         self.release()
-        offsets, total = [], 0
-        for dtype, shape in layout:
-            offsets.append(total)
-            size = shape.numel() * dtype.itemsize
-            total += -(-size // ALIGN) * ALIGN
+        offsets, total = places(layout)
         if total > LIMIT_BYTES:
             return False
         try:
@@ -109,9 +126,7 @@ class PackedStaging:
         except torch.OutOfMemoryError:
             return False
         host_buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        for (dtype, shape), offset in zip(layout, offsets, strict=True):
-            size = shape.numel() * dtype.itemsize
-            self._device_views.append(device_buffer[offset : offset + size].view(dtype).view(shape))
-            self._host_views.append(host_buffer[offset : offset + size].view(dtype).view(shape))
+        self._device_views = views(device_buffer, layout, offsets)
+        self._host_views = views(host_buffer, layout, offsets)
         self._layout, self._device_buffer, self._host_buffer = layout, device_buffer, host_buffer
         return True

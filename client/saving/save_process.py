@@ -85,20 +85,7 @@ class SaveProcess:
     def close(self) -> None:
         """End the helper: its input is closed, it finishes and exits (killed if it does not)."""
         with self._lock:
-            if self._process is None:
-                return
-            process, self._process = self._process, None
-            try:
-                if process.stdin is not None:
-                    process.stdin.close()
-                process.wait(CLOSE_SECONDS)
-            except (OSError, subprocess.TimeoutExpired):
-                process.kill()
-                process.wait()
-            finally:
-                if self._answers is not None:
-                    self._answers.close()
-                    self._answers = None
+            self._ended()
 
     def _started(self) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
         if self._process is not None and self._process.poll() is None and self._answers is not None:
@@ -120,7 +107,8 @@ class SaveProcess:
         return process, self._answers
 
     def _ended(self) -> int | None:
-        """Forget a helper that has ended (or is ending); its exit status."""
+        """Forget the helper: close its input, wait for it to exit (kill it after
+        :data:`CLOSE_SECONDS`); its exit status (None if there was none)."""
         process, self._process = self._process, None
         if self._answers is not None:
             self._answers.close()

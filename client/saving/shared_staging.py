@@ -21,13 +21,11 @@ from pathlib import Path
 
 import torch
 
-from client.saving.hashing import DigestCache, Taken
-from client.saving.packed_staging import ALIGN, LIMIT_BYTES, gather
+from client.saving.hashing import DigestCache
+from client.saving.packed_staging import LIMIT_BYTES, gather, places, views
 from client.saving.saver import Snapshot
+from client.saving.snapshot import check_shape, to_stage
 from client.state import FlatState
-from client.tensors import dtype_name
-from service.errors import InvalidManifestError
-from service.format.dtypes import shape_problem
 
 _numbers = itertools.count()
 
@@ -97,46 +95,18 @@ class SharedStaging:
         As :meth:`client.saving.snapshot.Staging.snapshot`: a tensor the digest cache knows
         unchanged is not copied (its digest is all the save needs), every other one is.
         """
-        records = flat.records
-        cacheable = [record.trainable is False for record in records]
-        tensors = [record.tensor for record in records]
-        known: list[str | None] = [None] * len(records)
-        if cache is not None:
-            answers = iter(cache.get_many([t for t, ok in zip(tensors, cacheable, strict=True) if ok]))
-            known = [next(answers) if ok else None for ok in cacheable]
-        devices = ["cpu" if t.is_cpu else t.device.type for t in tensors]
-        teach: dict[int, tuple[torch.Tensor, Taken | None]] = {}
-        unique: dict[int, int] = {}  # id(tensor) -> its place among the staged (a tied tensor once)
-        staged: list[torch.Tensor] = []
-        for index, (tensor, digest) in enumerate(zip(tensors, known, strict=True)):
-            if digest is not None:
-                continue
-            if cache is not None and cacheable[index]:
-                teach[index] = (tensor, cache.take(tensor))  # read before the bytes are copied
-            if id(tensor) not in unique:
-                problem = shape_problem(dtype_name(tensor, records[index].key), tensor.shape)
-                if problem is not None:
-                    raise InvalidManifestError(f"{records[index].key}: {problem}")
-                unique[id(tensor)] = len(staged)
-                staged.append(tensor)
+        plan = to_stage(flat, cache)
         # Accelerator tensors first: their copies fill one stretch of the file, in one transfer.
-        order = sorted(range(len(staged)), key=lambda i: not staged[i].is_cuda)
-        copies, copied = self._stage([staged[i] for i in order])
-        place = {order[k]: k for k in range(len(order))}
-        result: list[torch.Tensor] = []
-        offsets: list[int | None] = []
-        for tensor, digest in zip(tensors, known, strict=True):
-            if digest is not None:
-                result.append(tensor)
-                offsets.append(None)
-            else:
-                slot = place[unique[id(tensor)]]
-                result.append(copies[slot])
-                offsets.append(self._offsets[slot])
-        staged_bytes = sum(copy.nbytes for copy in copies)
-        snapshot = Snapshot(result, known, teach, staged_bytes, devices, copied)
+        chosen = sorted(plan.tensors.values(), key=lambda item: not item[1].is_cuda)
+        copies, copied = self._stage(chosen)
+        by_id = {id(tensor): copy for (_, tensor), copy in zip(chosen, copies, strict=True)}
+        at = {id(tensor): offset for (_, tensor), offset in zip(chosen, self._offsets, strict=True)}
+        offsets = [
+            at[id(record.tensor)] if digest is None else None
+            for record, digest in zip(flat.records, plan.known, strict=True)
+        ]
         assert self._path is not None
-        return SharedSnapshot(snapshot, str(self._path), self.nbytes, offsets)
+        return SharedSnapshot(plan.snapshot(flat, by_id, copied), str(self._path), self.nbytes, offsets)
 
     def release(self) -> None:
         """Let go of the file and the device buffer."""
@@ -148,13 +118,16 @@ class SharedStaging:
         self._remove = None
         self._offsets, self._host_views, self._device_views, self._on_device_bytes = [], [], [], 0
 
-    def _stage(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-        """Copy ``tensors`` (accelerator ones first) into the file; returns their copies there and,
-        if any came from an accelerator, the event done once their transfer is. Returns once the
-        live tensors may change (the gather on the device is done)."""
+    def _stage(self, chosen: list[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Copy the ``chosen`` (key, tensor) pairs, accelerator ones first, into the file; returns
+        their copies there and, if any came from an accelerator, the event done once their
+        transfer is. Returns once the live tensors may change (the gather on the device is done)."""
+        tensors = [tensor for _, tensor in chosen]
         layout = [(t.dtype, t.shape, t.is_cuda) for t in tensors]
         on_device = [t for t in tensors if t.is_cuda]
         if layout != self._layout:
+            for key, tensor in chosen:
+                check_shape(key, tensor)
             self._allocate(layout, {t.device for t in on_device})
         on_host = tensors[len(on_device) :]
         with torch.no_grad():
@@ -183,12 +156,10 @@ class SharedStaging:
                 :data:`~client.saving.packed_staging.LIMIT_BYTES` (or more than the device has free).
         """
         self.release()
-        offsets, total, on_device = [], 0, 0
-        for dtype, shape, is_cuda in layout:
-            offsets.append(total)
-            total += -(-(shape.numel() * dtype.itemsize) // ALIGN) * ALIGN
-            if is_cuda:
-                on_device = total
+        shapes = [(dtype, shape) for dtype, shape, _ in layout]
+        offsets, total = places(shapes)
+        cuda_count = sum(is_cuda for _, _, is_cuda in layout)  # they come first
+        on_device = places(shapes[:cuda_count])[1]
         if len(devices) > 1 or on_device > LIMIT_BYTES:
             raise DoesNotFit(f"{len(devices)} devices, {on_device} bytes on them")
         device_buffer = None
@@ -204,12 +175,9 @@ class SharedStaging:
         if device_buffer is not None:
             torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
             self._pinned, self._device, self._on_device_bytes = True, device_buffer, on_device
-        for (dtype, shape, is_cuda), offset in zip(layout, offsets, strict=True):
-            size = shape.numel() * dtype.itemsize
-            self._host_views.append(host[offset : offset + size].view(dtype).view(shape))
-            if is_cuda:
-                assert self._device is not None
-                self._device_views.append(self._device[offset : offset + size].view(dtype).view(shape))
+        self._host_views = views(host, shapes, offsets)
+        if device_buffer is not None:
+            self._device_views = views(device_buffer, shapes[:cuda_count], offsets[:cuda_count])
 
 
 class DoesNotFit(Exception):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -77,6 +78,59 @@ class SaveHandle:
         return self._future.exception() if self._future.done() else None
 
 
+@dataclass
+class ToStage:
+    """What a snapshot copies, and what it takes as it is (:func:`to_stage`)."""
+
+    #: Each record's digest where the digest cache knew it unchanged (that tensor is not copied).
+    known: list[str | None]
+    #: For cacheable tensors that are copied: the live tensor and what the cache must know of it.
+    teach: dict[int, tuple[torch.Tensor, Taken | None]]
+    #: The device type each record's live tensor is on.
+    devices: list[str]
+    #: The tensors to copy, by id, each once (a tied tensor stays tied), with the first key naming it.
+    tensors: dict[int, tuple[str, torch.Tensor]]
+
+    def snapshot(self, flat: FlatState, copies: dict[int, torch.Tensor], copied: torch.cuda.Event | None) -> Snapshot:
+        """The snapshot once ``copies`` (by id of the live tensor) hold the tensors to copy."""
+        tensors = [copies.get(id(record.tensor), record.tensor) for record in flat.records]
+        staged_bytes = sum(copy.nbytes for copy in copies.values())
+        return Snapshot(tensors, self.known, self.teach, staged_bytes, self.devices, copied)
+
+
+def to_stage(flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> ToStage:
+    """Which of ``flat``'s tensors a snapshot copies: every one the digest cache does not know
+    unchanged (only accelerator ones without ``host_too``). What the cache must learn of a
+    cacheable tensor is read now, before its bytes are copied."""
+    records = flat.records
+    cacheable = [record.trainable is False for record in records]
+    tensors = [record.tensor for record in records]
+    known: list[str | None] = [None] * len(records)
+    if cache is not None:
+        answers = iter(cache.get_many([t for t, ok in zip(tensors, cacheable, strict=True) if ok]))
+        known = [next(answers) if ok else None for ok in cacheable]
+    devices = ["cpu" if t.is_cpu else t.device.type for t in tensors]  # is_cpu: a sixth of the time
+    teach: dict[int, tuple[torch.Tensor, Taken | None]] = {}
+    chosen: dict[int, tuple[str, torch.Tensor]] = {}
+    for index, (record, digest) in enumerate(zip(records, known, strict=True)):
+        if digest is not None:
+            continue
+        if cache is not None and cacheable[index]:
+            teach[index] = (record.tensor, cache.take(record.tensor))
+        if host_too or devices[index] != "cpu":
+            chosen.setdefault(id(record.tensor), (record.key, record.tensor))
+    return ToStage(known, teach, devices, chosen)
+
+
+def check_shape(key: str, tensor: torch.Tensor) -> None:
+    """Refuse, as the manifest check will, a shape no staging buffer can take: a zero-size view
+    can have one no contiguous tensor can (its strides overflow 64 bits), where torch.empty
+    would fail bare."""
+    problem = shape_problem(dtype_name(tensor, key), tensor.shape)
+    if problem is not None:
+        raise InvalidManifestError(f"{key}: {problem}")
+
+
 class Staging:
     """Staging buffers reused across one client's background saves, by record key."""
 
@@ -100,58 +154,22 @@ class Staging:
         Without ``host_too`` only accelerator tensors are copied (a blocking save, which may read
         host tensors live): CPU tensors stay in the snapshot as they are.
         """
-        records = flat.records
-        cacheable = [record.trainable is False for record in records]
-        tensors = [record.tensor for record in records]
-        known: list[str | None] = [None] * len(records)
-        if cache is not None:
-            asked = [t for t, ok in zip(tensors, cacheable, strict=True) if ok]
-            answers = iter(cache.get_many(asked))
-            known = [next(answers) if ok else None for ok in cacheable]
-        devices = ["cpu" if t.is_cpu else t.device.type for t in tensors]  # is_cpu: a sixth of the time
-        staged: list[torch.Tensor] = []
-        copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once and stays tied
-        teach: dict[int, tuple[torch.Tensor, Taken | None]] = {}
-        into: list[torch.Tensor] = []
-        out_of: list[torch.Tensor] = []
-        on_cuda: dict[int, tuple[str, torch.Tensor]] = {}  # staged together at the end
-        slots: list[tuple[int, torch.Tensor]] = []  # where in ``staged`` their copies go
-        used: set[str] = set()
-        for index, (record, digest) in enumerate(zip(records, known, strict=True)):
-            tensor = record.tensor
-            if digest is not None:
-                staged.append(tensor)
-                continue
-            if cache is not None and cacheable[index]:
-                teach[index] = (tensor, cache.take(tensor))  # read before the bytes are copied
-            if not host_too and devices[index] == "cpu":
-                staged.append(tensor)
-                continue
-            used.add(record.key)
-            if devices[index] == "cuda":
-                on_cuda.setdefault(id(tensor), (record.key, tensor))
-                slots.append((len(staged), tensor))
-                staged.append(tensor)  # replaced by its copy below
-                continue
-            copy = copies.get(id(tensor))
-            if copy is None:
-                copy = self._buffer(record.key, tensor, devices[index])
-                copies[id(tensor)] = copy
-                into.append(copy)
-                out_of.append(tensor)
-            staged.append(copy)
+        plan = to_stage(flat, cache, host_too=host_too)
+        copies: dict[int, torch.Tensor] = {}
+        on_cuda = [(key, tensor) for key, tensor in plan.tensors.values() if tensor.is_cuda]
+        elsewhere = [(key, tensor) for key, tensor in plan.tensors.values() if not tensor.is_cuda]
+        buffers = [self._buffer(key, tensor) for key, tensor in elsewhere]
         with torch.no_grad():  # a copy of a parameter must not join its autograd graph
-            if into:  # one call for all: a third less time than a copy_ each
-                torch._foreach_copy_(into, out_of)
-        copied = self._stage_cuda(list(on_cuda.values()), copies) if on_cuda else None
+            if buffers:  # one call for all: a third less time than a copy_ each
+                torch._foreach_copy_(buffers, [tensor for _, tensor in elsewhere])
+        copies.update((id(tensor), buffer) for (_, tensor), buffer in zip(elsewhere, buffers, strict=True))
+        copied = self._stage_cuda(on_cuda, copies) if on_cuda else None
         if not on_cuda:
             self._packed.release()
-        for slot, tensor in slots:
-            staged[slot] = copies[id(tensor)]
-        if len(used) != len(self._buffers):  # a buffer no record used this time is let go
+        if len(self._buffers) != len(elsewhere):  # a buffer no tensor used this time is let go
+            used = {key for key, _ in elsewhere}
             self._buffers = {key: buffer for key, buffer in self._buffers.items() if key in used}
-        staged_bytes = sum(copy.nbytes for copy in copies.values())
-        return Snapshot(staged, known, teach, staged_bytes, devices, copied)
+        return plan.snapshot(flat, copies, copied)
 
     def _stage_cuda(self, tensors: list[tuple[str, torch.Tensor]], copies: dict[int, torch.Tensor]) -> torch.cuda.Event:
         """Copy CUDA ``tensors`` (key, tensor) to pinned host memory, into ``copies`` by id.
@@ -166,7 +184,7 @@ class Staging:
                 copies[id(tensor)] = host
             packed.gathered.synchronize()
             return packed.copied
-        buffers = [self._buffer(key, tensor, "cuda") for key, tensor in tensors]
+        buffers = [self._buffer(key, tensor) for key, tensor in tensors]
         with torch.no_grad():
             torch._foreach_copy_(buffers, [tensor for _, tensor in tensors], non_blocking=True)
         copied = torch.cuda.Event()
@@ -176,16 +194,12 @@ class Staging:
             copies[id(tensor)] = buffer
         return copied
 
-    def _buffer(self, key: str, tensor: torch.Tensor, device: str) -> torch.Tensor:
+    def _buffer(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """This key's staging buffer, shaped for ``tensor`` (on the host, pinned for a CUDA tensor)."""
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            # A zero-size view can have a shape no contiguous tensor can (its strides overflow
-            # 64 bits): refuse it as the manifest check will, where torch.empty would fail bare.
-            problem = shape_problem(dtype_name(tensor, key), tensor.shape)
-            if problem is not None:
-                raise InvalidManifestError(f"{key}: {problem}")
-            pinned = device not in ("cpu", "meta") and torch.cuda.is_available()
+            check_shape(key, tensor)
+            pinned = not (tensor.is_cpu or tensor.is_meta) and torch.cuda.is_available()
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self._buffers[key] = buffer
         return buffer
