@@ -133,6 +133,15 @@ def gathered_samples(tensors: list[torch.Tensor]) -> list[bytes]:
     return out
 
 
+def _sample_rows(count: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (rows, elements a row) shape and element strides of the runs :func:`sample` reads
+    from a contiguous tensor of ``count`` >= :data:`SAMPLE_ELEMENTS` elements."""
+    run = SAMPLE_ELEMENTS // SAMPLE_RUNS
+    rows = count // run
+    step = rows // SAMPLE_RUNS
+    return (-(-rows // step), run), (step * run, 1)  # the rows rows[::step] holds
+
+
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
     """:func:`_picked` of ``tensor`` as a 2-D uint8 view, one row per run (one row for a small
     tensor); copied only where its elements do not lie side by side or are conjugated/negated.
@@ -141,13 +150,7 @@ def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
     views :func:`_picked` chains, which matters at a hundred frozen tensors a save)."""
     if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
         count = tensor.numel()
-        run = SAMPLE_ELEMENTS // SAMPLE_RUNS
-        if count >= SAMPLE_ELEMENTS:
-            rows = count // run
-            step = rows // SAMPLE_RUNS
-            shape, strides = (-(-rows // step), run), (step * run, 1)
-        else:
-            shape, strides = (1, count), (max(count, 1), 1)
+        shape, strides = _sample_rows(count) if count >= SAMPLE_ELEMENTS else ((1, count), (max(count, 1), 1))
         return tensor.as_strided(shape, strides, tensor.storage_offset()).view(torch.uint8)
     picked = _picked(tensor).resolve_conj().resolve_neg()
     if picked.dim() == 1:
@@ -173,13 +176,10 @@ def sample_reader(tensor: torch.Tensor) -> np.ndarray | None:
         return None
     raw = (ctypes.c_char * (count * size)).from_address(tensor.data_ptr())
     memory = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
-    run = SAMPLE_ELEMENTS // SAMPLE_RUNS
     if count < SAMPLE_ELEMENTS:
         return memory
-    rows = (count - count % run) // run
-    step = rows // SAMPLE_RUNS
-    picked = -(-rows // step)  # the rows rows[::step] holds
-    return np.lib.stride_tricks.as_strided(memory, (picked, run * size), (step * run * size, 1), writeable=False)
+    (picked, run), (stride, _) = _sample_rows(count)
+    return np.lib.stride_tricks.as_strided(memory, (picked, run * size), (stride * size, 1), writeable=False)
 
 
 @dataclass(frozen=True)
