@@ -222,7 +222,8 @@ class Client(Connection):
         policy becomes exactly that before this version is committed, and the commit applies it
         (see :meth:`set_retention`): e.g. ``keep_last=3, keep_best=1, metric="val_loss"``.
         """
-        self._background.wait(report=True)
+        # A small background save may snapshot while the one before it still runs.
+        self._background.wait(report=True, keep=0 if blocking else self._background.overlap)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]

@@ -1,16 +1,23 @@
-"""Where one client's background saves run: one at a time, in order, on its thread or in a save process.
+"""Where one client's background saves run: in order, on its thread or in a save process.
 
 ``save(..., blocking=False)`` snapshots the state (:mod:`client.saving.snapshot`, or into a
 shared file for a save process: :mod:`client.saving.shared_staging`), then hands the rest to
 the client's one background thread. With a save process (:mod:`client.saving.save_process`)
 that thread only passes the save on and waits for its answer; it saves itself when the process
 cannot (a snapshot that does not fit a shared file, or a tensor only the live model holds).
+
+A save may be snapshotted while the one before it still runs (hashing, writing, committing),
+into a second set of staging buffers, when the snapshots are small (:data:`OVERLAP_BYTES`): a
+loop that saves every step then waits for its snapshot alone as long as saves keep pace with
+steps on average. The saves still run one after another, in order. A larger snapshot waits for
+the save before it, so staging never holds two copies of a large state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from client.results import SaveResult
 from client.saving.hashing import DigestCache
@@ -20,23 +27,58 @@ from client.saving.shared_staging import DoesNotFit, SharedSnapshot, SharedStagi
 from client.saving.snapshot import SaveHandle, Staging
 from client.state import FlatState
 
+#: Snapshots of at most this many staged bytes may be taken while the save before them runs.
+OVERLAP_BYTES = 256 * 2**20
 
-class BackgroundSaves:
-    """One client's staging buffers, background thread, save process (if any) and running save."""
 
-    def __init__(self, process: SaveProcess | None = None) -> None:
-        #: Staging buffers of saves on this process's thread (and of blocking saves from a GPU).
-        self.staging = Staging()
-        #: The shared file of saves a save process makes.
-        self.shared = SharedStaging() if process is not None else None
-        self.process = process
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: SaveHandle | None = None
+@dataclass
+class _Slot:
+    """One set of staging buffers, and the save reading them (if any)."""
+
+    staging: Staging = field(default_factory=Staging)
+    shared: SharedStaging | None = None
+    handle: SaveHandle | None = None
+
+    @property
+    def free(self) -> bool:
+        return self.handle is None or self.handle.done()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the staging holds (the shared file included)."""
         return self.staging.nbytes + (self.shared.nbytes if self.shared is not None else 0)
+
+    def release(self) -> None:
+        self.staging.release()
+        if self.shared is not None:
+            self.shared.release()
+
+
+class BackgroundSaves:
+    """One client's staging buffers, background thread, save process (if any) and running saves."""
+
+    def __init__(self, process: SaveProcess | None = None) -> None:
+        self.process = process
+        self._slots = [self._slot()]
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: list[SaveHandle] = []  # started, not yet retired, in order
+        self._failed: list[SaveHandle] = []  # finished with an error nobody has seen yet
+        self._last_staged = 0
+
+    @property
+    def staging(self) -> Staging:
+        """The first slot's staging buffers (blocking saves from a GPU use them once no save runs)."""
+        return self._slots[0].staging
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the staging holds (shared files included)."""
+        return sum(slot.nbytes for slot in self._slots)
+
+    @property
+    def overlap(self) -> int:
+        """How many saves may still run when the next background save snapshots: 1 while the
+        snapshots are small (:data:`OVERLAP_BYTES`), else 0."""
+        return 1 if self._last_staged <= OVERLAP_BYTES else 0
 
     def start(
         self,
@@ -45,15 +87,17 @@ class BackgroundSaves:
         here: Callable[[Snapshot], SaveResult],
         elsewhere: Callable[[SaveProcess, SharedSnapshot], SaveResult | None],
     ) -> SaveHandle:
-        """Snapshot ``flat`` now, then save it in the background: ``elsewhere`` (by the save
-        process) where there is one and it can, else ``here`` (on the background thread)."""
+        """Snapshot ``flat`` now, then save it in the background once the saves before it are
+        done: ``elsewhere`` (by the save process) where there is one and it can, else ``here``
+        (on the background thread). Call :meth:`wait` first: it leaves a slot free."""
+        slot = self._free_slot()
         shared = None
-        if self.shared is not None:
+        if slot.shared is not None:
             try:
-                shared = self.shared.snapshot(flat, cache)
+                shared = slot.shared.snapshot(flat, cache)
             except DoesNotFit:  # accelerator tensors on several devices, or too many bytes of them
-                self.shared.release()
-        snapshot = shared.snapshot if shared is not None else self.staging.snapshot(flat, cache)
+                slot.shared.release()
+        snapshot = shared.snapshot if shared is not None else slot.staging.snapshot(flat, cache)
         process = self.process
 
         def save() -> SaveResult:
@@ -65,31 +109,57 @@ class BackgroundSaves:
 
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-save")
-        self._pending = SaveHandle(self._worker.submit(save), snapshot.staged_bytes)
-        return self._pending
+        slot.handle = SaveHandle(self._worker.submit(save), snapshot.staged_bytes)
+        self._pending.append(slot.handle)
+        self._last_staged = snapshot.staged_bytes
+        if not self.overlap:  # a large state: one copy of it is enough
+            for other in self._slots[1:]:
+                if other is not slot and other.free:
+                    other.release()
+        return slot.handle
 
-    def wait(self, *, report: bool) -> None:
-        """Wait for the running save, if any. With ``report``, raise its error if the save failed
-        and no ``result()`` call has raised it yet."""
-        handle = self._pending
-        if handle is None:
-            return
-        handle.wait()
-        error = handle.error()
-        if error is None or handle.observed:
-            self._pending = None
-        elif report:
-            self._pending, handle.observed = None, True
-            raise error
+    def wait(self, *, report: bool, keep: int = 0) -> None:
+        """Wait until at most ``keep`` saves run. With ``report``, raise the error of a save that
+        failed and whose error no ``result()`` call (nor an earlier report) has raised."""
+        while len(self._pending) > keep:
+            self._pending[0].wait()
+            self._retire(self._pending.pop(0))
+        while self._pending and self._pending[0].done():
+            self._retire(self._pending.pop(0))
+        while report and self._failed:
+            handle = self._failed.pop(0)
+            error = handle.error()
+            if error is not None and not handle.observed:
+                handle.observed = True
+                raise error
 
     def close(self) -> None:
-        """Wait for the running save, then stop the thread and the save process and free the staging."""
+        """Wait for the running saves, then stop the thread and the save process and free the staging."""
         self.wait(report=False)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
         if self.process is not None:
             self.process.close()
-        self.staging.release()
-        if self.shared is not None:
-            self.shared.release()
+        for slot in self._slots:
+            slot.release()
+        del self._slots[1:]
+
+    def _retire(self, handle: SaveHandle) -> None:
+        if handle.error() is not None and not handle.observed:
+            self._failed.append(handle)
+
+    def _slot(self) -> _Slot:
+        return _Slot(shared=SharedStaging() if self.process is not None else None)
+
+    def _free_slot(self) -> _Slot:
+        """A slot no running save reads: the first free one, a new second one, or the oldest
+        save's once it is done."""
+        for slot in self._slots:
+            if slot.free:
+                return slot
+        if len(self._slots) < 2:
+            self._slots.append(self._slot())
+            return self._slots[-1]
+        self.wait(report=False, keep=len(self._pending) - 1)
+        return self._free_slot()

@@ -43,6 +43,8 @@ from service.secrets_mask import mask_urls
 
 #: Seconds ``close`` waits for the helper to finish after its input is closed.
 CLOSE_SECONDS = 30.0
+#: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).
+FILES_KEPT = 2
 
 
 class SaveProcess:
@@ -246,7 +248,8 @@ def _save(settings: SaveSettings, request: dict[str, Any], files: dict[str, torc
     path, size = str(request["file"]), int(request["size"])
     host = files.get(path)
     if host is None:
-        files.clear()  # a new layout: the client removed the old file
+        while len(files) >= FILES_KEPT:  # the client has removed the oldest (a new layout)
+            del files[next(iter(files))]
         host = files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     flat = FlatState()
     tensors: list[torch.Tensor] = []
@@ -264,7 +267,9 @@ def _save(settings: SaveSettings, request: dict[str, Any], files: dict[str, torc
         known.append(digest)
         devices.append(device)
     flat.state = request["state"]
-    held = [d for d in known if d is not None]
+    # Digests the client knew are not staged: ask the store for those the last committed
+    # version does not reference (after a first save, none of a LoRA model's frozen weights).
+    held = [d for d in known if d is not None and d not in settings.ledger.committed]
     if held and settings.transport.missing(held):
         return {"missing": True}
     run = SaveRun(

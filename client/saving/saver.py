@@ -264,8 +264,10 @@ class SaveRun:
         body = with_digests(self.body, self.digests)
         try:
             return transport.commit(self.run_id, body, tags=self.tags)
-        except MissingTensorsError:
+        except MissingTensorsError as missing:
             again = set(transport.missing(list(plan.sizes)))
+            if any(self.tensors[i].is_meta for i, digest in enumerate(self.digests) if digest in again):
+                raise missing  # a snapshot without the bytes (a save process's): the caller has them
             with ShardUploader(transport, self.settings.shard_bytes, None, self.settings.uploads_in_flight) as uploader:
                 queued: set[str] = set()
                 for index, digest in enumerate(self.digests):
