@@ -215,14 +215,14 @@ class Client(Connection):
         copied into staging buffers this client reuses; hashing, writing and the commit run in
         the background, and the caller may step the optimizer at once. ``handle.result()``
         gives the SaveResult or raises the save's error; an error nobody collected is raised by
-        this client's next save. Versions stay in order: every save first waits for the one
-        before it, and so do this client's other calls and the process's exit.
+        a later save of this client. Versions stay in order: saves run one after another, and
+        this client's other calls and the process's exit wait for them; a small background
+        snapshot may be taken while the save before it runs (:mod:`client.saving.background`).
 
         Given any of ``keep_last``, ``keep_best``, ``metric`` or ``mode``, the run's retention
         policy becomes exactly that before this version is committed, and the commit applies it
         (see :meth:`set_retention`): e.g. ``keep_last=3, keep_best=1, metric="val_loss"``.
         """
-        # A small background save may snapshot while the one before it still runs.
         self._background.wait(report=True, keep=0 if blocking else self._background.overlap)
         started = time.perf_counter()
         validate_run_id(run_id)

@@ -7,8 +7,9 @@ is not copied at all, since its digest is all the save needs unless the store la
 once the frozen weights are known (after a first save, or a load), staging holds the
 trainable state: trainable weights, buffers, optimizer, scheduler and extra tensors.
 
-Hashing, writing and the commit then run on one background thread per client: versions stay
-in order, since the next save (blocking or not) first waits for the one before it.
+Hashing, writing and the commit then run on one background thread per client, one save after
+another, so versions stay in order; a blocking save first waits for them, and a background one
+for all but the last when its snapshot is small (:mod:`client.saving.background`).
 """
 
 from __future__ import annotations

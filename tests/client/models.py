@@ -74,6 +74,21 @@ def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(_bytes_of(a), _bytes_of(b))
 
 
+def state_copy(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies of every model tensor and optimizer state tensor, by ``model/<name>`` and
+    ``optim/<parameter name>/<state key>``."""
+    state = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, values in optim.state.items():
+        state.update({f"optim/{names[id(param)]}/{k}": v.clone() for k, v in values.items()})
+    return state
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two :func:`state_copy` results hold the same keys and bitwise equal tensors."""
+    return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+
+
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's values as bytes, in row-major order, whatever its strides (size-1 dims included)."""
     values = tensor.detach().cpu().resolve_conj().resolve_neg()

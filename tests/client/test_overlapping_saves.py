@@ -14,29 +14,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import client
 from client import SaveHandle
 from client.saving import background
 from service.errors import StorageError
-from tests.client.models import TinyNet, tensors_equal, train
-
-
-def _state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    state = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for param, values in optim.state.items():
-        state.update({f"optim/{names[id(param)]}/{k}": v.clone() for k, v in values.items()})
-    return state
+from tests.client.models import TinyNet, same_state, state_copy, train
 
 
 def _loads_as(ckpt: client.Client, version: int, expected: dict[str, torch.Tensor]) -> bool:
     model = TinyNet(seed=7)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt.load("run", version, model=model, optim=optim)
-    loaded = _state(model, optim)
-    return loaded.keys() == expected.keys() and all(tensors_equal(loaded[k], expected[k]) for k in expected)
+    return same_state(state_copy(model, optim), expected)
 
 
 @contextmanager
@@ -75,10 +65,10 @@ def test_a_save_returns_while_the_one_before_commits_and_both_hold_their_state(
     model, optim = _trained()
     with client.Client(home=tmp_path) as ckpt:
         with _commits_held(ckpt, monkeypatch) as release:
-            first_state = _state(model, optim)
+            first_state = state_copy(model, optim)
             first = ckpt.save("run", model, optim, blocking=False)
             train(model, optim, range(2, 3))
-            second_state = _state(model, optim)
+            second_state = state_copy(model, optim)
             second = ckpt.save("run", model, optim, blocking=False)  # returns: the first is held
             assert isinstance(first, SaveHandle) and isinstance(second, SaveHandle)
             assert not first.done() and not second.done()
@@ -142,7 +132,7 @@ def test_a_save_process_takes_the_next_snapshot_while_it_is_stopped(tmp_path: Pa
             handles = []
             for step in range(2):
                 train(model, optim, range(2 + step, 3 + step))
-                expected.append(_state(model, optim))
+                expected.append(state_copy(model, optim))
                 handles.append(ckpt.save("run", model, optim, blocking=False))
             assert not any(h.done() for h in handles)
         finally:

@@ -18,26 +18,14 @@ from torch import nn
 import client
 from client import SaveHandle
 from client.saving import shared_staging
-from tests.client.models import Adapter, TinyNet, tensors_equal, train
-
-
-def _state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    state = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for param, values in optim.state.items():
-        state.update({f"optim/{names[id(param)]}/{k}": v.clone() for k, v in values.items()})
-    return state
+from tests.client.models import Adapter, TinyNet, same_state, state_copy, tensors_equal, train
 
 
 def _loaded(ckpt: client.Client, version: int) -> dict[str, torch.Tensor]:
     model = TinyNet(seed=7)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt.load("run", version, model=model, optim=optim)
-    return _state(model, optim)
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    return state_copy(model, optim)
 
 
 def _files() -> set[Path]:
@@ -55,7 +43,7 @@ def test_a_save_process_stores_what_a_save_on_the_thread_stores(tmp_path: Path) 
     ):
         expected = []
         for step in range(3):
-            expected.append(_state(model, optim))
+            expected.append(state_copy(model, optim))
             handles = [c.save("run", model, optim, step=step, blocking=False) for c in (plain, helped)]
             train(model, optim, range(2 + step, 3 + step))  # at once: the versions hold the state before
             results = [h.result() for h in handles if isinstance(h, SaveHandle)]
@@ -65,7 +53,7 @@ def test_a_save_process_stores_what_a_save_on_the_thread_stores(tmp_path: Path) 
             ours, theirs = plain.transport.manifest("run", version), helped.transport.manifest("run", version)
             assert {e.key: e.digest for e in ours.tensors} == {e.key: e.digest for e in theirs.tensors}
             assert ours.state == theirs.state and theirs.step == version - 1
-            assert _same(_loaded(helped, version), state)
+            assert same_state(_loaded(helped, version), state)
         assert len(_files() - before) == 1  # one shared file, reused save after save
         process = helped._background.process
     assert process.pid is None and _files() == before  # closing ends the helper and removes the file
@@ -110,13 +98,13 @@ def test_a_killed_save_process_fails_its_save_and_the_next_save_starts_another(t
         with pytest.raises(client.StorageError, match="save process ended"):
             broken.result()
         train(model, optim, range(2, 3))
-        expected = _state(model, optim)
+        expected = state_copy(model, optim)
         again = ckpt.save("run", model, optim, blocking=False)
         assert isinstance(again, SaveHandle)
         version = again.result().version
         assert process.pid not in (None, killed)
         assert [v.version for v in ckpt.versions("run")] == [1, version]
-        assert _same(_loaded(ckpt, version), expected)
+        assert same_state(_loaded(ckpt, version), expected)
 
 
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
@@ -168,5 +156,5 @@ def test_a_process_exiting_with_a_save_in_its_save_process_waits_for_it(tmp_path
     train(model, optim, range(2))
     with client.Client(home=tmp_path / "store") as ckpt:
         assert [v.version for v in ckpt.versions("run")] == [1]
-        assert _same(_loaded(ckpt, 1), _state(model, optim))
+        assert same_state(_loaded(ckpt, 1), state_copy(model, optim))
     assert set(shared_staging.shared_folder().glob(f"{shared_staging.PREFIX}*")) <= before  # removed at exit
