@@ -13,8 +13,10 @@ One run prints two tables, every figure from the same process:
    once, cold; a pinned host-to-device (and device-to-host) copy of the same bytes.
 2. LoRA (r=8 on q_proj/v_proj, peft when importable) on a small Llama, AdamW, batch 4 x 512 random
    tokens: the mean step time with ``client.save(..., blocking=False)`` every k steps against no
-   saving (each step ends with a device synchronize), and the median time the save call blocks
-   the loop; then again with ``Client(background="process")`` (the save's Python in a helper
+   saving (the loop without saves runs first and last; the faster is the base; each step ends
+   with a device synchronize), the time the save call blocks the loop (median, mean, max) and
+   each save's time from the call to its commit (a save slower than a step makes a later call
+   wait); then again with ``Client(background="process")`` (the save's Python in a helper
    process, not the training loop's interpreter).
 
 Times against safetensors' are printed as in bench/compare.py (seconds / safetensors' seconds:
@@ -42,7 +44,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import safetensors.torch
@@ -470,13 +472,15 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Ten
 
 @dataclass
 class Loop:
-    """One timed run of the loop: mean step time, the time each save call blocked."""
+    """One timed run of the loop: mean step time, the time each save call blocked, and each
+    save's time from the call to its commit."""
 
     every: int
     step_s: float
     blocked: list[float]
     #: Where the background saves ran, if not on the client's thread.
     where: str = ""
+    latency: list[float] = field(default_factory=list)
 
 
 def run_loop(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tensor, ckpt: Client,
@@ -487,18 +491,18 @@ def run_loop(model: nn.Module, optim: torch.optim.Optimizer, tokens: torch.Tenso
     garbage collector are collected once, off the clock, not by whichever row comes first."""
     gc.collect()
     blocked: list[float] = []
-    handle = None
+    handles = []
     started = time.perf_counter()
     for step in range(steps):
         train_step(model, optim, tokens)
         if every and (step + 1) % every == 0:
             before = time.perf_counter()
-            handle = ckpt.save("lora", model, optim, blocking=False)
+            handles.append(ckpt.save("lora", model, optim, blocking=False))
             blocked.append(time.perf_counter() - before)
     elapsed = time.perf_counter() - started
-    if handle is not None:
-        handle.result()  # untimed: the last save finishes; raises if any failed
-    return Loop(every, elapsed / steps, blocked, where)
+    # Untimed: the last saves finish; raises if any failed. A result's seconds run from the call.
+    latency = [handle.result().seconds for handle in handles]
+    return Loop(every, elapsed / steps, blocked, where, latency)
 
 
 def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, root: Path, deadline: float) -> str:
@@ -544,16 +548,27 @@ def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, roo
     lines = [
         heading + f"; overhead against the faster of the two rows without saves ({base * 1e3:.1f} ms)",
         "",
-        "| saving | step ms (mean) | overhead | saves | save call blocks the loop, ms (median) | max ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| saving | step ms (mean) | overhead | saves | save call blocks the loop, ms (median) | mean ms | max ms "
+        "| call to commit, ms (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for loop in loops:
         which = "none" if not loop.every else f"every {loop.every} step{'s' if loop.every > 1 else ''}"
         which += f", {loop.where}" if loop.where else ""
         overhead = f"{(loop.step_s / base - 1) * 100:+.1f}%" if loop.every else "-"
-        median = f"{statistics.median(loop.blocked) * 1e3:.1f}" if loop.blocked else "-"
-        top = f"{max(loop.blocked) * 1e3:.1f}" if loop.blocked else "-"
-        lines.append(f"| {which} | {loop.step_s * 1e3:.1f} | {overhead} | {len(loop.blocked)} | {median} | {top} |")
+        median, mean, top, latency = (
+            (f"{f(values) * 1e3:.1f}" if values else "-")
+            for f, values in (
+                (statistics.median, loop.blocked),
+                (statistics.mean, loop.blocked),
+                (max, loop.blocked),
+                (statistics.median, loop.latency),
+            )
+        )
+        lines.append(
+            f"| {which} | {loop.step_s * 1e3:.1f} | {overhead} | {len(loop.blocked)} | {median} | {mean} | {top} "
+            f"| {latency} |"
+        )
     return "\n".join(lines)
 
 
