@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import client
 from client import SaveHandle
@@ -139,3 +141,53 @@ def test_a_save_process_takes_the_next_snapshot_while_it_is_stopped(tmp_path: Pa
             os.kill(pid, signal.SIGCONT)
         assert [h.result().version for h in handles] == [2, 3]
         assert _loads_as(ckpt, 2, expected[0]) and _loads_as(ckpt, 3, expected[1])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["step", "save", "save", "blocking save", "result", "held"]), min_size=1, max_size=12))
+def test_any_mix_of_steps_saves_and_waits_keeps_every_version_as_it_was(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, actions: list[str]
+) -> None:
+    """Whatever the caller does between saves (steps, blocking saves, waiting on an older
+    handle, a commit held while the next saves are taken), version n holds the state as it was
+    when the n-th save call returned."""
+    model, optim = _trained()
+    expected: list[dict[str, torch.Tensor]] = []
+    handles: list[SaveHandle] = []
+    releases: list[threading.Event] = []
+    step, held_from = 2, 0
+    with client.Client(home=tmp_path_factory.mktemp("store")) as ckpt, monkeypatch.context() as patch:
+        for action in actions:
+            if action == "step":
+                train(model, optim, range(step, step + 1))
+                step += 1
+            elif action == "result" and handles:
+                waited = len(handles) // 2
+                if releases and waited >= held_from:  # it would wait for the held commit
+                    releases.pop().set()
+                handles[waited].result()
+            elif action == "held" and not releases:  # the next commit waits until released
+                releases.append(_commits_held(ckpt, patch).__enter__())
+                held_from = len(handles)
+            elif action in ("save", "blocking save"):
+                blocking = action == "blocking save"
+                # A blocking save waits for the held commit, and so does the second background
+                # save after the held one: let it go first.
+                if releases and (blocking or len(handles) - held_from >= 2):
+                    releases.pop().set()
+                expected.append(state_copy(model, optim))
+                outcome = ckpt.save("run", model, optim, blocking=blocking)
+                if isinstance(outcome, SaveHandle):
+                    handles.append(outcome)
+                else:
+                    assert outcome.version == len(expected)
+        for release in releases:
+            release.set()
+        for handle in handles:
+            handle.result()
+        if not expected:
+            assert ckpt.runs() == []
+            return
+        assert [v.version for v in ckpt.versions("run")] == list(range(1, len(expected) + 1))
+        for version, state in enumerate(expected, start=1):
+            assert _loads_as(ckpt, version, state), version
