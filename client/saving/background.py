@@ -95,7 +95,7 @@ class BackgroundSaves:
         if slot.shared is not None:
             try:
                 shared = slot.shared.snapshot(flat, cache)
-            except DoesNotFit:  # accelerator tensors on several devices, or too many bytes of them
+            except DoesNotFit:  # accelerator tensors on several devices or too many of them, or no room
                 slot.shared.release()
         snapshot = shared.snapshot if shared is not None else slot.staging.snapshot(flat, cache)
         process = self.process

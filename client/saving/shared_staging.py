@@ -169,8 +169,9 @@ class SharedStaging:
             except torch.OutOfMemoryError as exc:
                 raise DoesNotFit("no room for the gather buffer") from exc
         path = self._folder / f"{PREFIX}{os.getpid()}-{next(_numbers)}"
-        host = torch.from_file(str(path), shared=True, size=max(total, 1), dtype=torch.uint8)
+        reserve(path, max(total, 1))
         self._remove = weakref.finalize(self, path.unlink, missing_ok=True)
+        host = torch.from_file(str(path), shared=True, size=max(total, 1), dtype=torch.uint8)
         self._path, self._host, self._layout, self._offsets = path, host, layout, offsets
         if device_buffer is not None:
             torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
@@ -178,6 +179,27 @@ class SharedStaging:
         self._host_views = views(host, shapes, offsets)
         if device_buffer is not None:
             self._device_views = views(device_buffer, shapes[:cuda_count], offsets[:cuda_count])
+
+
+def reserve(path: Path, size: int) -> None:
+    """Create ``path`` readable by this user alone, with ``size`` bytes allocated: a memory-backed
+    folder without room for them (a container's small ``/dev/shm``) refuses here, rather than
+    killing the process with SIGBUS when the copy first touches a page it cannot back.
+
+    Raises:
+        DoesNotFit: the folder has no room for ``size`` bytes (the file is removed).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # no way to reserve the pages: at least the size
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise DoesNotFit(f"no room for {size} bytes in {path.parent}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
 
 
 class DoesNotFit(Exception):

@@ -4,8 +4,10 @@ tensor only the live model holds; a killed helper fails its save alone; nothing 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -158,3 +160,36 @@ def test_a_process_exiting_with_a_save_in_its_save_process_waits_for_it(tmp_path
         assert [v.version for v in ckpt.versions("run")] == [1]
         assert same_state(_loaded(ckpt, 1), state_copy(model, optim))
     assert set(shared_staging.shared_folder().glob(f"{shared_staging.PREFIX}*")) <= before  # removed at exit
+
+
+def test_a_shared_folder_without_room_leaves_the_save_to_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's small ``/dev/shm`` cannot back the snapshot: the space is reserved before
+    any copy (no SIGBUS on a page it cannot back), and the save runs on the client's thread."""
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shared_staging.os, "posix_fallocate", full)
+    model = TinyNet()
+    before = _files()
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        expected = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+        handle = ckpt.save("run", model, blocking=False)
+        assert isinstance(handle, SaveHandle) and handle.result().version == 1
+        assert ckpt._background.process is not None and ckpt._background.process.pid is None  # never started
+        assert _files() == before
+        fresh = TinyNet(seed=7)
+        ckpt.load("run", model=fresh)
+        assert all(tensors_equal(fresh.state_dict()[k[len("model/") :]], v) for k, v in expected.items())
+
+
+def test_the_shared_file_is_readable_by_its_owner_alone(tmp_path: Path) -> None:
+    model = TinyNet()
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        handle = ckpt.save("run", model, blocking=False)
+        assert isinstance(handle, SaveHandle)
+        handle.result()
+        mine = _files()
+        assert mine and all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in mine)
