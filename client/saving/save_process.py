@@ -10,7 +10,10 @@ it opens the same embedded store (the same ``home`` and environment) and runs th
 only sends the save's records and reads the answer.
 
 The two processes talk in JSON lines over the helper's stdin and a private copy of its stdout
-(no pickling): the helper's own output goes to stderr. A tensor whose digest the client's cache
+(no pickling): the helper's own output goes to stderr. The helper keeps the last request's
+records (each tensor's key, placement, dtype, shape and place in the file), which a training
+loop's saves repeat: the client sends them again only when they change, and asks back only for
+the digests its cache must learn. A tensor whose digest the client's cache
 knew was not staged; if the store lacks it (another process deleted its versions), the helper
 says so and the client saves from its own thread, which can read the live tensor. If the helper
 dies, the save fails with a StorageError (the version may or may not exist, as for a process
@@ -27,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
@@ -45,6 +49,8 @@ from service.secrets_mask import mask_urls
 CLOSE_SECONDS = 30.0
 #: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).
 FILES_KEPT = 2
+#: A request's records when they are those of the request before (most saves of a training loop).
+SAME = "same"
 
 
 class SaveProcess:
@@ -55,6 +61,8 @@ class SaveProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._answers: IO[bytes] | None = None
         self._lock = threading.Lock()
+        #: The records of the last request the running helper was sent.
+        self._sent_records: list[Any] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -69,6 +77,10 @@ class SaveProcess:
         """
         with self._lock:
             process, answers = self._started()
+            records = message["records"]
+            if records == self._sent_records:  # the helper keeps the last ones: say so only
+                message = {**message, "records": SAME}
+            self._sent_records = records
             try:
                 assert process.stdin is not None
                 process.stdin.write(json.dumps(message).encode() + b"\n")
@@ -93,6 +105,7 @@ class SaveProcess:
         if self._process is not None and self._process.poll() is None and self._answers is not None:
             return self._process, self._answers
         self._ended()
+        self._sent_records = None  # a new helper holds none
         read, write = os.pipe()
         env = {**os.environ, "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
         process = subprocess.Popen(
@@ -165,6 +178,7 @@ def message(
         "size": shared.size,
         "records": records,
         "state": flat.state,
+        "digests_of": sorted(snapshot.teach),
     }
 
 
@@ -189,9 +203,10 @@ def save_elsewhere(
     return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
-def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveResult, list[str]] | None:
-    """The SaveResult and every record's digest from the helper's answer; None if the helper
-    found a digest the client knew missing from the store (save on the client's thread then).
+def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveResult, dict[int, str]] | None:
+    """The SaveResult and the digests the request asked for (those of ``snapshot.teach``), by
+    record index, from the helper's answer; None if the helper found a digest the client knew
+    missing from the store (save on the client's thread then).
 
     Raises:
         CheckpointError: the save's error, of the class the helper raised (by its code).
@@ -204,9 +219,9 @@ def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveRe
             return None
         raise kind(str(answer["error"].get("message")))
     result = SaveResult(**answer["result"])
-    digests = [str(d) for d in answer["digests"]]
-    if len(digests) != len(snapshot.tensors):
-        raise CheckpointError("the save process answered with another number of digests than tensors")
+    digests = {int(index): str(digest) for index, digest in answer["digests"].items()}
+    if digests.keys() != snapshot.teach.keys():
+        raise CheckpointError("the save process answered with other digests than the save asked for")
     return result, digests
 
 
@@ -228,10 +243,10 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         settings = SaveSettings(
             transport, int(opening["shard_bytes"]), int(opening["uploads_in_flight"]), None, SaveLedger()
         )
-        files: dict[str, torch.Tensor] = {}
+        held = _Held()
         for line in requests:
             try:
-                answer = _save(settings, json.loads(line), files)
+                answer = _save(settings, json.loads(line), held)
             except CheckpointError as exc:
                 answer = {"error": {"code": exc.code, "message": str(exc)}}
             except Exception as exc:  # anything else is this save's failure, not the helper's end
@@ -243,19 +258,34 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         transport.close()
 
 
-def _save(settings: SaveSettings, request: dict[str, Any], files: dict[str, torch.Tensor]) -> dict[str, Any]:
+@dataclass
+class _Held:
+    """What the helper keeps from save to save: the shared files it maps, the last records."""
+
+    files: dict[str, torch.Tensor] = field(default_factory=dict)
+    records: list[list[Any]] | None = None
+
+
+def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[str, Any]:
     """Run one save of the staged copies in the shared file ``request`` names."""
     path, size = str(request["file"]), int(request["size"])
+    files = held.files
     host = files.get(path)
     if host is None:
         while len(files) >= FILES_KEPT:  # the client has removed the oldest (a new layout)
             del files[next(iter(files))]
         host = files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    records = request["records"]
+    if records == SAME:  # as in the last request: the client sends them when they change
+        if held.records is None:
+            raise CheckpointError("the save process was sent no records to reuse")
+        records = held.records
+    held.records = records
     flat = FlatState()
     tensors: list[torch.Tensor] = []
     known: list[str | None] = []
     devices: list[str] = []
-    for key, placement, param, trainable, dtype, shape, device, digest, offset in request["records"]:
+    for key, placement, param, trainable, dtype, shape, device, digest, offset in records:
         kind = NAME_TO_TORCH[dtype]
         if offset is None:  # known to the client's cache, not staged: only its digest is needed
             tensor = torch.empty(shape, dtype=kind, device="meta")
@@ -269,8 +299,8 @@ def _save(settings: SaveSettings, request: dict[str, Any], files: dict[str, torc
     flat.state = request["state"]
     # Digests the client knew are not staged: ask the store for those the last committed
     # version does not reference (after a first save, none of a LoRA model's frozen weights).
-    held = [d for d in known if d is not None and d not in settings.ledger.committed]
-    if held and settings.transport.missing(held):
+    unasked = [d for d in known if d is not None and d not in settings.ledger.committed]
+    if unasked and settings.transport.missing(unasked):
         return {"missing": True}
     run = SaveRun(
         settings,
@@ -283,7 +313,7 @@ def _save(settings: SaveSettings, request: dict[str, Any], files: dict[str, torc
         snapshot=Snapshot(tensors, known, {}, 0, devices, None),
     )
     result = run.run()
-    return {"result": dataclasses.asdict(result), "digests": run.digests}
+    return {"result": dataclasses.asdict(result), "digests": {i: run.digests[i] for i in request["digests_of"]}}
 
 
 def main() -> None:
