@@ -11,9 +11,9 @@ only sends the save's records and reads the answer.
 
 The two processes talk in JSON lines over the helper's stdin and a private copy of its stdout
 (no pickling): the helper's own output goes to stderr. The helper keeps the last request's
-records (each tensor's key, placement, dtype, shape and place in the file), which a training
-loop's saves repeat: the client sends them again only when they change, and asks back only for
-the digests its cache must learn. A tensor whose digest the client's cache
+records (each tensor's key, placement, dtype, shape and place in the file) and state (the JSON
+naming them), which a training loop's saves repeat: the client sends them again only when they
+change, and asks back only for the digests its cache must learn. A tensor whose digest the client's cache
 knew was not staged; if the store lacks it (another process deleted its versions), the helper
 says so and the client saves from its own thread, which can read the live tensor. If the helper
 dies, the save fails with a StorageError (the version may or may not exist, as for a process
@@ -49,8 +49,11 @@ from service.secrets_mask import mask_urls
 CLOSE_SECONDS = 30.0
 #: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).
 FILES_KEPT = 2
-#: A request's records when they are those of the request before (most saves of a training loop).
+#: A request's records or state when they are those of the request before (most saves of a
+#: training loop repeat both: the same tensors, and the optimizer's state naming them).
 SAME = "same"
+#: The fields of a request the helper keeps from one to the next.
+REPEATED = ("records", "state")
 
 
 class SaveProcess:
@@ -61,8 +64,8 @@ class SaveProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._answers: IO[bytes] | None = None
         self._lock = threading.Lock()
-        #: The records of the last request the running helper was sent.
-        self._sent_records: list[Any] | None = None
+        #: The :data:`REPEATED` fields of the last request the running helper was sent.
+        self._sent: dict[str, Any] = {}
 
     @property
     def pid(self) -> int | None:
@@ -77,10 +80,9 @@ class SaveProcess:
         """
         with self._lock:
             process, answers = self._started()
-            records = message["records"]
-            if records == self._sent_records:  # the helper keeps the last ones: say so only
-                message = {**message, "records": SAME}
-            self._sent_records = records
+            sent, self._sent = self._sent, {name: message[name] for name in REPEATED}
+            # The helper keeps the last ones: say so only.
+            message = {**message, **{name: SAME for name in REPEATED if name in sent and sent[name] == message[name]}}
             try:
                 assert process.stdin is not None
                 process.stdin.write(json.dumps(message).encode() + b"\n")
@@ -105,7 +107,7 @@ class SaveProcess:
         if self._process is not None and self._process.poll() is None and self._answers is not None:
             return self._process, self._answers
         self._ended()
-        self._sent_records = None  # a new helper holds none
+        self._sent = {}  # a new helper holds none
         read, write = os.pipe()
         env = {**os.environ, "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
         process = subprocess.Popen(
@@ -260,10 +262,20 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
 
 @dataclass
 class _Held:
-    """What the helper keeps from save to save: the shared files it maps, the last records."""
+    """What the helper keeps from save to save: the shared files it maps, the last request's
+    :data:`REPEATED` fields."""
 
     files: dict[str, torch.Tensor] = field(default_factory=dict)
-    records: list[list[Any]] | None = None
+    repeated: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, request: dict[str, Any]) -> None:
+        """Put back into ``request`` the fields it says are as before, and keep its others."""
+        for name in REPEATED:
+            if request[name] == SAME:  # as in the last request: the client sends them when they change
+                if name not in self.repeated:
+                    raise CheckpointError(f"the save process was sent no {name} to reuse")
+                request[name] = self.repeated[name]
+            self.repeated[name] = request[name]
 
 
 def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[str, Any]:
@@ -275,12 +287,8 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
         while len(files) >= FILES_KEPT:  # the client has removed the oldest (a new layout)
             del files[next(iter(files))]
         host = files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    held.resolve(request)
     records = request["records"]
-    if records == SAME:  # as in the last request: the client sends them when they change
-        if held.records is None:
-            raise CheckpointError("the save process was sent no records to reuse")
-        records = held.records
-    held.records = records
     flat = FlatState()
     tensors: list[torch.Tensor] = []
     known: list[str | None] = []

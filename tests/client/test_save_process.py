@@ -195,33 +195,37 @@ def test_the_shared_file_is_readable_by_its_owner_alone(tmp_path: Path) -> None:
         assert mine and all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in mine)
 
 
-def test_records_the_helper_already_holds_are_not_sent_again_and_a_change_is(tmp_path: Path) -> None:
-    """The helper keeps the last save's records; the client sends them again only when they
-    change (here: a buffer added to the model, then the model's dtype), and a new helper gets
+def test_records_and_state_the_helper_holds_are_not_sent_again_and_a_change_is(tmp_path: Path) -> None:
+    """The helper keeps the last save's records and state; the client sends them again only
+    when they change (a buffer added to the model, the learning rate), and a new helper gets
     them whole."""
     model = TinyNet()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, optim, range(2))
     with client.Client(home=tmp_path, background="process") as ckpt:
         expected = []
-        for change in ("none", "same", "buffer", "same", "double", "kill", "same"):
+        for change in ("none", "same", "buffer", "same", "lr", "kill", "same"):
             if change == "buffer":
                 model.register_buffer("seen", torch.arange(5.0))
-            elif change == "double":
-                model.double()
+            elif change == "lr":
+                optim.param_groups[0]["lr"] = 3e-3
             elif change == "kill":
                 process = ckpt._background.process
                 assert process is not None and process.pid is not None
                 os.kill(process.pid, signal.SIGKILL)
                 with pytest.raises(client.StorageError):
-                    handle = ckpt.save("run", model, blocking=False)
+                    handle = ckpt.save("run", model, optim, blocking=False)
                     assert isinstance(handle, SaveHandle)
                     handle.result()
                 continue
-            expected.append({k: v.clone() for k, v in model.state_dict().items()})
-            handle = ckpt.save("run", model, blocking=False)
+            expected.append((state_copy(model, optim), optim.param_groups[0]["lr"]))
+            handle = ckpt.save("run", model, optim, blocking=False)
             assert isinstance(handle, SaveHandle) and handle.result().version == len(expected)
-        for version, state in enumerate(expected, start=1):
-            loaded = ckpt.load("run", version).state_dict
-            assert loaded is not None and loaded.keys() == state.keys()
-            assert all(tensors_equal(loaded[key], value) for key, value in state.items()), version
+        for version, (state, lr) in enumerate(expected, start=1):
+            fresh = TinyNet(seed=7)
+            if "model/seen" in state:
+                fresh.register_buffer("seen", torch.zeros(5))
+            fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+            ckpt.load("run", version, model=fresh, optim=fresh_optim)
+            assert same_state(state_copy(fresh, fresh_optim), state), version
+            assert fresh_optim.param_groups[0]["lr"] == lr
