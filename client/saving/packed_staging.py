@@ -59,6 +59,25 @@ def gather(targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         torch._foreach_copy_(into, out_of)
 
 
+def gather_and_transfer(
+    targets: list[torch.Tensor], tensors: list[torch.Tensor], device_buffer: torch.Tensor, host: torch.Tensor
+) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """On the current stream of ``tensors``' device: :func:`gather` them into ``targets`` (views
+    of ``device_buffer``), then queue the copy of ``device_buffer`` into ``host`` (pinned memory
+    of its size). Returns the events recorded after each: once the first is done the live
+    tensors may change; once the second is, ``host`` holds the bytes."""
+    device = tensors[0].device
+    stream = torch.cuda.current_stream(device)
+    with torch.no_grad(), torch.cuda.device(device):
+        gather(targets, tensors)
+        gathered = torch.cuda.Event()
+        gathered.record(stream)
+        host.copy_(device_buffer, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return gathered, copied
+
+
 @dataclass(frozen=True)
 class Packed:
     """Host copies of staged tensors, and the events that say when they are safe to use."""
@@ -99,15 +118,8 @@ class PackedStaging:
         layout = [(tensor.dtype, tensor.shape) for tensor in tensors]
         if layout != self._layout and not self._allocate(layout, device):
             return None
-        stream = torch.cuda.current_stream(device)
-        with torch.no_grad(), torch.cuda.device(device):
-            gather(self._device_views, tensors)
-            gathered = torch.cuda.Event()
-            gathered.record(stream)
-            assert self._host_buffer is not None and self._device_buffer is not None
-            self._host_buffer.copy_(self._device_buffer, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+        assert self._host_buffer is not None and self._device_buffer is not None
+        gathered, copied = gather_and_transfer(self._device_views, tensors, self._device_buffer, self._host_buffer)
         return Packed(list(self._host_views), gathered, copied)
 
     def release(self) -> None:

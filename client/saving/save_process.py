@@ -38,6 +38,7 @@ import torch
 from client.connection import open_transport
 from client.results import SaveResult
 from client.saving.hashing import DigestCache, SaveLedger
+from client.saving.packed_staging import views
 from client.saving.saver import SaveRun, SaveSettings, Snapshot
 from client.saving.shared_staging import SharedSnapshot
 from client.state import FlatState, TensorRecord
@@ -298,8 +299,7 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
         if offset is None:  # known to the client's cache, not staged: only its digest is needed
             tensor = torch.empty(shape, dtype=kind, device="meta")
         else:
-            count = kind.itemsize * int(torch.Size(shape).numel())
-            tensor = host[offset : offset + count].view(kind).view(shape)
+            tensor = views(host, [(kind, torch.Size(shape))], [offset])[0]
         flat.records.append(TensorRecord(key, tensor, placement, param, trainable))
         tensors.append(tensor)
         known.append(digest)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from client.saving.hashing import DigestCache
-from client.saving.packed_staging import LIMIT_BYTES, gather, places, views
+from client.saving.packed_staging import LIMIT_BYTES, gather_and_transfer, places, views
 from client.saving.saver import Snapshot
 from client.saving.snapshot import check_shape, to_stage
 from client.state import FlatState
@@ -133,19 +133,13 @@ class SharedStaging:
         with torch.no_grad():
             if on_host:
                 torch._foreach_copy_(self._host_views[len(on_device) :], on_host)
-            if not on_device:
-                return list(self._host_views), None
-            device = on_device[0].device
-            stream = torch.cuda.current_stream(device)
-            with torch.cuda.device(device):
-                gather(self._device_views, on_device)
-                gathered = torch.cuda.Event()
-                gathered.record(stream)
-                assert self._host is not None and self._device is not None
-                self._host[: self._on_device_bytes].copy_(self._device, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-            gathered.synchronize()
+        if not on_device:
+            return list(self._host_views), None
+        assert self._host is not None and self._device is not None
+        gathered, copied = gather_and_transfer(
+            self._device_views, on_device, self._device, self._host[: self._on_device_bytes]
+        )
+        gathered.synchronize()
         return list(self._host_views), copied
 
     def _allocate(self, layout: list[tuple[torch.dtype, torch.Size, bool]], devices: set[torch.device]) -> None:
