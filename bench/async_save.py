@@ -206,8 +206,8 @@ def loop_cost_table(root: Path, steps: int, rounds: int) -> list[str]:
                     started = time.perf_counter()
                     for _ in range(steps):
                         train()
-                        if pending is not None:
-                            pending.result()  # as a save waits for the one before it
+                        if isinstance(pending, _Busy):
+                            pending.result()  # one such thread at a time (a save call waits itself, as needed)
                         pending = then()
                     seconds[name].append((time.perf_counter() - started) / steps)
                     if pending is not None:
