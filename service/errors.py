@@ -7,7 +7,8 @@
     │   ├── InvalidManifestError         invalid_manifest  422
     │   ├── StateEncodingError (TypeError) state_encoding  400
     │   ├── RangeNotSatisfiableError     range_not_satisfiable 416
-    │   └── UnsupportedMediaTypeError    unsupported_media_type 415
+    │   ├── UnsupportedMediaTypeError    unsupported_media_type 415
+    │   └── RequestTimeoutError          request_timeout   408
     ├── NotFoundError (LookupError)      not_found         404
     ├── ConflictError                    conflict          409
     │   ├── MissingTensorsError          missing_tensors   409
@@ -93,6 +94,13 @@ class UnsupportedMediaTypeError(InvalidInputError):
 
     code = "unsupported_media_type"
     http_status = 415
+
+
+class RequestTimeoutError(InvalidInputError):
+    """A request's body came too slowly: below the server's least rate over a whole window."""
+
+    code = "request_timeout"
+    http_status = 408
 
 
 class NotFoundError(CheckpointError, LookupError):

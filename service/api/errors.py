@@ -32,6 +32,7 @@ HTTP_CODES = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     409: "conflict",
     411: "length_required",
     413: "payload_too_large",

@@ -11,6 +11,9 @@ Everything else (flow control, ``Expect: 100-continue``, disconnects, pipelining
 is uvicorn's own: only the request cycle's body buffer and ``receive`` are replaced, on the
 cycle object uvicorn has just built for each request.
 
+A large body of known length may also be read from the socket by the app itself, off the event
+loop (:mod:`service.api.socket_body`).
+
 Four more things uvicorn lacks are added per connection (:class:`PiecewiseBodyProtocol`):
 
 - **read timeouts.** A request's line and headers must arrive within ``header_timeout``
@@ -52,6 +55,8 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
+
+from service.api.socket_body import offer
 
 #: Defaults of the read timeouts, for a uvicorn Config that does not carry them
 #: (see :class:`service.api.server.ServerConfig`, which takes them from the settings).
@@ -151,9 +156,16 @@ class PiecewiseRequestCycle(RequestResponseCycle):
 
     body: BodyPieces  # type: ignore[assignment]
     write_deadline: WriteDeadline | None = None
+    #: The app reads the body from the socket itself (:mod:`service.api.socket_body`).
+    socket_owned = False
 
     async def receive(self) -> ASGIReceiveEvent:
         """The next ASGI message: a body piece, the end of the body, or a disconnect."""
+        if self.socket_owned:  # the body is the socket reader's: only the request's end is left to tell
+            while not (self.disconnected or self.response_complete):
+                self.message_event.clear()
+                await self.message_event.wait()
+            return {"type": "http.disconnect"}
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self.waiting_for_100_continue = False
@@ -238,6 +250,8 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         self.body_timer: asyncio.TimerHandle | None = None
         self.request_begun = False
         self.window_bytes = 0
+        #: Body bytes of the current request the parser has handed on.
+        self.body_seen = 0
         self.write_timeout = float(getattr(config, "write_timeout", WRITE_TIMEOUT))
         self.write_deadline = WriteDeadline(self.loop, self.write_timeout, self.write_timed_out)
 
@@ -323,6 +337,9 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         finally:
             self.app = app
         adopt(self.cycle, self.write_deadline)
+        self.body_seen = 0
+        if isinstance(self.cycle, PiecewiseRequestCycle):
+            offer(self, self.cycle)
         self.start_body_window()
 
     async def over_capacity(self, scope: Any, receive: Any, send: Any) -> None:
@@ -354,6 +371,7 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         """Count a piece of body (even one the app no longer wants), then let uvicorn queue it."""
         self.window_bytes += len(body)
+        self.body_seen += len(body)
         super().on_body(body)
 
     def on_message_complete(self) -> None:

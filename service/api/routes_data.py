@@ -12,6 +12,7 @@ from service import range_batch
 from service.api import ranges
 from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
 from service.api.schemas import DigestList, MissingResponse, RangeBatch, ReadUrls, ShardList
+from service.api.socket_body import offered
 from service.api.streaming import PIECE_BYTES
 from service.api.strict_json import StrictJSONRoute
 from service.api.uploads import receive_shard
@@ -50,7 +51,8 @@ async def upload_shard(
     content_length: Annotated[str | None, Header()] = None,
 ) -> ShardReceipt:
     """Upload a shard (a safetensors file named by digests); idempotent, verified before it is stored."""
-    receipt = await receive_shard(store, shard_id, request.stream(), content_length, settings.max_shard_bytes)
+    limit = settings.max_shard_bytes
+    receipt = await receive_shard(store, shard_id, request.stream(), content_length, limit, offered(request.scope))
     metrics.add_bytes("in", receipt.size)
     if not receipt.created:
         response.status_code = 200

@@ -172,7 +172,8 @@ def app_from_env() -> FastAPI:
     An embedded SQLite database upgrades itself; a PostgreSQL database must already be at
     the current schema (``ckptstore db upgrade``), otherwise the server refuses to start.
     Temporary shard files that a killed server or client left in the staging folders more
-    than an hour ago are deleted first (younger ones may belong to another live worker).
+    than an hour ago are deleted first (younger ones may belong to another live worker), and
+    the staging disk's write mode is settled (:meth:`Store.prepare_writes`).
     uvicorn and glibc malloc are tuned for multi-MiB bodies (:func:`tune_uvicorn`,
     :func:`tune_malloc`).
     """
@@ -189,6 +190,7 @@ def app_from_env() -> FastAPI:
             store.staging_dir,
             cleaned.failed,
         )
+    store.prepare_writes()  # the disk's write mode is measured now, not during the first upload
     application = create_app(store, settings)
     freeze_heap()
     share_gil()

@@ -1,6 +1,7 @@
 """Receiving a shard upload: stream the body through a ShardReceiver, then store it.
 
-The body is never held in memory: chunks are batched to a few MiB and handed to the engine's
+The body is never held in memory. A large one is read from the socket by worker threads
+(:mod:`service.api.socket_body`); otherwise chunks are batched to a few MiB. Either way they go to the engine's
 :class:`service.receiver.ShardReceiver` off the event loop, which checks the header (and the
 shard id the URL names) as soon as it is complete, hashes every tensor as its bytes pass and
 writes them to a staging file. A body that is cut short, too long, sent under another id or
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from service.api.socket_body import SocketBody
 from service.errors import InvalidInputError, PayloadTooLargeError
 from service.receiver import ShardReceiver
 from service.records import ShardReceipt
@@ -23,9 +25,15 @@ WRITE_BYTES = 4 << 20
 
 
 async def receive_shard(
-    store: Store, shard_id: str, body: AsyncIterator[bytes], declared_length: str | None, max_bytes: int
+    store: Store,
+    shard_id: str,
+    body: AsyncIterator[bytes],
+    declared_length: str | None,
+    max_bytes: int,
+    socket_body: SocketBody | None = None,
 ) -> ShardReceipt:
-    """Store the streamed shard whose id must be ``shard_id``."""
+    """Store the streamed shard whose id must be ``shard_id``: its bytes come from ``socket_body``
+    where the server offers it, else from ``body``."""
     if declared_length is not None:
         if not declared_length.isdigit():
             raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
@@ -33,25 +41,33 @@ async def receive_shard(
             raise PayloadTooLargeError(f"shard of {declared_length} bytes exceeds the limit of {max_bytes}")
     receiver = store.receiver(expected_id=shard_id, max_bytes=max_bytes, write_behind=True)
     try:
-        pending: list[bytes] = []
-        pending_bytes = 0
-        try:
-            async for chunk in body:
-                pending.append(chunk)
-                pending_bytes += len(chunk)
-                if pending_bytes >= WRITE_BYTES:
-                    await run_in_threadpool(_write_all, receiver, pending)
-                    pending, pending_bytes = [], 0
-        except ClientDisconnect as exc:
-            received = receiver.received + pending_bytes
-            raise InvalidInputError(f"the upload was cut off after {received} bytes; retry it") from exc
-        await run_in_threadpool(_write_all, receiver, pending)
-        if declared_length is not None and receiver.received != int(declared_length):
-            raise InvalidInputError(f"received {receiver.received} bytes but Content-Length said {declared_length}")
+        if socket_body is not None:
+            await socket_body.read(receiver.write)  # its length is the declared one
+        else:
+            await _stream(receiver, body, declared_length)
     except BaseException:
         receiver.discard()
         raise
     return await run_in_threadpool(store.ingest_received, receiver)
+
+
+async def _stream(receiver: ShardReceiver, body: AsyncIterator[bytes], declared_length: str | None) -> None:
+    """Feed the body's chunks to ``receiver`` in batches of WRITE_BYTES, on worker threads."""
+    pending: list[bytes] = []
+    pending_bytes = 0
+    try:
+        async for chunk in body:
+            pending.append(chunk)
+            pending_bytes += len(chunk)
+            if pending_bytes >= WRITE_BYTES:
+                await run_in_threadpool(_write_all, receiver, pending)
+                pending, pending_bytes = [], 0
+    except ClientDisconnect as exc:
+        received = receiver.received + pending_bytes
+        raise InvalidInputError(f"the upload was cut off after {received} bytes; retry it") from exc
+    await run_in_threadpool(_write_all, receiver, pending)
+    if declared_length is not None and receiver.received != int(declared_length):
+        raise InvalidInputError(f"received {receiver.received} bytes but Content-Length said {declared_length}")
 
 
 def _write_all(receiver: ShardReceiver, chunks: list[bytes]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,12 +19,16 @@ from client.http.errors import raise_for_error
 from service import __version__, errors
 from service.api import create_app
 from service.api.errors import STORAGE_MESSAGE
+from service.api.socket_body import MIN_BODY_BYTES
 from service.blobs import LocalBlobStore
 from service.db import Database
 from service.errors import CheckpointError, error_class_for_code
+from service.format.digest import shard_id
+from service.format.safetensors_header import header_bytes
 from service.settings import Settings
 from service.store import Store
 from tests.api.kit import Served, Shard, bearer, build_shard, commit_body, entry, tensor
+from tests.servers import running_server
 
 ADMIN = bearer("admin")
 BIG = build_shard(tensor(1, "F32", (700, 1000)), tensor(2, "U8", (123_457,)))  # ~2.9 MB, odd length
@@ -277,6 +282,27 @@ CLIENT_ONLY = {errors.StateMismatchError, errors.StateEncodingError}
 UNRAISED = {errors.ConflictError}
 
 
+def _stalled_upload(store: Store, settings: Settings, headers: dict[str, str]) -> httpx.Response:
+    """The answer to a large shard upload whose body stops coming (the server's read timeout)."""
+    quick = settings.model_copy(update={"body_timeout": 0.5, "min_body_rate": 1000})
+    shard_head = header_bytes([("a" * 64, "U8", (MIN_BODY_BYTES,))])
+    length = len(shard_head) + MIN_BODY_BYTES
+    request = f"PUT /v1/shards/{shard_id(shard_head)} HTTP/1.1\r\nHost: t\r\nContent-Length: {length}\r\n"
+    request += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
+    with (
+        running_server(create_app(store, quick), quick) as url,
+        socket.create_connection(tuple(url.removeprefix("http://").split(":")), timeout=30) as sock,
+    ):
+        sock.sendall(request.encode() + shard_head + bytes(1000))  # then nothing more
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    fields = [tuple(part.strip() for part in line.split(":", 1)) for line in lines[1:]]
+    return httpx.Response(int(lines[0].split()[1]), headers=fields, content=body)
+
+
 def _error_responses(tmp_path: Path, serve: Callable[[FastAPI], Served]) -> dict[type[CheckpointError], httpx.Response]:
     """One response per error class the server sends, each from a request that earns it.
 
@@ -318,6 +344,7 @@ def _error_responses(tmp_path: Path, serve: Callable[[FastAPI], Served]) -> dict
             assert found[errors.ServerBusyError].headers["retry-after"] == "1"
         with serve(create_app(broken, settings)).client() as http:
             found[errors.StorageError] = http.get("/v1/runs", headers=read)
+        found[errors.RequestTimeoutError] = _stalled_upload(store, settings, write)
     finally:
         store.close()
         broken.close()

@@ -1,0 +1,233 @@
+"""Large request bodies read from the socket by the app (service.api.socket_body), over a real uvicorn.
+
+An ASGI app takes the body through :meth:`SocketBody.read` where the server offers it, else
+through ``receive``, and answers with the SHA-256 of what it got and which way it came. Raw
+sockets send bodies in random pieces, with ``Expect: 100-continue``, cut off, or chunked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.api.socket_body import BUFFER_BYTES, MIN_BODY_BYTES, RateWindow, offered
+from service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
+from service.settings import Settings
+from tests.servers import running_server
+
+BIG = MIN_BODY_BYTES + BUFFER_BYTES + 12_345  # spans several buffers, the last one partial
+
+
+class SocketHash:
+    """Answers each request with the SHA-256 and length of its body and whether it came from the socket.
+
+    ``fail_after``: raise from the consumer once this many bytes came (the app's own error).
+    Errors the app saw are kept in ``errors``.
+    """
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.fail_after = fail_after
+        self.errors: list[BaseException] = []
+        self.done = threading.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        digest, count = hashlib.sha256(), [0]
+        body = offered(scope)
+        try:
+            if body is not None:
+
+                def consume(view: memoryview) -> None:
+                    digest.update(view)
+                    count[0] += view.nbytes
+                    if self.fail_after is not None and count[0] >= self.fail_after:
+                        raise InvalidInputError("the app refuses this body")
+
+                await body.read(consume)
+            else:
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise InvalidInputError("disconnected")
+                    digest.update(message["body"])
+                    count[0] += len(message["body"])
+                    more = message["more_body"]
+        except CheckpointError as error:
+            self.errors.append(error)
+            answer, status = json.dumps({"code": error.code}).encode(), error.http_status
+        else:
+            answer = json.dumps({"sha256": digest.hexdigest(), "bytes": count[0], "socket": body is not None}).encode()
+            status = 200
+        finally:
+            self.done.set()
+        headers = [(b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Any]:
+    """Serve a SocketHash with the project's protocol, set up as ``ckptstore serve`` does for
+    settings given to the call (timeouts); yields a function that starts one and returns the
+    server's address."""
+    stack: list[Any] = []
+
+    def start(app: SocketHash, **given: Any) -> tuple[str, int]:
+        context = running_server(app, Settings(home=tmp_path / "home", **given))  # type: ignore[arg-type]
+        url = context.__enter__()
+        stack.append(context)
+        host, port = url.removeprefix("http://").split(":")
+        return host, int(port)
+
+    yield start
+    for context in reversed(stack):
+        context.__exit__(None, None, None)
+
+
+def head(length: int, extra: str = "") -> bytes:
+    return f"PUT /x HTTP/1.1\r\nHost: t\r\nContent-Length: {length}\r\n{extra}\r\n".encode()
+
+
+def response(sock: socket.socket) -> tuple[int, dict[str, Any], bytes]:
+    """Status, JSON body and the header block of one response; then whatever follows until close."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    header, _, rest = received.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in header.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return int(header.split()[1]), json.loads(rest[:length]), header.lower()
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the server closes the connection (reads until it does, or a timeout says it will not)."""
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), extra=st.integers(0, 3 * BUFFER_BYTES))
+def test_a_large_body_sent_in_random_pieces_comes_from_the_socket_whole_and_in_order(
+    serve: Any, seed: int, extra: int
+) -> None:
+    rng = random.Random(seed)
+    body = rng.randbytes(MIN_BODY_BYTES + extra)
+    address = serve(SocketHash())
+    with socket.create_connection(address, timeout=30) as sock:
+        data, at = head(len(body)) + body, 0
+        while at < len(data):  # the first piece may carry the headers and part of the body
+            step = rng.choice([1, 7, 1000, 65536, 1 << 20, 3 << 20])
+            sock.sendall(data[at : at + step])
+            at += step
+        status, answer, header = response(sock)
+        assert status == 200
+        assert answer == {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body), "socket": True}
+        assert b"connection: close" in header and closed(sock)
+
+
+def test_a_small_body_goes_through_receive_and_the_connection_stays_open(serve: Any) -> None:
+    body = os.urandom(MIN_BODY_BYTES - 1)
+    address = serve(SocketHash())
+    with socket.create_connection(address, timeout=30) as sock:
+        for _ in range(2):
+            sock.sendall(head(len(body)) + body)
+            status, answer, _ = response(sock)
+            assert status == 200 and answer["socket"] is False and answer["bytes"] == len(body)
+
+
+def test_a_chunked_body_is_not_offered(serve: Any) -> None:
+    body = os.urandom(MIN_BODY_BYTES + 1)
+    address = serve(SocketHash())
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(b"PUT /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+        status, answer, _ = response(sock)
+    assert status == 200 and answer["socket"] is False and answer["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_read(serve: Any) -> None:
+    body = os.urandom(BIG)
+    address = serve(SocketHash())
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(len(body), "Expect: 100-continue\r\n"))
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += sock.recv(1)
+        assert interim.startswith(b"HTTP/1.1 100")
+        sock.sendall(body)
+        status, answer, _ = response(sock)
+    assert status == 200 and answer["socket"] is True and answer["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_body_cut_off_by_the_client_is_an_error_naming_what_came(serve: Any) -> None:
+    app = SocketHash()
+    address = serve(app)
+    sent = MIN_BODY_BYTES + 1000
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(BIG) + os.urandom(sent))
+        sock.shutdown(socket.SHUT_WR)
+        assert app.done.wait(30)
+    assert len(app.errors) == 1 and isinstance(app.errors[0], InvalidInputError)
+    assert f"cut off after {sent} bytes" in str(app.errors[0])
+
+
+def test_an_error_of_the_consumer_stops_the_read_and_is_answered(serve: Any) -> None:
+    app = SocketHash(fail_after=BUFFER_BYTES)
+    address = serve(app)
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(BIG) + os.urandom(2 * BUFFER_BYTES))  # the rest never comes
+        status, answer, _ = response(sock)
+        assert status == 400 and answer == {"code": "invalid_input"}
+        assert closed(sock)
+
+
+def test_a_body_that_stalls_is_dropped_after_its_window(serve: Any) -> None:
+    app = SocketHash()
+    address = serve(app, body_timeout=0.5, min_body_rate=1000)
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(BIG) + os.urandom(MIN_BODY_BYTES))  # then nothing more
+        status, answer, _ = response(sock)
+    assert status == 408 and answer == {"code": "request_timeout"}
+    assert isinstance(app.errors[0], RequestTimeoutError) and "1000 bytes a second" in str(app.errors[0])
+
+
+def test_a_rate_window_counts_only_reading_time() -> None:
+    window = RateWindow(0.2, 10)
+    window.pause()
+    left_paused = window.left()
+    ended = threading.Event()
+    ended.wait(0.3)  # longer than the window, all of it paused
+    window.resume()
+    assert window.left() > 0.1 and left_paused > 0.1
+    window.check(0)  # the window has not ended: nothing to judge
+    ended.wait(window.left() + 0.01)
+    with pytest.raises(RequestTimeoutError, match="brought 0 bytes"):
+        window.check(0)
+    window = RateWindow(0.05, 10)
+    window.add(1)
+    ended.wait(0.06)
+    window.check(1)  # one byte in 0.05 s is the least rate's 0.5: a new window starts
+    assert window.left() > 0.02
