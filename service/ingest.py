@@ -29,6 +29,7 @@ from service.gc import hold_shared
 from service.receiver import ShardReceiver
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor, WrittenShard, write_shard
+from service.unhashed_receiver import UnhashedReceiver
 
 #: A shard re-uploaded while a sweep deletes it is stored again; this many tries at most.
 INGEST_ATTEMPTS = 3
@@ -93,6 +94,17 @@ def store_received(*, db: Database, blobs: BlobStore, receiver: ShardReceiver) -
     try:
         header = receiver.finish()
         return store_shard(db=db, blobs=blobs, path=receiver.path, header=header, verify=lambda: None)
+    finally:
+        receiver.discard()
+
+
+def store_unhashed(*, db: Database, blobs: BlobStore, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
+    """Store the upload ``receiver`` took in whole; the receipt and each tensor's digest in the
+    order sent. The staging file is consumed whatever the outcome."""
+    try:
+        written = receiver.finish()
+        receipt = store_shard(db=db, blobs=blobs, path=receiver.path, header=written.header, verify=lambda: None)
+        return receipt, written.digests
     finally:
         receiver.discard()
 
@@ -252,6 +264,7 @@ __all__ = [
     "record_shard",
     "store_received",
     "store_shard",
+    "store_unhashed",
     "verify_shard_file",
     "write_tensors",
 ]

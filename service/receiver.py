@@ -116,16 +116,9 @@ class ShardReceiver:
 
         Returns what is left of ``view`` after the header.
         """
-        need = PREFIX_BYTES if len(self._head) < PREFIX_BYTES else self._header_end()
-        while True:
-            take = min(view.nbytes, need - len(self._head))
-            self._head += view[:take]
-            view = view[take:]
-            if len(self._head) < need:
-                return view
-            if need > PREFIX_BYTES:
-                break
-            need = self._header_end()
+        view, complete = take_prefixed(self._head, view, self._header_end)
+        if not complete:
+            return view
         header = parse_header(bytes(self._head), max_header_bytes=self.max_header_bytes)
         if self.expected_id is not None and header.shard_id != self.expected_id:
             raise IntegrityError(
@@ -292,6 +285,24 @@ class ShardVerifier(ShardReceiver):
 
     def discard(self) -> None:
         """Nothing to remove: no file was written."""
+
+
+def take_prefixed(head: bytearray, view: memoryview, end_of: Callable[[], int]) -> tuple[memoryview, bool]:
+    """Move bytes from ``view`` to ``head`` until ``head`` holds an 8-byte length prefix and what it
+    announces, ending at ``end_of()`` (called once the prefix is in; it refuses bad lengths).
+
+    Returns what is left of ``view`` and whether ``head`` is complete.
+    """
+    need = PREFIX_BYTES if len(head) < PREFIX_BYTES else end_of()
+    while True:
+        take = min(view.nbytes, need - len(head))
+        head += view[:take]
+        view = view[take:]
+        if len(head) < need:
+            return view, False
+        if need > PREFIX_BYTES:
+            return view, True
+        need = end_of()
 
 
 def staging_error(exc: OSError) -> StorageError:

@@ -23,6 +23,13 @@ class ShardReceipt(_Record):
     created: bool
 
 
+class TensorsReceipt(_Record):
+    """The outcome of storing tensors sent unhashed: the shard, and each tensor's digest in the order sent."""
+
+    shard: ShardReceipt
+    digests: list[str]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorLocation:
     """Where one tensor digest's bytes live.

@@ -73,13 +73,13 @@ def write_shard(
     seen: set[tuple[str, tuple[int, ...], bytes]] = set()
     try:
         for tensor in tensors:
-            fingerprint = _fingerprint(tensor)
-            if fingerprint in seen:  # it may equal a tensor before it: hash first, write if new
+            sampled = fingerprint(tensor)
+            if sampled in seen:  # it may equal a tensor before it: hash first, write if new
                 digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
                 if digest not in written:
                     writer.write(tensor.data)
             else:  # no tensor before it can be equal: hash the bytes as they are written
-                seen.add(fingerprint)
+                seen.add(sampled)
                 hasher = TensorHasher(tensor.dtype, tensor.shape, parallel=False)
                 writer.write(tensor.data, hasher.update)
                 digest = hasher.hexdigest()
@@ -108,7 +108,7 @@ def write_shard(
 _SAMPLE_BYTES = 64
 
 
-def _fingerprint(tensor: UnhashedTensor) -> tuple[str, tuple[int, ...], bytes]:
+def fingerprint(tensor: UnhashedTensor) -> tuple[str, tuple[int, ...], bytes]:
     """What two equal tensors surely share: dtype, shape and the bytes at a few places (different
     fingerprints prove the tensors differ; equal ones prove nothing)."""
     data, middle = tensor.data, tensor.data.nbytes // 2

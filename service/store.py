@@ -38,6 +38,7 @@ from service.retention_rules import check_policy
 from service.secrets_mask import mask_url
 from service.settings import METADATA_FILE, Settings
 from service.shard_writer import UnhashedTensor
+from service.unhashed_receiver import UnhashedReceiver
 from service.versions import remove_tag, remove_version, resolve_ref, set_tag
 from service.write_probe import choose_direct_writes
 
@@ -185,6 +186,18 @@ class Store:
         The staging file is consumed whatever the outcome.
         """
         return ingest.store_received(db=self.db, blobs=self.blobs, receiver=receiver)
+
+    def unhashed_receiver(self, *, length: int, max_bytes: int) -> UnhashedReceiver:
+        """An :class:`UnhashedReceiver` for an upload of ``length`` bytes of tensors not hashed yet,
+        writing into this store's staging folder; pass it to :meth:`ingest_unhashed`."""
+        path, direct = self.staging_path(), self.direct_writes
+        limit = self.max_header_bytes
+        return UnhashedReceiver(path, length=length, max_bytes=max_bytes, max_layout_bytes=limit, direct_writes=direct)
+
+    def ingest_unhashed(self, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
+        """Store the tensors ``receiver`` took in whole (hashed on their way in) as one shard; the
+        receipt and each tensor's digest in the order sent. The staging file is consumed."""
+        return ingest.store_unhashed(db=self.db, blobs=self.blobs, receiver=receiver)
 
     def put_shard(
         self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None

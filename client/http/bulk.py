@@ -57,8 +57,10 @@ def carries(route: Route) -> bool:
 class BulkWire(Protocol):
     """Shard bytes to and from one server: :class:`BulkHttp`, or :class:`HttpxBulk` where it cannot go."""
 
-    def put(self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str]) -> Reply:
-        """PUT the concatenation of ``pieces``; returns the answer, read."""
+    def put(
+        self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], method: str = "PUT"
+    ) -> Reply:
+        """PUT (or ``method``) the concatenation of ``pieces``; returns the answer, read."""
 
     def get_into(self, path: str, headers: dict[str, str], buffers: Sequence[memoryview]) -> Reply:
         """GET ``path``; a 2xx body fills ``buffers`` in order, exactly; any other answer is returned read."""
@@ -147,8 +149,10 @@ class BulkHttp:
         if sock is not None and not isinstance(sock, ssl.SSLSocket):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def put(self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str]) -> BulkResponse:
-        """PUT the concatenation of ``pieces`` (Content-Length computed here); returns the answer.
+    def put(
+        self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], method: str = "PUT"
+    ) -> BulkResponse:
+        """PUT (or ``method``) the concatenation of ``pieces`` (Content-Length computed here); returns the answer.
 
         A server that answers before the body is complete (a refused token, an oversized or
         misnamed shard) closes the connection; its answer is still returned when it can be read.
@@ -156,7 +160,7 @@ class BulkHttp:
         length = sum(memoryview(piece).nbytes for piece in pieces)
         connection = self._connection()
         try:
-            self._start(connection, "PUT", path, {**headers, "Content-Length": str(length)})
+            self._start(connection, method, path, {**headers, "Content-Length": str(length)})
             try:
                 for piece in pieces:
                     connection.send(memoryview(piece).cast("B"))
@@ -224,14 +228,17 @@ class HttpxBulk:
     def __init__(self, http: httpx.Client) -> None:
         self._http = http
 
-    def put(self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str]) -> httpx.Response:
-        """PUT the concatenation of ``pieces`` (Content-Length computed here); returns the answer, read."""
+    def put(
+        self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], method: str = "PUT"
+    ) -> httpx.Response:
+        """PUT (or ``method``) the concatenation of ``pieces`` (Content-Length computed here); returns the
+        answer, read."""
         views = [memoryview(piece).cast("B") for piece in pieces]
         length = str(sum(view.nbytes for view in views))
         # In slices: httpcore re-slices what a send() leaves over, copying the rest of a whole tensor each time.
         slices = (view[start : start + UPLOAD_SLICE] for view in views for start in range(0, view.nbytes, UPLOAD_SLICE))
         body = cast("Iterator[bytes]", slices)  # h11 takes any bytes-like chunk
-        return self._http.request("PUT", path, content=body, headers={**headers, "Content-Length": length})
+        return self._http.request(method, path, content=body, headers={**headers, "Content-Length": length})
 
     def get_into(self, path: str, headers: dict[str, str], buffers: Sequence[memoryview]) -> httpx.Response:
         """GET ``path`` and, on a 2xx answer, fill ``buffers`` in order with exactly its body.

@@ -109,13 +109,15 @@ class HttpSession:
             kwargs["timeout"] = self._metadata_timeout
         return self._run(method, path, lambda: self._http.request(method, path, **kwargs), metadata=metadata)
 
-    def put_bytes(self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], doing: str) -> Reply:
-        """PUT the concatenation of ``pieces`` straight from memory; returns the answer, read.
+    def put_bytes(
+        self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], doing: str, method: str = "PUT"
+    ) -> Reply:
+        """PUT (or ``method``) the concatenation of ``pieces`` straight from memory; returns the answer, read.
 
         Raises:
             CheckpointError: as :meth:`request`, a StorageError's message beginning with ``doing``.
         """
-        return self._run("PUT", path, lambda: self.bulk.put(path, pieces, headers), doing)
+        return self._run(method, path, lambda: self.bulk.put(path, pieces, headers, method), doing)
 
     def get_into(self, path: str, headers: dict[str, str], buffers: Sequence[memoryview], doing: str) -> Reply:
         """GET ``path``, its body received straight into ``buffers`` (exactly filled); returns the answer.

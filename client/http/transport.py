@@ -28,11 +28,13 @@ from client.http.direct_reads import DirectReads
 from client.http.direct_uploads import uploads_for
 from client.http.retry import RetryPolicy
 from client.http.session import HttpSession
+from client.http.unhashed_uploads import hashed_shard, send_unhashed
 from service import __version__
 from service.errors import CheckpointError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from service.format.names import validate_run_id
+from service.format.sharding import MAX_SIZES_PER_REQUEST
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.secrets_mask import mask_url
 from service.shard_writer import UnhashedTensor
@@ -114,8 +116,6 @@ class HttpTransport:
     restart. The command line calls :meth:`limit_waiting` to give up within seconds instead.
     """
 
-    #: A shard's upload URL names its id, so every tensor is hashed before it is sent.
-    takes_unhashed = False
     #: Work such as a garbage collection runs on the server, not in this process.
     remote = True
 
@@ -148,6 +148,7 @@ class HttpTransport:
         headers = {"User-Agent": f"ckptstore/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        self._takes_unhashed: bool | None = None  # learnt from the server's first sizes answer
         self.url = url.rstrip("/")
         self.policy = RetryPolicy.configured(retry_seconds, retries, backoff_seconds)
         self.session = HttpSession(self.url, headers, self.policy, timeout_seconds)
@@ -200,12 +201,56 @@ class HttpTransport:
     def put_tensors(
         self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
     ) -> tuple[ShardReceipt, list[str]]:
-        """Not available over HTTP (see :attr:`takes_unhashed`)."""
-        raise NotImplementedError("a server takes only shards of hashed tensors")
+        """Store tensors not hashed yet as one shard: the server hashes them as it writes them
+        (:mod:`client.http.unhashed_uploads`); returns the receipt and their digests in order.
+
+        Where the server does not take them so (it predates that, or its blobs are in S3 and take
+        uploads directly), they are hashed here and sent as a shard (:meth:`put_shard`).
+        """
+        if self.takes_unhashed:
+            try:
+                receipt, digests = send_unhashed(self.session, tensors)
+            except NotFoundError:  # a server without the route
+                self.takes_unhashed = False
+            else:
+                if on_bytes is not None:
+                    on_bytes(sum(tensor.data.nbytes for tensor in tensors))
+                return receipt, digests
+        header, pieces, digests = hashed_shard(tensors)
+        receipt = self.put_shard(header, pieces)
+        if on_bytes is not None:
+            on_bytes(sum(tensor.data.nbytes for tensor in tensors))
+        return receipt, digests
+
+    @property
+    def takes_unhashed(self) -> bool:
+        """Whether new tensors go to the server unhashed (:mod:`client.http.unhashed_uploads`): not
+        where it predates that, or sends shard bytes to S3 directly (asked once, then learnt from
+        each :meth:`sizes_held` answer)."""
+        if self._takes_unhashed is None:
+            self.sizes_held(())
+        return bool(self._takes_unhashed)
+
+    @takes_unhashed.setter
+    def takes_unhashed(self, value: bool) -> None:
+        self._takes_unhashed = value
 
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
-        """Not available over HTTP (see :attr:`takes_unhashed`)."""
-        raise NotImplementedError("a save over HTTP hashes every tensor it sends")
+        """Those of ``sizes`` (byte lengths) some stored tensor has; all of them where the server
+        takes no unhashed tensors (then a save hashes everything first)."""
+        wanted = sorted(set(sizes))
+        if not wanted and self._takes_unhashed is not None:
+            return set()
+        held: set[int] = set()
+        try:
+            for start in range(0, max(len(wanted), 1), MAX_SIZES_PER_REQUEST):
+                asked = {"sizes": wanted[start : start + MAX_SIZES_PER_REQUEST]}
+                answer = self._json("POST", "/v1/tensors/sizes", metadata=True, json=asked)
+                held.update(answer["held"])
+                self._takes_unhashed = not answer.get("direct_uploads", True)
+        except NotFoundError:  # a server that predates unhashed uploads
+            self._takes_unhashed = False
+        return held & set(wanted) if self._takes_unhashed else set(wanted)
 
     def put_shard(
         self,

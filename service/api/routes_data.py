@@ -11,15 +11,18 @@ from starlette.concurrency import run_in_threadpool
 from service import range_batch
 from service.api import ranges
 from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
-from service.api.schemas import DigestList, MissingResponse, RangeBatch, ReadUrls, ShardList
+from service.api.metrics import Metrics
+from service.api.schemas import DigestList, MissingResponse, RangeBatch, ReadUrls, ShardList, SizeList, SizesHeld
 from service.api.socket_body import offered
 from service.api.streaming import PIECE_BYTES
 from service.api.strict_json import StrictJSONRoute
-from service.api.uploads import receive_shard
+from service.api.uploads import receive_shard, receive_unhashed
 from service.format.digest import DIGEST_PATTERN
-from service.records import ShardReceipt, TensorLocation
+from service.records import ShardReceipt, TensorLocation, TensorsReceipt
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["data"])
+#: The OpenAPI description of a request body of raw bytes.
+BINARY_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {}}}}
 ShardId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="A shard id (64 lowercase hex characters).")]
 
 
@@ -27,6 +30,16 @@ ShardId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="A shard id (6
 async def missing_tensors(body: DigestList, store: StoreDep) -> MissingResponse:
     """Which of these tensor digests the store does not hold yet."""
     return MissingResponse(missing=await run_in_threadpool(store.missing, body.digests))
+
+
+@router.post("/tensors/sizes", dependencies=[CanWrite])
+async def sizes_held(body: SizeList, store: StoreDep, settings: SettingsDep) -> SizesHeld:
+    """Which of these byte lengths some stored tensor has: a tensor of another length cannot be
+    stored yet, so a save sends it unhashed (``POST /v1/shards``) without asking, unless shard
+    bytes go to the blob store directly (``direct_uploads``)."""
+    held = await run_in_threadpool(store.sizes_held, body.sizes)
+    direct = settings.upload_url_seconds > 0 and store.blobs.staging() is not None
+    return SizesHeld(held=sorted(held), direct_uploads=direct)
 
 
 @router.post("/tensors/locate", dependencies=[CanRead])
@@ -39,7 +52,7 @@ async def locate_tensors(body: DigestList, store: StoreDep) -> dict[str, TensorL
     "/shards/{shard_id}",
     dependencies=[CanWrite],
     status_code=201,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {}}}},
+    openapi_extra=BINARY_BODY,
 )
 async def upload_shard(
     shard_id: ShardId,
@@ -53,6 +66,36 @@ async def upload_shard(
     """Upload a shard (a safetensors file named by digests); idempotent, verified before it is stored."""
     limit = settings.max_shard_bytes
     receipt = await receive_shard(store, shard_id, request.stream(), content_length, limit, offered(request.scope))
+    return _counted(receipt, response, metrics)
+
+
+@router.post(
+    "/shards",
+    dependencies=[CanWrite],
+    status_code=201,
+    openapi_extra=BINARY_BODY,
+)
+async def upload_unhashed(
+    request: Request,
+    response: Response,
+    store: StoreDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    content_length: Annotated[str | None, Header()] = None,
+) -> TensorsReceipt:
+    """Upload tensors not hashed yet as one shard: an 8-byte little-endian layout length, the layout
+    (JSON ``[[dtype, shape], ...]``), then the tensors' bytes back to back. The server hashes each
+    tensor as it writes it and answers the shard's receipt and the digests in order; the tensors
+    must differ from one another. Idempotent."""
+    limit = settings.max_shard_bytes
+    stream, socket_body = request.stream(), offered(request.scope)
+    answer = await receive_unhashed(store, stream, content_length, limit, socket_body)
+    _counted(answer.shard, response, metrics)
+    return answer
+
+
+def _counted(receipt: ShardReceipt, response: Response, metrics: Metrics) -> ShardReceipt:
+    """``receipt``, its bytes counted in; the answer is 200 rather than 201 for a shard already stored."""
     metrics.add_bytes("in", receipt.size)
     if not receipt.created:
         response.status_code = 200

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from service.format.bounds import INT64_MAX, MAX_VERSION
 from service.format.manifest import Digest, ManifestBody, few_body_fields, few_unknown_fields
 from service.format.names import MetricName, TagName
+from service.format.sharding import MAX_SIZES_PER_REQUEST
 from service.gc import MAX_GRACE_SECONDS
 from service.range_batch import MAX_BATCH_BYTES, MAX_RANGES
 from service.retention_rules import MAX_KEEP
@@ -30,6 +31,25 @@ class DigestList(_Strict):
     """A list of tensor digests."""
 
     digests: Annotated[list[Digest], Field(max_length=MAX_DIGESTS, fail_fast=True)]
+
+
+#: Most sizes one ``POST /v1/tensors/sizes`` may ask about (a save asks about each size it has once).
+MAX_SIZES = MAX_SIZES_PER_REQUEST
+
+
+class SizeList(_Strict):
+    """Tensor sizes in bytes."""
+
+    sizes: Annotated[list[Annotated[int, Field(ge=1, le=1 << 62)]], Field(max_length=MAX_SIZES, fail_fast=True)]
+
+
+class SizesHeld(BaseModel):
+    """Those of the sizes asked about that some stored tensor has, and whether shard bytes go to
+    the blob store directly (then a client hashes its tensors and asks for upload URLs; otherwise
+    it may send new tensors unhashed with ``POST /v1/shards``)."""
+
+    held: list[int]
+    direct_uploads: bool
 
 
 #: Most shards one ``POST /v1/shards/urls`` may ask about (a version's shards, a few at a time).

@@ -11,17 +11,25 @@ wrong leaves nothing behind.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from service.api.socket_body import SocketBody
 from service.errors import InvalidInputError, PayloadTooLargeError
-from service.receiver import ShardReceiver
-from service.records import ShardReceipt
+from service.records import ShardReceipt, TensorsReceipt
 from service.store import Store
 
 WRITE_BYTES = 4 << 20
+
+
+class Receiving(Protocol):
+    """An upload's receiver: :class:`ShardReceiver` or :class:`UnhashedReceiver`."""
+
+    received: int
+
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
 
 async def receive_shard(
@@ -51,7 +59,35 @@ async def receive_shard(
     return await run_in_threadpool(store.ingest_received, receiver)
 
 
-async def _stream(receiver: ShardReceiver, body: AsyncIterator[bytes], declared_length: str | None) -> None:
+async def receive_unhashed(
+    store: Store,
+    body: AsyncIterator[bytes],
+    declared_length: str | None,
+    max_bytes: int,
+    socket_body: SocketBody | None,
+) -> TensorsReceipt:
+    """Store the streamed tensors of an unhashed upload (:mod:`service.unhashed_receiver`): the
+    store hashes each as it writes it; the receipt carries the digests."""
+    if declared_length is None:
+        raise InvalidInputError("an upload of unhashed tensors needs a Content-Length")
+    if not declared_length.isdigit():
+        raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
+    if int(declared_length) > max_bytes + store.max_header_bytes:
+        raise PayloadTooLargeError(f"an upload of {declared_length} bytes exceeds the limit of {max_bytes}")
+    receiver = store.unhashed_receiver(length=int(declared_length), max_bytes=max_bytes)
+    try:
+        if socket_body is not None:
+            await socket_body.read(receiver.write)
+        else:
+            await _stream(receiver, body, declared_length)
+    except BaseException:
+        receiver.discard()
+        raise
+    receipt, digests = await run_in_threadpool(store.ingest_unhashed, receiver)
+    return TensorsReceipt(shard=receipt, digests=digests)
+
+
+async def _stream(receiver: Receiving, body: AsyncIterator[bytes], declared_length: str | None) -> None:
     """Feed the body's chunks to ``receiver`` in batches of WRITE_BYTES, on worker threads."""
     pending: list[bytes] = []
     pending_bytes = 0
@@ -70,7 +106,7 @@ async def _stream(receiver: ShardReceiver, body: AsyncIterator[bytes], declared_
         raise InvalidInputError(f"received {receiver.received} bytes but Content-Length said {declared_length}")
 
 
-def _write_all(receiver: ShardReceiver, chunks: list[bytes]) -> None:
+def _write_all(receiver: Receiving, chunks: list[bytes]) -> None:
     """Feed a batch of chunks to the receiver, in order, on a worker thread."""
     for chunk in chunks:
         receiver.write(chunk)

@@ -12,6 +12,8 @@ DEFAULT_SHARD_BYTES = 256 << 20
 SHARD_METADATA = {"format": "ckptstore.shard/1"}
 #: Keeps a shard's JSON header far below the header cap.
 MAX_TENSORS_PER_SHARD = 50_000
+#: Most tensor sizes one question to a server may hold (``POST /v1/tensors/sizes``).
+MAX_SIZES_PER_REQUEST = 4096
 
 
 class ShardPacker(Generic[T]):

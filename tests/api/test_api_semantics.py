@@ -116,6 +116,7 @@ def test_a_reserved_tag_made_before_the_rule_can_still_be_removed(served: Served
 JSON_BODIES: dict[tuple[str, str], tuple[str, str, dict[str, Any]]] = {
     ("POST", "/v1/tensors/missing"): ("write", "/v1/tensors/missing", {"digests": []}),
     ("POST", "/v1/tensors/locate"): ("read", "/v1/tensors/locate", {"digests": []}),
+    ("POST", "/v1/tensors/sizes"): ("write", "/v1/tensors/sizes", {"sizes": [8]}),
     ("POST", "/v1/shards/ranges"): (
         "read",
         "/v1/shards/ranges",

@@ -46,7 +46,9 @@ from tests.api.kit import (
 ROUTE_SCOPES = {
     ("POST", "/v1/tensors/missing"): "write",
     ("POST", "/v1/tensors/locate"): "read",
+    ("POST", "/v1/tensors/sizes"): "write",
     ("PUT", "/v1/shards/{shard_id}"): "write",
+    ("POST", "/v1/shards"): "write",
     ("GET", "/v1/shards/{shard_id}"): "read",
     ("HEAD", "/v1/shards/{shard_id}"): "read",
     ("POST", "/v1/shards/ranges"): "read",
@@ -72,6 +74,8 @@ RANK = {None: 0, "read": 1, "write": 2, "admin": 3}
 CALLERS = [None, "read", "write", "admin"]
 
 SHARD = build_shard(tensor(1), tensor(2))
+from service.unhashed_receiver import encode_layout  # noqa: E402
+
 PARAMS = {"shard_id": SHARD.shard_id, "run_id": "run-a", "ref": "1", "name": "best", "upload": "0" * 32}
 #: Routes a server on a local folder answers 409 (direct_uploads_unavailable) once the caller may use them.
 NEEDS_S3 = {"/v1/shards/{shard_id}/uploads", "/v1/shards/{shard_id}/uploads/{upload}"}
@@ -79,6 +83,8 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/tensors/missing"): {"json": {"digests": SHARD.digests}},
     ("POST", "/v1/tensors/locate"): {"json": {"digests": SHARD.digests}},
     ("PUT", "/v1/shards/{shard_id}"): {"content": SHARD.data},
+    ("POST", "/v1/shards"): {"content": encode_layout([("U8", (4,))]) + b"abcd"},
+    ("POST", "/v1/tensors/sizes"): {"json": {"sizes": [8]}},
     ("POST", "/v1/shards/ranges"): {"json": {"ranges": [{"shard_id": SHARD.shard_id, "offset": 0, "length": 8}]}},
     ("POST", "/v1/shards/urls"): {"json": {"shards": [SHARD.shard_id]}},
     ("POST", "/v1/shards/{shard_id}/uploads"): {"json": {"size": len(SHARD.data)}},

@@ -409,14 +409,33 @@ def test_a_server_on_local_disk_takes_uploads_through_itself(tmp_path: Path) -> 
             uploads = save_and_load(url, (64, 32))
     finally:
         store.close()
+    # The server said it takes no direct uploads: the save sent its new tensors to it unhashed,
+    # never asking for URLs.
+    assert uploads.offered and len(list(store.blobs.list_ids())) == 1
+
+
+def test_a_hashed_shard_for_a_server_on_local_disk_asks_for_urls_once_then_goes_through_it(tmp_path: Path) -> None:
+    store = Store.open_home(tmp_path / "home")
+    settings = Settings(home=tmp_path / "home", tokens=TOKENS)
+    saved = model(1, 64, 32)
+    try:
+        with running_server(create_app(store, settings)) as url, Client(url, token=WRITE_TOKEN) as client:
+            assert isinstance(client.transport, HttpTransport)
+            client.transport.takes_unhashed = False  # as for a server that predates unhashed uploads
+            client.save("run", saved)
+            client.save("run", model(3, 64, 32))
+            uploads = uploads_for(client.transport.session)
+    finally:
+        store.close()
     assert not uploads.offered  # asked once, then every shard went through the server
-    assert len(list(store.blobs.list_ids())) == 1
+    assert len(list(store.blobs.list_ids())) == 2
 
 
 def test_upload_urls_turned_off_send_everything_through_the_server(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig(upload_url_seconds=0)
     uploads = save_and_load(rig.url, (64, 32))
-    assert not uploads.offered and len(rig.proxied) == 1 and rig.gate.requests == []
+    # The server says it takes no direct uploads: the new tensors went to it unhashed, no URL asked.
+    assert uploads.offered and rig.proxied == [] and rig.gate.requests == [] and len(rig.blobs()) == 1
 
 
 def test_an_unreachable_s3_sends_the_shard_through_the_server(

@@ -20,6 +20,7 @@ from client.saving import saver as saving
 from client.saving import upload as uploading
 from service.errors import InvalidInputError
 from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
+from service.format.digest import tensor_digest
 from service.store import Store
 from tests.client.shard_files import stored_digests
 
@@ -186,7 +187,23 @@ def test_tensors_of_sizes_the_store_holds_are_hashed_first_and_not_stored_again(
         assert len(digests) == len(set(digests)) == 2
 
 
-def test_over_http_every_tensor_is_hashed_first(http_client: client.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_over_http_a_tensor_of_a_new_size_goes_unhashed_and_the_server_hashes_it(
+    http_client: client.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = Spy(monkeypatch)
+    noise = torch.randn(ROWS, ROWS)
+    http_client.save("run", Buffers({"noise": noise}))
+    assert spy.hashed == [] and spy.unhashed == ["model/noise"]
+    assert http_client.transport.missing([tensor_digest("F32", (ROWS, ROWS), noise.numpy().tobytes())]) == []
+    loaded = Buffers({"noise": torch.zeros(ROWS, ROWS)})
+    http_client.load("run", model=loaded)
+    assert torch.equal(loaded.noise, noise)
+
+
+def test_over_http_to_a_server_taking_no_unhashed_tensors_every_tensor_is_hashed_first(
+    http_client: client.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    http_client.transport.takes_unhashed = False  # type: ignore[misc]  (a server that predates them)
     spy = Spy(monkeypatch)
     http_client.save("run", Buffers({"noise": torch.randn(ROWS, ROWS)}))
     assert spy.hashed == ["model/noise"] and spy.unhashed == []
