@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import bindparam, select
@@ -98,15 +99,37 @@ def store_received(*, db: Database, blobs: BlobStore, receiver: ShardReceiver) -
         receiver.discard()
 
 
-def store_unhashed(*, db: Database, blobs: BlobStore, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
-    """Store the upload ``receiver`` took in whole; the receipt and each tensor's digest in the
-    order sent. The staging file is consumed whatever the outcome."""
-    try:
-        written = receiver.finish()
-        receipt = store_shard(db=db, blobs=blobs, path=receiver.path, header=written.header, verify=lambda: None)
-        return receipt, written.digests
-    finally:
-        receiver.discard()
+@dataclass(frozen=True)
+class UnhashedUploads:
+    """Uploads of tensors not hashed yet into one store (:mod:`service.unhashed_receiver`)."""
+
+    db: Database
+    blobs: BlobStore
+    staging_path: Callable[[], Path]
+    direct_writes: bool
+    max_layout_bytes: int
+
+    def receiver(self, *, length: int, max_bytes: int) -> UnhashedReceiver:
+        """A receiver for an upload of ``length`` bytes whose tensors hold at most ``max_bytes``,
+        staged in the store's folder; pass it to :meth:`ingest`."""
+        return UnhashedReceiver(
+            self.staging_path(),
+            length=length,
+            max_bytes=max_bytes,
+            max_layout_bytes=self.max_layout_bytes,
+            direct_writes=self.direct_writes,
+        )
+
+    def ingest(self, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
+        """Store the upload ``receiver`` took in whole; the receipt and each tensor's digest in the
+        order sent. The staging file is consumed whatever the outcome."""
+        try:
+            written = receiver.finish()
+            header = written.header
+            receipt = store_shard(db=self.db, blobs=self.blobs, path=receiver.path, header=header, verify=lambda: None)
+            return receipt, written.digests
+        finally:
+            receiver.discard()
 
 
 def check_unhashed(tensors: Sequence[UnhashedTensor]) -> None:
@@ -264,7 +287,7 @@ __all__ = [
     "record_shard",
     "store_received",
     "store_shard",
-    "store_unhashed",
+    "UnhashedUploads",
     "verify_shard_file",
     "write_tensors",
 ]

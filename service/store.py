@@ -38,7 +38,6 @@ from service.retention_rules import check_policy
 from service.secrets_mask import mask_url
 from service.settings import METADATA_FILE, Settings
 from service.shard_writer import UnhashedTensor
-from service.unhashed_receiver import UnhashedReceiver
 from service.versions import remove_tag, remove_version, resolve_ref, set_tag
 from service.write_probe import choose_direct_writes
 
@@ -105,8 +104,7 @@ class Store:
         return self._direct_writes
 
     def prepare_writes(self) -> None:
-        """Settle the write mode now (measuring the disk if nothing says which), so that the
-        first save does not pay for the measurement; a client that saves calls this on opening."""
+        """Settle the write mode now (measured if unset) so the first save does not pay for it (on opening)."""
         _ = self.direct_writes
 
     @classmethod
@@ -182,22 +180,8 @@ class Store:
 
     def ingest_received(self, receiver: ShardReceiver) -> ShardReceipt:
         """Store the shard ``receiver`` took in whole (its bytes were hashed on the way); idempotent.
-
-        The staging file is consumed whatever the outcome.
-        """
+        The staging file is consumed whatever the outcome."""
         return ingest.store_received(db=self.db, blobs=self.blobs, receiver=receiver)
-
-    def unhashed_receiver(self, *, length: int, max_bytes: int) -> UnhashedReceiver:
-        """An :class:`UnhashedReceiver` for an upload of ``length`` bytes of tensors not hashed yet,
-        writing into this store's staging folder; pass it to :meth:`ingest_unhashed`."""
-        path, direct = self.staging_path(), self.direct_writes
-        limit = self.max_header_bytes
-        return UnhashedReceiver(path, length=length, max_bytes=max_bytes, max_layout_bytes=limit, direct_writes=direct)
-
-    def ingest_unhashed(self, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
-        """Store the tensors ``receiver`` took in whole (hashed on their way in) as one shard; the
-        receipt and each tensor's digest in the order sent. The staging file is consumed."""
-        return ingest.store_unhashed(db=self.db, blobs=self.blobs, receiver=receiver)
 
     def put_shard(
         self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
@@ -231,6 +215,11 @@ class Store:
             db=self.db, blobs=self.blobs, path=self.staging_path(), tensors=tensors, direct_writes=self.direct_writes
         )
         return written.header, written.digests
+
+    @property
+    def unhashed(self) -> ingest.UnhashedUploads:
+        """Uploads of tensors not hashed yet, hashed here as they arrive (``POST /v1/shards``)."""
+        return ingest.UnhashedUploads(self.db, self.blobs, self.staging_path, self.direct_writes, self.max_header_bytes)
 
     @property
     def uploads(self) -> direct_uploads.StagedUploads:
@@ -355,10 +344,8 @@ class Store:
         return version_summary(db=self.db, run_id=validate_run_id(run_id), ref=ref)
 
     def runs_overview(self) -> list[tuple[RunInfo, VersionInfo | None, list[tuple[str, int]]]]:
-        """Every run (as :meth:`runs`) with its newest version and its tags as ``(name, version)`` pairs.
-
-        Three statements whatever the number of runs, and no manifest read.
-        """
+        """Every run (as :meth:`runs`) with its newest version and its tags as ``(name, version)``
+        pairs: three statements whatever the number of runs, and no manifest read."""
         return overview(db=self.db)
 
     # -- tags and deletion ---------------------------------------------------------------

@@ -74,7 +74,8 @@ async def receive_unhashed(
         raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
     if int(declared_length) > max_bytes + store.max_header_bytes:
         raise PayloadTooLargeError(f"an upload of {declared_length} bytes exceeds the limit of {max_bytes}")
-    receiver = store.unhashed_receiver(length=int(declared_length), max_bytes=max_bytes)
+    uploads = store.unhashed
+    receiver = uploads.receiver(length=int(declared_length), max_bytes=max_bytes)
     try:
         if socket_body is not None:
             await socket_body.read(receiver.write)
@@ -83,7 +84,7 @@ async def receive_unhashed(
     except BaseException:
         receiver.discard()
         raise
-    receipt, digests = await run_in_threadpool(store.ingest_unhashed, receiver)
+    receipt, digests = await run_in_threadpool(uploads.ingest, receiver)
     return TensorsReceipt(shard=receipt, digests=digests)
 
 
