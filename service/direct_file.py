@@ -76,6 +76,21 @@ def _give_back(buffer: mmap.mmap) -> None:
         pass  # a view of it is still alive somewhere: the mapping goes when that view does
 
 
+def warm_buffers(count: int) -> None:
+    """Fill the idle pool with up to ``count`` buffers whose pages are already in memory.
+
+    A server calls this on starting: on a VM where first touching memory is slow, the first
+    large upload otherwise paid for faulting in its buffers (they stay pooled after it anyway).
+    """
+    with _idle_lock:
+        wanted = min(count, MAX_IDLE_BUFFERS) - len(_idle_buffers)
+    for _ in range(max(wanted, 0)):
+        buffer = mmap.mmap(-1, BUFFER_BYTES)
+        buffer.write(bytes(BUFFER_BYTES))  # every page touched once
+        buffer.seek(0)
+        _give_back(buffer)
+
+
 def _writer_pool() -> ThreadPoolExecutor:
     """The threads that write full buffers while their files' next bytes are gathered."""
     global _writers

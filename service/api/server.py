@@ -15,11 +15,17 @@ from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
 
 from service.api.app import create_app
+from service.api.socket_body import BUFFERS
+from service.api.socket_body import warm_buffers as warm_socket_buffers
+from service.direct_file import warm_buffers
 from service.factory import open_store
+from service.receiver import UPLOAD_IN_FLIGHT
 from service.settings import Settings
 
 log = logging.getLogger("ckptstore.server")
 
+#: Uploads whose buffers a starting server faults in ahead (the client's uploads in flight).
+WARM_UPLOADS = 4
 #: How much request body uvicorn buffers per connection before it stops reading the socket.
 BODY_BUFFER_BYTES = 4 << 20
 
@@ -173,7 +179,8 @@ def app_from_env() -> FastAPI:
     the current schema (``ckptstore db upgrade``), otherwise the server refuses to start.
     Temporary shard files that a killed server or client left in the staging folders more
     than an hour ago are deleted first (younger ones may belong to another live worker), and
-    the staging disk's write mode is settled (:meth:`Store.prepare_writes`).
+    the staging disk's write mode is settled (:meth:`Store.prepare_writes`), and the buffers of
+    four uploads at once are faulted in ahead (they stay pooled once used anyway).
     uvicorn and glibc malloc are tuned for multi-MiB bodies (:func:`tune_uvicorn`,
     :func:`tune_malloc`).
     """
@@ -191,6 +198,8 @@ def app_from_env() -> FastAPI:
             cleaned.failed,
         )
     store.prepare_writes()  # the disk's write mode is measured now, not during the first upload
+    warm_buffers(WARM_UPLOADS * (UPLOAD_IN_FLIGHT + 1))  # a shard file's buffers
+    warm_socket_buffers(WARM_UPLOADS * BUFFERS)
     application = create_app(store, settings)
     freeze_heap()
     share_gil()

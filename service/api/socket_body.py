@@ -41,6 +41,37 @@ MIN_BODY_BYTES = 8 << 20
 BUFFER_BYTES = 4 << 20
 #: Buffers per body: one being filled while the others are consumed.
 BUFFERS = 3
+PAGE_BYTES = 4096
+#: Buffers kept for the next bodies (each BUFFER_BYTES of resident memory): four uploads' worth.
+MAX_IDLE_BUFFERS = 4 * BUFFERS
+
+_idle: list[bytearray] = []
+_idle_lock = threading.Lock()
+
+
+def _take_buffer() -> bytearray:
+    with _idle_lock:
+        if _idle:
+            return _idle.pop()
+    return bytearray(BUFFER_BYTES)
+
+
+def _give_back(buffer: bytearray) -> None:
+    with _idle_lock:
+        if len(_idle) < MAX_IDLE_BUFFERS:
+            _idle.append(buffer)
+
+
+def warm_buffers(count: int) -> None:
+    """Fill the idle pool with up to ``count`` buffers, their pages already in memory (a server
+    starting: the first large upload otherwise paid for faulting them in)."""
+    with _idle_lock:
+        wanted = min(count, MAX_IDLE_BUFFERS) - len(_idle)
+    for _ in range(max(wanted, 0)):
+        buffer = bytearray(BUFFER_BYTES)
+        buffer[::PAGE_BYTES] = bytes(BUFFER_BYTES // PAGE_BYTES)  # calloc's zeros are not touched yet
+        _give_back(buffer)
+
 
 Consume = Callable[[memoryview], object]
 
@@ -140,11 +171,11 @@ class SocketBody:
             consume(memoryview(piece))
         if not left:
             return
-        size = min(BUFFER_BYTES, left)
         free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
         full: queue.SimpleQueue[tuple[bytearray, int] | BaseException | None] = queue.SimpleQueue()
-        for _ in range(min(BUFFERS, -(-left // size))):
-            free.put(bytearray(size))
+        buffers = [_take_buffer() for _ in range(min(BUFFERS, -(-left // BUFFER_BYTES)))]
+        for buffer in buffers:
+            free.put(buffer)
         done = self.length - left
         sock = socket.socket(fileno=os.dup(self._fd))  # closing it leaves the connection open
         reader = threading.Thread(
@@ -165,6 +196,8 @@ class SocketBody:
             free.put(None)  # a reader waiting for a buffer stops
             reader.join()
             sock.close()
+            for buffer in buffers:
+                _give_back(buffer)
 
     def _receive(
         self,

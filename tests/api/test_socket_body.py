@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from service.api import socket_body
 from service.api.socket_body import BUFFER_BYTES, MIN_BODY_BYTES, RateWindow, offered
 from service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
 from service.settings import Settings
@@ -231,3 +232,20 @@ def test_a_rate_window_counts_only_reading_time() -> None:
     ended.wait(0.06)
     window.check(1)  # one byte in 0.05 s is the least rate's 0.5: a new window starts
     assert window.left() > 0.02
+
+
+def test_bodies_are_read_into_the_pooled_buffers_a_starting_server_warms(serve: Any) -> None:
+    socket_body._idle.clear()
+    socket_body.warm_buffers(socket_body.BUFFERS)
+    pooled = {id(buffer) for buffer in socket_body._idle}
+    assert len(pooled) == socket_body.BUFFERS
+    address = serve(SocketHash())
+    for _ in range(2):
+        body = os.urandom(BIG)
+        with socket.create_connection(address, timeout=30) as sock:
+            sock.sendall(head(len(body)) + body)
+            status, answer, _ = response(sock)
+        assert status == 200 and answer["sha256"] == hashlib.sha256(body).hexdigest()
+    assert {id(buffer) for buffer in socket_body._idle} == pooled  # the same buffers, back after each body
+    socket_body.warm_buffers(10 * socket_body.MAX_IDLE_BUFFERS)
+    assert len(socket_body._idle) == socket_body.MAX_IDLE_BUFFERS

@@ -214,3 +214,17 @@ def test_a_buffered_file_starts_its_write_back_early_and_leaves_the_page_cache(t
     behind = (2 * WRITEBACK_BYTES + 3 * BUFFER_BYTES) // mmap.PAGESIZE  # the last stretches, writes in flight
     assert cached_pages(tmp_path / "f") <= behind < total
     assert (tmp_path / "f").read_bytes() == data
+
+
+def test_warmed_buffers_fill_the_idle_pool_up_to_its_cap_and_serve_the_next_file(tmp_path: Path) -> None:
+    direct_file._idle_buffers.clear()
+    direct_file.warm_buffers(3)
+    warmed = {id(buffer) for buffer in direct_file._idle_buffers}
+    assert len(warmed) == 3
+    writer = direct_file.DirectFileWriter(tmp_path / "f", direct=False)
+    writer.write(b"x" * 10)
+    writer.close()
+    assert (tmp_path / "f").read_bytes() == b"x" * 10
+    assert {id(buffer) for buffer in direct_file._idle_buffers} == warmed  # taken from the pool, given back
+    direct_file.warm_buffers(10 * direct_file.MAX_IDLE_BUFFERS)
+    assert len(direct_file._idle_buffers) == direct_file.MAX_IDLE_BUFFERS
