@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +191,61 @@ def test_a_save_to_a_server_without_the_route_hashes_its_tensors_first(tmp_path:
     finally:
         store.close()
     assert same_state(saved.state_dict(), loaded.state_dict())
+
+
+SENDER = """
+import socket, struct, sys, json
+host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+layout = json.dumps([["U8", [64 << 20]]]).encode()
+body_head = struct.pack("<Q", len(layout)) + layout
+request = (
+    f"POST /v1/shards HTTP/1.1\\r\\nHost: t\\r\\nAuthorization: Bearer {token}\\r\\n"
+    f"Content-Length: {len(body_head) + (64 << 20)}\\r\\n\\r\\n"
+).encode()
+sock = socket.create_connection((host, port))
+sock.sendall(request + body_head + bytes(16 << 20))
+print("sent", flush=True)
+sys.stdin.read()  # killed here, a quarter of the body sent
+"""
+
+
+def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds or ``seconds`` pass; whether it held."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("cut", ["kill", "close"])
+def test_a_sender_gone_mid_upload_leaves_nothing_stored_or_staged(served: tuple[str, Store], cut: str) -> None:
+    url, store = served
+    host, port = url.removeprefix("http://").split(":")
+    before = set(store.blobs.list_ids())
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, host, port, WRITE_TOKEN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
+        assert eventually(lambda: files_under(store.staging_dir) != set())  # the upload is being staged
+        if cut == "kill":
+            sender.kill()
+        else:
+            sender.communicate("", timeout=30)  # the sender exits, closing its socket
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+        sender.wait()
+    assert eventually(lambda: files_under(store.staging_dir) == set())  # the server notices the hang-up
+    assert set(store.blobs.list_ids()) == before
+    transport = HttpTransport(url, token=WRITE_TOKEN)
+    try:  # and the server takes the next upload as before
+        receipt, _ = transport.put_tensors([unhashed("U8", (5,), cut.encode().ljust(5))])
+    finally:
+        transport.close()
+    assert receipt.created
