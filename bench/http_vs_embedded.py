@@ -194,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=512, help="MiB of the save/load model")
     parser.add_argument("--read-size", type=int, default=1024, help="MiB of the version the readers load")
-    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--readers", type=int, default=8, help="processes loading one version at once (0: none)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="128 MiB, 256 MiB read by 4 readers, 1 round")
     args = parser.parse_args()
@@ -203,7 +203,8 @@ def main() -> None:
     print(f"cores: {os.cpu_count()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="ckptstore-bench-http-") as scratch, s3_stand_in() as s3:
         save_and_load(Path(scratch), s3, args.size * MIB, args.rounds)
-        many_readers(Path(scratch), s3, args.read_size * MIB, args.readers)
+        if args.readers > 0:
+            many_readers(Path(scratch), s3, args.read_size * MIB, args.readers)
 
 
 if __name__ == "__main__":
