@@ -38,8 +38,10 @@ from pathlib import Path
 ALIGNMENT = 4096
 #: Bytes gathered before each write.
 BUFFER_BYTES = 4 << 20
-#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory).
-MAX_IDLE_BUFFERS = 16
+#: Idle buffers kept for the next files and upload bodies (each BUFFER_BYTES of resident memory):
+#: the sixteen a process writing shards kept, plus three for each of four upload bodies read
+#: from the socket (:mod:`service.api.socket_body`).
+MAX_IDLE_BUFFERS = 28
 #: Threads writing full buffers, shared by every file being written in the process (started as needed).
 WRITER_THREADS = 16
 #: Buffers a shard file keeps on their way to the device (``in_flight``). Measured on a 2-core VM
@@ -58,14 +60,16 @@ _writers: ThreadPoolExecutor | None = None
 Observer = Callable[[memoryview], object]
 
 
-def _take_buffer() -> mmap.mmap:
+def take_buffer() -> mmap.mmap:
+    """A page-aligned buffer of BUFFER_BYTES from the idle pool, or a new one; :func:`give_back` it."""
     with _idle_lock:
         if _idle_buffers:
             return _idle_buffers.pop()
     return mmap.mmap(-1, BUFFER_BYTES)  # anonymous mappings are page-aligned
 
 
-def _give_back(buffer: mmap.mmap) -> None:
+def give_back(buffer: mmap.mmap) -> None:
+    """Return a buffer to the idle pool (closed instead when the pool is full)."""
     with _idle_lock:
         if len(_idle_buffers) < MAX_IDLE_BUFFERS:
             _idle_buffers.append(buffer)
@@ -88,7 +92,7 @@ def warm_buffers(count: int) -> None:
         buffer = mmap.mmap(-1, BUFFER_BYTES)
         buffer.write(bytes(BUFFER_BYTES))  # every page touched once
         buffer.seek(0)
-        _give_back(buffer)
+        give_back(buffer)
 
 
 def _writer_pool() -> ThreadPoolExecutor:
@@ -142,7 +146,7 @@ class DirectFileWriter:
                     raise
                 self.direct = False  # tmpfs and others refuse the flag at open
         self._fd = fd if fd >= 0 else os.open(self.path, flags, 0o666)
-        self._buffers: list[mmap.mmap] = [_take_buffer() for _ in range(in_flight + 1)]
+        self._buffers: list[mmap.mmap] = [take_buffer() for _ in range(in_flight + 1)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
         self._writing: list[Future[None] | None] = [None] * len(self._buffers)
         self._current = 0
@@ -275,7 +279,7 @@ class DirectFileWriter:
             os.close(self._fd)
         finally:
             for buffer in self._buffers:
-                _give_back(buffer)
+                give_back(buffer)
 
     def _write_at(self, view: memoryview, position: int) -> None:
         """Write all of ``view`` at ``position`` in the file."""

@@ -21,6 +21,7 @@ unknown length (chunked) or small are not offered: they go through ``receive`` a
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import socket
@@ -31,46 +32,15 @@ from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
+from service.direct_file import BUFFER_BYTES, give_back, take_buffer
 from service.errors import InvalidInputError, RequestTimeoutError
 
 #: The scope extension under which a request's :class:`SocketBody` is offered.
 EXTENSION = "ckptstore.socket_body"
 #: Bodies at least this long are offered (smaller ones gain little and would cost a reconnect).
 MIN_BODY_BYTES = 8 << 20
-#: Bytes read from the socket into one buffer before the buffer is handed on.
-BUFFER_BYTES = 4 << 20
 #: Buffers per body: one being filled while the others are consumed.
 BUFFERS = 3
-PAGE_BYTES = 4096
-#: Buffers kept for the next bodies (each BUFFER_BYTES of resident memory): four uploads' worth.
-MAX_IDLE_BUFFERS = 4 * BUFFERS
-
-_idle: list[bytearray] = []
-_idle_lock = threading.Lock()
-
-
-def _take_buffer() -> bytearray:
-    with _idle_lock:
-        if _idle:
-            return _idle.pop()
-    return bytearray(BUFFER_BYTES)
-
-
-def _give_back(buffer: bytearray) -> None:
-    with _idle_lock:
-        if len(_idle) < MAX_IDLE_BUFFERS:
-            _idle.append(buffer)
-
-
-def warm_buffers(count: int) -> None:
-    """Fill the idle pool with up to ``count`` buffers, their pages already in memory (a server
-    starting: the first large upload otherwise paid for faulting them in)."""
-    with _idle_lock:
-        wanted = min(count, MAX_IDLE_BUFFERS) - len(_idle)
-    for _ in range(max(wanted, 0)):
-        buffer = bytearray(BUFFER_BYTES)
-        buffer[::PAGE_BYTES] = bytes(BUFFER_BYTES // PAGE_BYTES)  # calloc's zeros are not touched yet
-        _give_back(buffer)
 
 
 Consume = Callable[[memoryview], object]
@@ -171,9 +141,9 @@ class SocketBody:
             consume(memoryview(piece))
         if not left:
             return
-        free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
-        full: queue.SimpleQueue[tuple[bytearray, int] | BaseException | None] = queue.SimpleQueue()
-        buffers = [_take_buffer() for _ in range(min(BUFFERS, -(-left // BUFFER_BYTES)))]
+        free: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
+        full: queue.SimpleQueue[tuple[mmap.mmap, int] | BaseException | None] = queue.SimpleQueue()
+        buffers = [take_buffer() for _ in range(min(BUFFERS, -(-left // BUFFER_BYTES)))]
         for buffer in buffers:
             free.put(buffer)
         done = self.length - left
@@ -197,15 +167,15 @@ class SocketBody:
             reader.join()
             sock.close()
             for buffer in buffers:
-                _give_back(buffer)
+                give_back(buffer)
 
     def _receive(
         self,
         sock: socket.socket,
         left: int,
         done: int,
-        free: queue.SimpleQueue[bytearray | None],
-        full: queue.SimpleQueue[tuple[bytearray, int] | BaseException | None],
+        free: queue.SimpleQueue[mmap.mmap | None],
+        full: queue.SimpleQueue[tuple[mmap.mmap, int] | BaseException | None],
     ) -> None:
         """The reading thread: fill free buffers from ``sock`` until ``left`` bytes are read."""
         window = RateWindow(self._protocol.body_timeout, self._protocol.min_body_rate)

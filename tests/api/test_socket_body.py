@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from service import direct_file
 from service.api import socket_body
 from service.api.socket_body import BUFFER_BYTES, MIN_BODY_BYTES, RateWindow, offered
 from service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
@@ -235,10 +236,10 @@ def test_a_rate_window_counts_only_reading_time() -> None:
 
 
 def test_bodies_are_read_into_the_pooled_buffers_a_starting_server_warms(serve: Any) -> None:
-    socket_body._idle.clear()
-    socket_body.warm_buffers(socket_body.BUFFERS)
-    pooled = {id(buffer) for buffer in socket_body._idle}
-    assert len(pooled) == socket_body.BUFFERS
+    direct_file._idle_buffers.clear()
+    direct_file.warm_buffers(socket_body.BUFFERS + 6)  # a body's buffers and its staging file's
+    pooled = {id(buffer) for buffer in direct_file._idle_buffers}
+    assert len(pooled) == socket_body.BUFFERS + 6
     address = serve(SocketHash())
     for _ in range(2):
         body = os.urandom(BIG)
@@ -246,6 +247,6 @@ def test_bodies_are_read_into_the_pooled_buffers_a_starting_server_warms(serve: 
             sock.sendall(head(len(body)) + body)
             status, answer, _ = response(sock)
         assert status == 200 and answer["sha256"] == hashlib.sha256(body).hexdigest()
-    assert {id(buffer) for buffer in socket_body._idle} == pooled  # the same buffers, back after each body
-    socket_body.warm_buffers(10 * socket_body.MAX_IDLE_BUFFERS)
-    assert len(socket_body._idle) == socket_body.MAX_IDLE_BUFFERS
+    assert {id(buffer) for buffer in direct_file._idle_buffers} == pooled  # the same buffers, back after each body
+    direct_file.warm_buffers(10 * direct_file.MAX_IDLE_BUFFERS)
+    assert len(direct_file._idle_buffers) == direct_file.MAX_IDLE_BUFFERS
