@@ -207,20 +207,18 @@ class HttpTransport:
         Where the server does not take them so (it predates that, or its blobs are in S3 and take
         uploads directly), they are hashed here and sent as a shard (:meth:`put_shard`).
         """
+        sent: tuple[ShardReceipt, list[str]] | None = None
         if self.takes_unhashed:
             try:
-                receipt, digests = send_unhashed(self.session, tensors)
+                sent = send_unhashed(self.session, tensors)
             except NotFoundError:  # a server without the route
                 self.takes_unhashed = False
-            else:
-                if on_bytes is not None:
-                    on_bytes(sum(tensor.data.nbytes for tensor in tensors))
-                return receipt, digests
-        header, pieces, digests = hashed_shard(tensors)
-        receipt = self.put_shard(header, pieces)
+        if sent is None:
+            header, pieces, digests = hashed_shard(tensors)
+            sent = self.put_shard(header, pieces), digests
         if on_bytes is not None:
             on_bytes(sum(tensor.data.nbytes for tensor in tensors))
-        return receipt, digests
+        return sent
 
     @property
     def takes_unhashed(self) -> bool:

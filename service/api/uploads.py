@@ -31,6 +31,8 @@ class Receiving(Protocol):
 
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
+    def discard(self) -> None: ...
+
 
 async def receive_shard(
     store: Store,
@@ -42,20 +44,10 @@ async def receive_shard(
 ) -> ShardReceipt:
     """Store the streamed shard whose id must be ``shard_id``: its bytes come from ``socket_body``
     where the server offers it, else from ``body``."""
-    if declared_length is not None:
-        if not declared_length.isdigit():
-            raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
-        if int(declared_length) > max_bytes:
-            raise PayloadTooLargeError(f"shard of {declared_length} bytes exceeds the limit of {max_bytes}")
+    if declared_length is not None and _declared(declared_length) > max_bytes:
+        raise PayloadTooLargeError(f"shard of {declared_length} bytes exceeds the limit of {max_bytes}")
     receiver = store.receiver(expected_id=shard_id, max_bytes=max_bytes, write_behind=True)
-    try:
-        if socket_body is not None:
-            await socket_body.read(receiver.write)  # its length is the declared one
-        else:
-            await _stream(receiver, body, declared_length)
-    except BaseException:
-        receiver.discard()
-        raise
+    await _fill(receiver, body, declared_length, socket_body)
     return await run_in_threadpool(store.ingest_received, receiver)
 
 
@@ -70,12 +62,27 @@ async def receive_unhashed(
     store hashes each as it writes it; the receipt carries the digests."""
     if declared_length is None:
         raise InvalidInputError("an upload of unhashed tensors needs a Content-Length")
-    if not declared_length.isdigit():
-        raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
-    if int(declared_length) > max_bytes + store.max_header_bytes:
+    if _declared(declared_length) > max_bytes + store.max_header_bytes:
         raise PayloadTooLargeError(f"an upload of {declared_length} bytes exceeds the limit of {max_bytes}")
     uploads = store.unhashed
     receiver = uploads.receiver(length=int(declared_length), max_bytes=max_bytes)
+    await _fill(receiver, body, declared_length, socket_body)
+    receipt, digests = await run_in_threadpool(uploads.ingest, receiver)
+    return TensorsReceipt(shard=receipt, digests=digests)
+
+
+def _declared(declared_length: str) -> int:
+    """The Content-Length as a byte count (InvalidInputError if it is not one)."""
+    if not declared_length.isdigit():
+        raise InvalidInputError(f"Content-Length {declared_length[:40]!r} is not a byte count")
+    return int(declared_length)
+
+
+async def _fill(
+    receiver: Receiving, body: AsyncIterator[bytes], declared_length: str | None, socket_body: SocketBody | None
+) -> None:
+    """Give ``receiver`` the whole body, from the socket where offered (its length is the declared
+    one), else streamed; on any error its staging file is removed."""
     try:
         if socket_body is not None:
             await socket_body.read(receiver.write)
@@ -84,8 +91,6 @@ async def receive_unhashed(
     except BaseException:
         receiver.discard()
         raise
-    receipt, digests = await run_in_threadpool(uploads.ingest, receiver)
-    return TensorsReceipt(shard=receipt, digests=digests)
 
 
 async def _stream(receiver: Receiving, body: AsyncIterator[bytes], declared_length: str | None) -> None:
