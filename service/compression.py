@@ -305,7 +305,9 @@ def _encode_version(
         return _counted(encoded, report)
 
     try:
-        for digest in sorted(jobs):
+        # In the version's own order (its manifest's), not by digest: every version of a model lays
+        # out its tensors alike, so a load reads deltas and their keyframes front to back.
+        for digest in jobs:
             size = jobs[digest][0].nbytes
             while waiting and in_flight + size > IN_FLIGHT_BYTES:
                 in_flight -= waiting[0][0]

@@ -39,7 +39,7 @@ import client
 import client.progress
 from client.cli import app
 from service.db.models import Shard, Version
-from service.encoded_reads import read_tensor
+from service.encoded_reads import chain_of, read_tensor
 from service.errors import IntegrityError, NotFoundError
 from service.format.encoding import head_bytes
 from service.store import Store
@@ -165,6 +165,29 @@ def test_each_keyframe_serves_at_most_the_set_number_of_deltas_each_one_link_dee
         if per_keyframe == 0:
             assert report.tensors_as_deltas == 0 and need_rows(store) == 0
         assert tune.wrong_loads(ckpt) == {}
+
+
+def test_each_version_is_stored_in_its_manifests_order_so_a_load_reads_every_shard_front_to_back(
+    store: Store, ckpt: client.Client
+) -> None:
+    tune = FineTune(torch.bfloat16)
+    for _ in range(3):
+        tune.save(ckpt, "run")
+    ckpt.gc(compress=True, grace_seconds=0)
+    for version in (1, 3):
+        large = large_digests(store, "run", version)
+        assert list(large) == [key for key in keyed_digests(store, "run", version) if key in large]
+        where = store.locate(large.values())
+        assert all(location.encoded for location in where.values())
+        # The tensors' payloads, and the keyframes their deltas decode from, in the manifest's
+        # order: each shard's offsets only ever grow (a version's digests sort in no such order).
+        for links in ([where[d] for d in large.values()], [chain_of(where, d)[-1] for d in large.values()]):
+            for shard in {link.shard_id for link in links}:
+                offsets = [link.offset for link in links if link.shard_id == shard]
+                assert offsets == sorted(offsets), version
+        if version == 3:
+            assert {key for key, d in large.items() if where[d].base is not None} >= set(WEIGHT_KEYS)
+    assert tune.wrong_loads(ckpt) == {}
 
 
 def test_deltas_whose_bases_are_stored_raw_and_chunked_tensors_decode_and_keep_their_bases(
