@@ -69,6 +69,9 @@ class Transport(Protocol):
     def read_scatter(self, shard_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Read consecutive bytes of a shard from ``offset`` into ``buffers`` in turn (one request)."""
 
+    def will_read(self, shard_id: str, spans: Sequence[tuple[int, int]]) -> None:
+        """A hint that ``(offset, length)`` spans of a shard will be read soon; may do nothing."""
+
     def runs(self) -> list[RunInfo]:
         """Every run."""
 

@@ -109,10 +109,8 @@ class Store:
 
     @classmethod
     def open_home(cls, home: Path | str, *, direct_writes: bool | None = None) -> Store:
-        """The embedded store in folder ``home``: ``metadata.db``, ``blobs/`` and ``staging/``.
-
-        ``direct_writes`` defaults to the ``CKPTSTORE_DIRECT_WRITES`` setting (unset: measured).
-        """
+        """The embedded store in folder ``home``: ``metadata.db``, ``blobs/`` and ``staging/``;
+        ``direct_writes`` defaults to the ``CKPTSTORE_DIRECT_WRITES`` setting (unset: measured)."""
         home = Path(home).expanduser()
         home.mkdir(parents=True, exist_ok=True)
         settings = Settings()
@@ -137,11 +135,9 @@ class Store:
         return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
 
     def missing(self, digests: Iterable[str]) -> list[str]:
-        """The digests among ``digests`` whose tensors the store does not hold, in input order.
-
-        Those reported present are stamped as seen now: the client may commit a reference to
-        them without sending them, so garbage collection spares them for its grace period.
-        """
+        """The digests among ``digests`` whose tensors the store does not hold, in input order. Those
+        reported present are stamped as seen now: the client may commit a reference to them without
+        sending them, so garbage collection spares them for its grace period."""
         return lookup.find_missing(db=self.db, digests=digests)
 
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
@@ -312,6 +308,10 @@ class Store:
     def read_scatter(self, shard_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in turn with shard ``shard_id``'s consecutive bytes from ``offset``."""
         self.blobs.read_scatter(_shard_id(shard_id), offset, buffers)
+
+    def will_read(self, shard_id: str, spans: Sequence[tuple[int, int]]) -> None:
+        """A hint that ``(offset, length)`` spans of a shard will be read soon (:meth:`BlobStore.will_read`)."""
+        self.blobs.will_read(_shard_id(shard_id), spans)
 
     def shard_size(self, shard_id: str) -> int:
         """Size in bytes of a stored shard; NotFoundError if absent."""

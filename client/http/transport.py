@@ -310,6 +310,9 @@ class HttpTransport:
             log.debug("no read URLs this time (%s); reads go through the server", exc)
         return locations
 
+    def will_read(self, shard_id: str, spans: Sequence[tuple[int, int]]) -> None:
+        """Nothing to start ahead here: each range is asked for when it is read."""
+
     def read_into(self, shard_id: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` from a byte range of a shard."""
         self.read_scatter(shard_id, offset, [buffer])

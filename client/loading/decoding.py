@@ -17,6 +17,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from typing import Protocol
 
+from client.loading.read_hints import ReadHints, WillRead
 from client.loading.readahead import run_ahead
 from service.encoded_reads import ReadInto, decode_into, fetch_chain
 from service.errors import IntegrityError
@@ -61,11 +62,14 @@ def decoded(
     jobs: Sequence[EncodedJob],
     *,
     threads: int,
+    will_read: WillRead | None = None,
 ) -> Generator[tuple[EncodedJob, str], None, None]:
     """Yield each of ``jobs`` in order with the digest of the bytes decoded into its destination.
 
-    The caller compares the digest with the one the job was stored under. However the consumer
-    stops, queued work is cancelled and running work waited for.
+    The caller compares the digest with the one the job was stored under. Given ``will_read``
+    (a transport's hint), the payloads of the next jobs are announced a window ahead
+    (:mod:`client.loading.read_hints`). However the consumer stops, queued work is cancelled
+    and running work waited for.
 
     Raises:
         IntegrityError: a payload is corrupt or does not fit its tensor (named by its first key).
@@ -84,7 +88,11 @@ def decoded(
         # Hashed here, by the thread that decoded it while it is in its cache, not by the consumer.
         out.digest = tensor_digest(job.dtype, job.shape, view, parallel=threads == 1)
 
-    def views_for(_number: int, job: EncodedJob) -> _Decoding:
+    hints = ReadHints(will_read, locations, [job.location.digest for job in jobs]) if will_read else None
+
+    def views_for(number: int, job: EncodedJob) -> _Decoding:
+        if hints is not None:
+            hints.reach(number)
         return _Decoding(job.bytes())
 
     try:
@@ -98,6 +106,8 @@ def decoded(
                 yield job, done.digest
     finally:
         blocks_pool.shutdown(wait=True, cancel_futures=True)
+        if hints is not None:
+            hints.close()
 
 
 __all__ = ["SPLIT_BLOCKS", "EncodedJob", "decode_threads", "decoded"]

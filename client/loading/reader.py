@@ -240,7 +240,8 @@ class TensorReader:
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Decode, verify and yield each tensor stored encoded, on :func:`decode_threads` threads."""
-        with closing(decoded(self.transport.read_into, self.locations, jobs, threads=decode_threads())) as done:
+        read, hint = self.transport.read_into, self.transport.will_read
+        with closing(decoded(read, self.locations, jobs, threads=decode_threads(), will_read=hint)) as done:
             for job, digest in done:
                 assert isinstance(job, _Job)
                 yield from self._hand_out(job, digest, into)

@@ -97,6 +97,12 @@ class BlobStore(ABC):
         memory): every upload then goes through the server."""
         return None
 
+    def will_read(self, blob_id: str, spans: Sequence[tuple[int, int]]) -> None:
+        """A hint that ``(offset, length)`` spans of the blob will be read soon: a backend may
+        start reading them now (a local folder asks the kernel to). Never raises; this default
+        does nothing."""
+        return None
+
     def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in turn with the blob's consecutive bytes starting at ``offset``.
 
