@@ -1,14 +1,15 @@
 """Compression at rest: ``gc --compress`` re-encodes the tensors versions added, smallest first.
 
 Saves always store raw bytes (the training loop pays nothing); a collection asked to compress
-visits, once each, the committed versions older than its grace period, oldest first within a
-run, and for every tensor a version added (raw, at least :data:`MIN_BYTES`) keeps the smallest
-of:
+visits, once each, the committed versions older than its grace period, oldest first within a run,
+and for every tensor a version added (raw, at least :data:`MIN_BYTES`) keeps the smallest of:
 
-- its raw bytes (kept where they are: nothing is rewritten for less than :data:`MIN_GAIN`);
+- its raw bytes (kept where they are: nothing is rewritten for less than
+  :data:`~service.encoding_choice.MIN_GAIN`);
 - ``grouped-zstd``: its bytes grouped by byte position, compressed;
-- ``xor-grouped-zstd``: the XOR with the *keyframe* of the same key (and chunk), compressed
-  the same way: a full fine-tune moves each weight a little, so the XOR is mostly zero bits.
+- ``xor-grouped-zstd``: the XOR with the *keyframe* of the same key (and chunk), compressed the
+  same way (a full fine-tune moves each weight a little, so the XOR is mostly zero bits), if it
+  takes at most :data:`~service.encoding_choice.DELTA_AT_MOST` of the tensor stored whole.
   The keyframe is the parent version's tensor if that is stored whole (compressed or raw), or
   the base of the parent's delta; when ``max_deltas`` deltas already decode from it, the tensor
   is stored whole and becomes the next keyframe. Every delta thus decodes from one payload
@@ -49,8 +50,8 @@ from service.db import Database
 from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.encoded_reads import chain_of, read_raw
+from service.encoding_choice import choose
 from service.errors import IntegrityError, NotFoundError, StorageError
-from service.format import encoding
 from service.format.digest import shard_id as blob_id_of
 from service.format.dtypes import itemsize
 from service.format.safetensors_header import header_bytes
@@ -60,8 +61,6 @@ from service.records import TensorLocation
 
 #: Tensors smaller than this stay raw: the gain is small and every encoded tensor costs a load a decode.
 MIN_BYTES = 64 << 10
-#: An encoding must save at least this share of a tensor's bytes to be stored.
-MIN_GAIN = 0.03
 #: Deltas a keyframe may serve before a tensor is stored whole again (a new keyframe).
 DEFAULT_MAX_DELTAS = 4
 #: Payload bytes per encoded shard.
@@ -72,9 +71,6 @@ VERSION_BATCH = 200
 IN_FLIGHT_BYTES = 1 << 30
 #: Raw bytes of a version's encoded tensors kept for the next version's deltas.
 CACHE_BYTES = 1 << 30
-#: Stretches of a tensor compressed both ways to choose between a keyframe and a delta, and their size.
-SAMPLES = 4
-SAMPLE_BYTES = 256 << 10
 SHARD_FORMAT = "ckptstore.shard/2"
 #: The raw shards compression leaves are compacted when less than this share of them is live.
 COMPACT_AFTER_COMPRESSION = 0.5
@@ -107,35 +103,6 @@ class Compression:
 
 def _workers() -> int:
     return max(1, min(os.cpu_count() or 1, 16))
-
-
-def _choose(data: memoryview, width: int, base: memoryview | None, base_digest: str | None) -> tuple[str, bytes] | None:
-    """The smaller of ``data`` grouped and compressed, and its delta against ``base``; None if
-    neither saves :data:`MIN_GAIN`.
-
-    Only the winner is compressed whole: a few samples spread over the tensor, compressed both
-    ways, tell which way wins (compressing everything twice halved the collection's speed).
-    """
-    if base is not None:
-        whole = delta = 0
-        for part in _samples(len(data)):
-            whole += len(encoding.encode(data[part], width))
-            delta += len(encoding.encode(data[part], width, base=base[part], base_digest=base_digest))
-        if delta >= whole:
-            base = None
-    if base is None:
-        name, payload = "grouped-zstd", encoding.encode(data, width)
-    else:
-        name, payload = "xor-grouped-zstd", encoding.encode(data, width, base=base, base_digest=base_digest)
-    return (name, payload) if len(payload) <= (1 - MIN_GAIN) * len(data) else None
-
-
-def _samples(nbytes: int) -> list[slice]:
-    """:data:`SAMPLES` stretches of :data:`SAMPLE_BYTES`, spread evenly over ``nbytes`` (one if it is short)."""
-    if nbytes <= SAMPLES * SAMPLE_BYTES:
-        return [slice(0, min(nbytes, SAMPLE_BYTES))]
-    step = nbytes // SAMPLES // 8 * 8  # element-aligned for every width
-    return [slice(i * step, i * step + SAMPLE_BYTES) for i in range(SAMPLES)]
 
 
 #: A stored piece of a tensor: its key, and its chunk's offsets (None: the whole tensor).
@@ -284,7 +251,7 @@ def _encode_version(
         except IntegrityError:
             return None  # damaged bytes stay as they are, for `ckptstore verify` to name
 
-        chosen = _choose(data, itemsize(location.dtype), base_bytes, base)
+        chosen = choose(data, itemsize(location.dtype), base_bytes, base)
         if chosen is None:
             return None
         name, payload = chosen

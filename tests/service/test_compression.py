@@ -85,7 +85,16 @@ def test_a_fine_tune_loads_bit_for_bit_after_compression_in_far_less_room(store:
     for run, tune in tunes.items():
         assert tune.wrong_loads(ckpt, run) == {}, run
         for version in range(2, 5):
-            assert all(encodings(store, run, version)[key] == ("xor-grouped-zstd", 1) for key in WEIGHT_KEYS)
+            found = {key: encodings(store, run, version)[key] for key in WEIGHT_KEYS}
+            if run == "bf16":
+                assert all(found[key] == ("xor-grouped-zstd", 1) for key in WEIGHT_KEYS), found
+            else:  # fp32: the embedding's sparse updates make a delta; the linear layers' deltas
+                # save under a fifth of their whole size (0.82-0.89x), so they are stored whole
+                assert found == {
+                    "model/0.weight": ("xor-grouped-zstd", 1),
+                    "model/1.weight": ("grouped-zstd", 0),
+                    "model/3.weight": ("grouped-zstd", 0),
+                }, found
 
     # A load without a model returns the decoded state; one of some keys reads only those.
     state = ckpt.load("bf16", 4).state_dict
@@ -108,7 +117,7 @@ def test_a_fine_tune_loads_bit_for_bit_after_compression_in_far_less_room(store:
         tune.save(ckpt, run)
     later = ckpt.gc(compress=True, grace_seconds=0)
     assert later.versions_compressed == 2 and later.tensors_compressed == 2 * len(LARGE_KEYS)
-    assert later.tensors_as_deltas >= 2 * len(WEIGHT_KEYS)
+    assert later.tensors_as_deltas >= len(WEIGHT_KEYS) + 1
     assert not any(tune.wrong_loads(ckpt, run) for run, tune in tunes.items())
     assert dangling_needs(store) == []
 
@@ -275,17 +284,28 @@ def test_collections_keep_what_deltas_decode_from_and_reclaim_it_once_no_delta_d
     tune = FineTune(torch.bfloat16)
     for _ in range(5):
         tune.save(ckpt, "run")
-    ckpt.gc(compress=True, grace_seconds=0)  # version 1 whole; 2 to 5 deltas, 1 to 4 deep
+    ckpt.gc(compress=True, grace_seconds=0)  # version 1 whole; the weights of 2 to 5 deltas on it
     holding = {v: {store.locate([d])[d].shard_id for d in large_digests(store, "run", v).values()} for v in range(1, 6)}
     assert all(len(shards) == 1 for shards in holding.values())  # one encoded shard per version
 
-    # Deleting the versions the later deltas decode from: their bytes stay, the rest loads.
+    def needed() -> set[str]:
+        """The shards the versions still kept decode from: their own, and their deltas' keyframes'."""
+        found: set[str] = set()
+        for run, version in tune.saved:
+            digests = list(large_digests(store, run, version).values())
+            where = store.locate(digests)  # a delta's base is located with it
+            found |= {link.shard_id for digest in digests for link in chain_of(where, digest)}
+        return found
+
+    # Deleting the versions the later deltas decode from: their bytes stay, the rest goes, all loads.
     for version in (1, 2):
         ckpt.delete("run", version)
     tune.forget("run", [1, 2])
     for _ in range(3):
         ckpt.gc(grace_seconds=0)
-    assert holding[1] | holding[2] <= shard_ids(store)
+    left = shard_ids(store)
+    assert holding[1] <= needed() <= left  # version 1's keyframes outlive it
+    assert all(holding[v].isdisjoint(left) for v in (1, 2) if holding[v].isdisjoint(needed()))
     assert tune.wrong_loads(ckpt) == {}
 
     # Retention removes version 3 (keep the last two); deleting the newest keeps the older ones.
@@ -294,8 +314,9 @@ def test_collections_keep_what_deltas_decode_from_and_reclaim_it_once_no_delta_d
     ckpt.delete("run", 5)
     tune.forget("run", [3, 5])
     swept = [ckpt.gc(grace_seconds=0).shards_swept for _ in range(3)]
-    assert swept[0] > 0 and holding[5].isdisjoint(shard_ids(store))  # no delta decodes from version 5
-    assert holding[1] | holding[2] | holding[3] <= shard_ids(store)  # version 4 still does from these
+    left = shard_ids(store)
+    assert swept[0] > 0 and holding[5].isdisjoint(left)  # no delta decodes from version 5
+    assert holding[1] | holding[4] <= needed() <= left  # version 4 still does from version 1
     assert tune.wrong_loads(ckpt) == {} and list(tune.saved) == [("run", 4)]
 
     # Once the last delta needing them goes, one collection reclaims the whole chain.
