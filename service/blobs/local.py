@@ -120,7 +120,10 @@ class LocalBlobStore(BlobStore):
     def will_read(self, blob_id: str, spans: Sequence[tuple[int, int]]) -> None:
         """Ask the kernel to start reading the spans into the page cache (``POSIX_FADV_WILLNEED``):
         the reads that follow find them there, and the disk serves several at once meanwhile.
-        Errors are ignored: the read itself reports them."""
+        Errors are ignored: the read itself reports them. Where the system has no such advice
+        (macOS), nothing is done."""
+        if not hasattr(os, "posix_fadvise"):
+            return
         try:
             fd = os.open(self._path(blob_id), os.O_RDONLY)
         except (OSError, ValueError):
