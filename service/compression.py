@@ -49,6 +49,7 @@ from service.blobs import BlobStore
 from service.db import Database
 from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
+from service.direct_file import DirectFileWriter
 from service.encoded_reads import chain_of, read_raw
 from service.encoding_choice import choose
 from service.errors import IntegrityError, NotFoundError, StorageError
@@ -327,7 +328,13 @@ _REPACK = (
 
 
 def write_encoded_shard(
-    db: Database, blobs: BlobStore, staging: Path, batch: Sequence[Encoded], *, repack: bool = False
+    db: Database,
+    blobs: BlobStore,
+    staging: Path,
+    batch: Sequence[Encoded],
+    *,
+    repack: bool = False,
+    direct_writes: bool = True,
 ) -> tuple[int, int]:
     """Store ``batch`` as one v2 shard and move its tensors' rows onto it: raw rows (``repack``:
     rows of the same payload in ``old_shard``); how many moved, and the shard's size."""
@@ -336,13 +343,17 @@ def write_encoded_shard(
     size = len(head) + sum(len(e.payload) for e in batch)
     path = staging / f"{shard_id}.{os.getpid()}.incomplete"
     try:
-        with open(path, "wb") as handle:
-            handle.write(head)
+        path.unlink(missing_ok=True)  # a killed collection's, should this process have its number
+        writer = DirectFileWriter(path, direct=direct_writes, in_flight=1)
+        try:
+            writer.write(head)
             for item in batch:
-                handle.write(item.payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        blobs.put_file(shard_id, path)
+                writer.write(item.payload)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        blobs.put_file(shard_id, path)  # it makes the file durable
     finally:
         path.unlink(missing_ok=True)
     offsets = []
@@ -384,10 +395,12 @@ def compress(
     max_deltas: int = DEFAULT_MAX_DELTAS,
     dry_run: bool,
     on_bytes: Callable[[int], object] | None = None,
+    direct_writes: bool = True,
 ) -> Compression:
     """Re-encode the tensors of every version committed before ``cutoff`` and not yet visited
     (see the module docstring); on a dry run, count what would be stored without writing.
-    ``on_bytes`` is told the raw bytes of each tensor visited, as it is done."""
+    ``on_bytes`` is told the raw bytes of each tensor visited, as it is done; ``direct_writes``
+    writes the new shards around the page cache (:mod:`service.direct_file`)."""
     if max_deltas < 0:
         raise ValueError(f"max_deltas {max_deltas} must be at least 0")
     report = Compression()
@@ -418,7 +431,7 @@ def compress(
                     if recent.planned is not None:
                         recent.planned.update((e.digest, e.base) for e in batch if e.base is not None)
                     if not dry_run:
-                        write_encoded_shard(db, blobs, staging, batch)
+                        write_encoded_shard(db, blobs, staging, batch, direct_writes=direct_writes)
                         report.shards += 1
             except (NotFoundError, StorageError):
                 continue  # deleted, and its parts or tensors collected, while it was visited
@@ -436,9 +449,19 @@ def compressor(
     max_deltas: int,
     dry_run: bool,
     on_bytes: Callable[[int], object] | None = None,
+    direct_writes: bool = True,
 ) -> Callable[[datetime], Compression]:
     """:func:`compress` over a store, waiting for the cutoff its collection computes."""
-    return functools.partial(compress, db, blobs, staging, max_deltas=max_deltas, dry_run=dry_run, on_bytes=on_bytes)
+    return functools.partial(
+        compress,
+        db,
+        blobs,
+        staging,
+        max_deltas=max_deltas,
+        dry_run=dry_run,
+        on_bytes=on_bytes,
+        direct_writes=direct_writes,
+    )
 
 
 def _shard_batches(chosen: Iterable[Encoded]) -> Iterator[list[Encoded]]:

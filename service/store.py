@@ -264,8 +264,8 @@ class Store:
         from service.compaction import compact_and_collect
         from service.compression import COMPACT_AFTER_COMPRESSION, compressor
 
-        deltas, staging = self.deltas_per_keyframe, self.staging_dir
-        compressing = compressor(self.db, self.blobs, staging, deltas, dry_run, on_bytes) if compress else None
+        deltas, staging, direct = self.deltas_per_keyframe, self.staging_dir, self.direct_writes
+        compressing = compressor(self.db, self.blobs, staging, deltas, dry_run, on_bytes, direct) if compress else None
         compact_below = COMPACT_AFTER_COMPRESSION if compress and compact_below is None else compact_below
         return compact_and_collect(
             db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,
