@@ -147,8 +147,7 @@ class Recorder:
 def test_a_load_of_a_compressed_fine_tune_hints_every_payload_it_reads(tmp_path: Path) -> None:
     tune = FineTune(torch.bfloat16)
     with client.Client(home=tmp_path) as ckpt:
-        for _ in range(3):
-            tune.save(ckpt, "run")
+        tune.save_versions(ckpt, "run", 3)
         ckpt.gc(compress=True, grace_seconds=0)
         recorder = Recorder(ckpt.transport)
         reader = TensorReader(recorder, ckpt.transport.manifest("run", 3))  # type: ignore[arg-type]

@@ -104,6 +104,11 @@ class FineTune:
         self.saved[(run, version)] = Saved(state, _optim_state(self.optim))
         return version
 
+    def save_versions(self, ckpt: client.Client, run: str, count: int) -> None:
+        """:meth:`save` ``count`` times: that many versions, a few steps apart."""
+        for _ in range(count):
+            self.save(ckpt, run)
+
     def differences(self, ckpt: client.Client, run: str, version: int) -> list[str]:
         """What a load of ``run@version`` into a fresh model and AdamW got wrong (empty: bit for bit)."""
         with one_thread():

@@ -126,8 +126,7 @@ def test_a_compressing_collection_tells_the_bytes_it_visits_and_the_client_shows
     store: Store, ckpt: client.Client, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tune = FineTune(torch.bfloat16)
-    for _ in range(2):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 2)
     large = {d for version in (1, 2) for d in large_digests(store, "run", version).values()}
     told: list[int] = []
 
@@ -180,8 +179,7 @@ def test_each_version_is_stored_in_its_manifests_order_so_a_load_reads_every_sha
     store: Store, ckpt: client.Client
 ) -> None:
     tune = FineTune(torch.bfloat16)
-    for _ in range(3):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 3)
     ckpt.gc(compress=True, grace_seconds=0)
     for version in (1, 3):
         large = large_digests(store, "run", version)
@@ -282,8 +280,7 @@ def test_collections_keep_what_deltas_decode_from_and_reclaim_it_once_no_delta_d
     store: Store, ckpt: client.Client
 ) -> None:
     tune = FineTune(torch.bfloat16)
-    for _ in range(5):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 5)
     ckpt.gc(compress=True, grace_seconds=0)  # version 1 whole; the weights of 2 to 5 deltas on it
     holding = {v: {store.locate([d])[d].shard_id for d in large_digests(store, "run", v).values()} for v in range(1, 6)}
     assert all(len(shards) == 1 for shards in holding.values())  # one encoded shard per version
@@ -342,8 +339,7 @@ def test_a_save_after_compression_dedups_against_the_encoded_tensors(
     store: Store, home: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, ckpt: client.Client
 ) -> None:
     tune = FineTune(torch.float32)
-    for _ in range(2):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 2)
     ckpt.gc(compress=True, grace_seconds=0)
     digests = set(keyed_digests(store, "run", 2).values())
     assert any(location.encoded for location in store.locate(digests).values())
@@ -372,8 +368,7 @@ def age(store: Store, seconds: float) -> None:
 def test_a_load_that_located_tensors_before_compression_still_reads_them(store: Store, ckpt: client.Client) -> None:
     ckpt.shard_bytes = 1  # a shard per tensor: compression leaves the large tensors' shards unreferenced
     tune = FineTune(torch.bfloat16)
-    for _ in range(3):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 3)
     digests = {d for v in (1, 2, 3) for d in keyed_digests(store, "run", v).values()}
     located = store.locate(digests)  # a load has located its tensors, and not read them yet
     assert not any(location.encoded for location in located.values())
@@ -425,8 +420,7 @@ def test_a_corrupt_payload_fails_the_load_and_verify_by_name_never_with_wrong_da
     store: Store, ckpt: client.Client, home: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     tune = FineTune(torch.bfloat16)
-    for _ in range(2):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 2)
     ckpt.gc(compress=True, grace_seconds=0)
     key = "model/1.weight"
     digest, base = (large_digests(store, "run", v)[key] for v in (2, 1))
@@ -460,8 +454,7 @@ def test_a_version_deleted_and_collected_while_the_pass_visits_it_is_skipped(
     from service import compression
 
     tune = FineTune(torch.bfloat16)
-    for _ in range(3):
-        tune.save(ckpt, "run")
+    tune.save_versions(ckpt, "run", 3)
     real = compression._encode_version
     visited: list[list[int]] = []
 
