@@ -20,7 +20,7 @@ Prints, in one run:
 3. **Collection speed.** Raw bytes the compressing collection visited per second, in all and
    per core (``os.cpu_count()``), and per CPU-second this process spent.
 4. **Codec choice.** One thread compressing and decompressing the trained bf16 weights, Adam
-   moments and an fp32 weight: ckptstore's byte-grouped zstd 1 (and its XOR delta) against
+   moments and an fp32 weight: ckptstore's byte-grouped zstd 1 (and its deltas) against
    zstd 3, zstd 1 without grouping and blosc2 (shuffle or bitshuffle + zstd 1) when it is
    installed (it is not a ckptstore dependency).
 
@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -506,8 +507,11 @@ def codec_rows(label: str, tensors: list[torch.Tensor], codec: Codec, rounds: in
     )
 
 
-def delta_row(label: str, tensors: list[torch.Tensor], bases: list[torch.Tensor], rounds: int) -> str:
-    """ckptstore's XOR delta: packing against the base, unpacking onto a copy of the base's bytes."""
+def delta_row(
+    label: str, tensors: list[torch.Tensor], bases: list[torch.Tensor], rounds: int, delta: Literal["diff", "xor"]
+) -> str:
+    """A ckptstore delta (the difference gc writes, or the XOR earlier stores hold): packing
+    against the base, unpacking onto a copy of the base's bytes."""
     views, base_views = [byte_view(t) for t in tensors], [byte_view(t) for t in bases]
     width = tensors[0].element_size()
     nbytes = sum(v.nbytes for v in views)
@@ -515,7 +519,7 @@ def delta_row(label: str, tensors: list[torch.Tensor], bases: list[torch.Tensor]
     for _ in range(rounds):
         seconds, payloads = timed(
             lambda: [
-                encoding.encode(v, width, base=b, base_digest="0" * 63 + "1")
+                encoding.encode(v, width, base=b, base_digest="0" * 63 + "1", delta=delta)
                 for v, b in zip(views, base_views, strict=True)
             ]
         )
@@ -534,8 +538,9 @@ def delta_row(label: str, tensors: list[torch.Tensor], bases: list[torch.Tensor]
         unpack_s.append(seconds)
         assert all(np.array_equal(o, np.frombuffer(v, dtype=np.uint8)) for o, v in zip(outs, views, strict=True))
     size = sum(len(p) for p in payloads)
+    what = "difference (gc writes)" if delta == "diff" else "XOR (earlier stores)"
     return (
-        f"| {label} | ckptstore: XOR delta against version 3, then as above | {size / nbytes:.3f}x "
+        f"| {label} | ckptstore: {what} delta against version 3, then as above | {size / nbytes:.3f}x "
         f"| {nbytes / min(pack_s) / MB:,.0f} | {nbytes / min(unpack_s) / MB:,.0f} |"
     )
 
@@ -577,7 +582,7 @@ def codec_table(runs: dict[str, Trained], rounds: int) -> list[str]:
             rows.append(codec_rows(label, tensors, codec, rounds))
             progress(f"codec {codec.name} on {label}")
         if bases is not None:
-            rows.append(delta_row(label, tensors, bases, rounds))
+            rows.extend(delta_row(label, tensors, bases, rounds, delta) for delta in ("diff", "xor"))
     return rows
 
 

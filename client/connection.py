@@ -155,7 +155,7 @@ class Connection:
         rewrites the live tensors of every shard whose live bytes are below that share of its
         size into a new shard; the old shard goes once the grace period has passed. ``compress``
         first re-encodes, smallest first, the tensors each version older than the grace period
-        added: byte-grouped and compressed, or as a compressed XOR delta against the same tensor
+        added: byte-grouped and compressed, or as a compressed delta against the same tensor
         of an earlier version stored whole (its keyframe); loads decode them, and the raw shards
         go once the grace period has passed; on a terminal a bar counts the bytes visited (a
         server's collection shows none). A server asks for an admin token.

@@ -7,8 +7,9 @@ and for every tensor a version added (raw, at least :data:`MIN_BYTES`) keeps the
 - its raw bytes (kept where they are: nothing is rewritten for less than
   :data:`~service.encoding_choice.MIN_GAIN`);
 - ``grouped-zstd``: its bytes grouped by byte position, compressed;
-- ``xor-grouped-zstd``: the XOR with the *keyframe* of the same key (and chunk), compressed the
-  same way (a full fine-tune moves each weight a little, so the XOR is mostly zero bits), if it
+- ``diff-grouped-zstd``: the difference from the *keyframe* of the same key (and chunk),
+  element by element, compressed the same way (a full fine-tune moves each weight a few units in
+  its last place, so the differences are mostly zero bits), if it
   takes at most :data:`~service.encoding_choice.DELTA_AT_MOST` of the tensor stored whole.
   The keyframe is the parent version's tensor if that is stored whole (compressed or raw), or
   the base of the parent's delta; when ``max_deltas`` deltas already decode from it, the tensor
@@ -55,6 +56,7 @@ from service.encoding_choice import choose
 from service.errors import IntegrityError, NotFoundError, StorageError
 from service.format.digest import shard_id as blob_id_of
 from service.format.dtypes import itemsize
+from service.format.encoding import DELTAS
 from service.format.safetensors_header import header_bytes
 from service.gc import hold_exclusive
 from service.manifest_parts import part_bodies
@@ -256,7 +258,7 @@ def _encode_version(
         if chosen is None:
             return None
         name, payload = chosen
-        uses = base if name == "xor-grouped-zstd" else None
+        uses = base if name in DELTAS else None
         needs = () if uses is None else (uses, *(link.digest for link in chain_of(locations, uses)[1:]))
         recent.keep(digest, data)
         return Encoded(digest, location.shard_id, location.nbytes, name, payload, uses, needs)

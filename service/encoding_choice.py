@@ -38,7 +38,7 @@ def choose(data: memoryview, width: int, base: memoryview | None, base_digest: s
     if base is None:
         name, payload = "grouped-zstd", encoding.encode(data, width)
     else:
-        name, payload = "xor-grouped-zstd", encoding.encode(data, width, base=base, base_digest=base_digest)
+        name, payload = "diff-grouped-zstd", encoding.encode(data, width, base=base, base_digest=base_digest)
     return (name, payload) if len(payload) <= (1 - MIN_GAIN) * len(data) else None
 
 

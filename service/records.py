@@ -49,7 +49,7 @@ class TensorLocation:
     #: of them), or an encoded payload of ``stored_nbytes`` bytes that decodes to ``nbytes``.
     encoding: str = "raw"
     stored_nbytes: int | None = None
-    #: A delta's base: the digest whose raw bytes the decoded delta is XORed with.
+    #: A delta's base: the digest whose raw bytes the decoded delta applies to.
     base: str | None = None
 
     @property

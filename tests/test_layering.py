@@ -372,6 +372,6 @@ def test_nothing_in_the_service_imports_the_client_or_torch_even_inside_a_functi
         for name, path in product_modules("service").items()
         for library in third_party_imports(path) & {"client", "torch", "numpy"}
     }
-    # The one exception: the codec of tensors compressed at rest groups bytes and XORs deltas with
+    # The one exception: the codec of tensors compressed at rest groups bytes and applies deltas with
     # numpy, imported when a payload is first encoded or decoded (never by serve, db or ls).
     assert offenders == {"service.format.encoding: numpy"}

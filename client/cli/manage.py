@@ -100,7 +100,7 @@ def gc(
         typer.Option(
             "--compress",
             help="First compress what versions older than the grace period added (byte-grouped zstd, or zstd "
-            "XOR deltas on an earlier version's tensor); the raw shards go once the grace period has passed.",
+            "deltas on an earlier version's tensor); the raw shards go once the grace period has passed.",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for scripts.")] = False,

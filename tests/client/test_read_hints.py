@@ -80,7 +80,7 @@ def located_chains(draw: st.DrawFn) -> tuple[dict[str, TensorLocation], list[str
 def _location(
     digest: str, shard: str, offset: int, nbytes: int, stored: int | None = None, base: str | None = None
 ) -> TensorLocation:
-    encoding = "raw" if stored is None else ("xor-grouped-zstd" if base else "grouped-zstd")
+    encoding = "raw" if stored is None else ("diff-grouped-zstd" if base else "grouped-zstd")
     return TensorLocation(digest, shard, offset, nbytes, "U8", [nbytes], encoding, stored, base)
 
 

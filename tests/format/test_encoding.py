@@ -31,7 +31,8 @@ from service.format.encoding import (
 
 SUBJECT = "tensor under test"
 HEAD = struct.Struct("<4sBB2xIQ32sI")
-GROUPED, DELTA = 1, 2
+GROUPED, DELTA, DIFFERENCE = 1, 2, 3
+DELTA_KINDS = ("diff", "xor")
 BASE_DIGEST = "ab" * 32
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GUARD = 16
@@ -163,16 +164,40 @@ def test_a_keyframe_decodes_to_its_bytes(tensor: tuple[str, int, int, int, str, 
     assert decode(encoded, nbytes=nbytes, width=width) == data
 
 
+def stepped(data: bytes, width: int, seed: int, most: int) -> bytes:
+    """``data`` with every element, read as an unsigned integer, moved by up to ``most`` either way
+    (wrapping at both ends): the next version of a tensor every element of which trained on."""
+    unsigned = np.dtype(f"u{width}")
+    values = np.frombuffer(data, dtype=unsigned)
+    steps = np.random.default_rng(seed).integers(-most, most + 1, values.size).astype(unsigned)  # -1 wraps to all ones
+    return (values + steps).tobytes()
+
+
 @FAST
-@given(tensors(), st.integers(0, 2**32 - 1))
-def test_a_delta_decodes_against_its_raw_base(tensor: tuple[str, int, int, int, str, int], other: int) -> None:
+@given(tensors(), st.integers(0, 2**32 - 1), st.sampled_from(DELTA_KINDS), st.sampled_from([0, 1, 3, 1000]))
+def test_a_delta_decodes_against_its_raw_base(
+    tensor: tuple[str, int, int, int, str, int], other: int, delta: str, most: int
+) -> None:
+    """Either kind of delta, for a few elements changed or all moved (zeros moved down wrap around)."""
     _, width, block_bytes, nbytes, kind, seed = tensor
     base = make(kind, nbytes, width, seed)
-    data = perturb(base, width, other)
-    encoded = encode(data, width, base=base, base_digest=BASE_DIGEST, block_bytes=block_bytes)
+    data = perturb(base, width, other) if most == 0 else stepped(base, width, other, most)
+    encoded = encode(data, width, base=base, base_digest=BASE_DIGEST, delta=delta, block_bytes=block_bytes)  # type: ignore[arg-type]
     head = parse_head(encoded, nbytes=nbytes, width=width, subject=SUBJECT)
-    assert (head.encoding, head.base) == ("xor-grouped-zstd", BASE_DIGEST)
+    assert (head.encoding, head.base) == (f"{delta}-grouped-zstd", BASE_DIGEST)
     assert decode(encoded, nbytes=nbytes, width=width, base=base) == data
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("most", [1, 3, 8])
+def test_small_steps_take_fewer_bytes_as_differences_than_as_xor(width: int, most: int) -> None:
+    """Weights each moved a few units in their last place: the zigzag difference is a few low
+    bits, the XOR of two neighbouring numbers often many (a carry flips every bit it runs through)."""
+    values = (np.random.default_rng(5).standard_normal(BLOCK_BYTES // 4) * 0.02).astype(np.float32)
+    base = values.tobytes() if width == 4 else (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    data = stepped(base, width, 9, most)
+    sizes = {delta: len(encode(data, width, base=base, base_digest=BASE_DIGEST, delta=delta)) for delta in DELTA_KINDS}  # type: ignore[arg-type]
+    assert sizes["diff"] < 0.95 * sizes["xor"], sizes
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -215,10 +240,13 @@ def test_chains_decode_whole_or_by_blocks(
     _, width, block_bytes, nbytes, kind, first = tensor
     versions = [make(kind, nbytes, width, first)]
     for step in range(depth if raw_bottom else depth - 1):
-        versions.append(perturb(versions[-1], width, seed + step))
+        versions.append(
+            perturb(versions[-1], width, seed + step) if step % 2 else stepped(versions[-1], width, seed, 2)
+        )
     links = [] if raw_bottom else [encode(versions[0], width, block_bytes=block_bytes)]
     for older, newer in zip(versions, versions[1:], strict=False):
-        links.append(encode(newer, width, base=older, base_digest=BASE_DIGEST, block_bytes=block_bytes))
+        delta = data.draw(st.sampled_from(DELTA_KINDS), label="delta kind")  # a chain may mix the two
+        links.append(encode(newer, width, base=older, base_digest=BASE_DIGEST, delta=delta, block_bytes=block_bytes))
     chain = [(parse_head(p, nbytes=nbytes, width=width, subject=SUBJECT), p) for p in reversed(links)]
     assert len(chain) == depth
 
@@ -240,14 +268,15 @@ def test_chains_decode_whole_or_by_blocks(
     assert bytes(buffer) == expected
 
 
-def test_widths_may_differ_along_a_chain() -> None:
-    """A delta XORs raw bytes: its grouping is its own, whatever its base's was."""
+@pytest.mark.parametrize("delta", DELTA_KINDS)
+def test_widths_may_differ_along_a_chain(delta: str) -> None:
+    """A delta applies to raw bytes: its grouping (and element width) is its own, whatever its base's was."""
     base = make("floats", 64, 4, 1)
-    data = perturb(base, 4, 2)
+    data = stepped(perturb(base, 4, 2), 4, 3, 2)
     keyframe = encode(base, 4, block_bytes=16)
-    delta = encode(data, 2, base=base, base_digest=BASE_DIGEST, block_bytes=16)
+    encoded = encode(data, 2, base=base, base_digest=BASE_DIGEST, delta=delta, block_bytes=16)  # type: ignore[arg-type]
     chain = [
-        (parse_head(delta, nbytes=64, width=2, subject=SUBJECT), delta),
+        (parse_head(encoded, nbytes=64, width=2, subject=SUBJECT), encoded),
         (parse_head(keyframe, nbytes=64, width=4, subject=SUBJECT), keyframe),
     ]
     out = bytearray(64)
@@ -265,6 +294,10 @@ def test_encoding_is_deterministic_and_checks_its_arguments() -> None:
     for block_bytes in (0, -8, 12):
         with pytest.raises(ValueError, match="positive multiple of 8"):
             encode(data, 4, block_bytes=block_bytes)
+    with pytest.raises(ValueError, match="whole number of 4-byte elements"):
+        encode(data[:-1], 4)
+    with pytest.raises(ValueError, match="whole number of 3-byte elements"):
+        encode(data[:3], 3)
 
 
 # -- golden bytes ----------------------------------------------------------------------------
@@ -308,14 +341,38 @@ def test_golden_keyframe_payload() -> None:
         assert zstandard.ZstdDecompressor().decompress(frame) == grouped
 
 
-def test_golden_delta_payload() -> None:
-    base = struct.pack("<8H", 0x3F80, 0xC000, 0x3F00, 0x4040, 0x0000, 0x8000, 0x3FC0, 0x3F80)
+def test_golden_difference_payload() -> None:
+    """Each element's difference from its base as a 16-bit integer, zigzag-coded: 0x8000 - 0x7FFF
+    is 1, coded 2; 0xBF80 - 0xBF81 is -1, coded 1 (their XORs would be 0xFFFF and 0x0001)."""
+    base = struct.pack("<8H", 0x3F80, 0xC000, 0x3F00, 0x4040, 0x0000, 0x7FFF, 0x3FC0, 0xBF81)
     data = encode(BF16, 2, base=base, base_digest=BASE_DIGEST, block_bytes=8)
+    assert data[:56] == b"CKE1" + bytes([3, 2, 0, 0]) + struct.pack("<IQ", 8, 16) + b"\xab" * 32 + struct.pack("<I", 2)
+    decompress = zstandard.ZstdDecompressor().decompress
+    assert [decompress(frame) for frame in split_frames(data, 2)] == [bytes(8), bytes.fromhex("0002000100000000")]
+    # Hand-built (raw zstd blocks), the same difference blocks decode onto the base.
+    fixed = payload(
+        [zframe(8, zraw(bytes(8))), zframe(8, zraw(bytes.fromhex("0002000100000000")))],
+        kind=DIFFERENCE,
+        base=b"\xab" * 32,
+    )
+    assert decode(fixed, nbytes=16, width=2, base=base) == BF16
+    # The largest step either way: 0x0000 - 0xFFFF wraps to 1 (coded 2), 0xFFFF - 0x0000 to -1 (coded 1).
+    wrapped = encode(
+        struct.pack("<2H", 0x0000, 0xFFFF), 2, base=struct.pack("<2H", 0xFFFF, 0x0000), base_digest=BASE_DIGEST
+    )
+    assert decompress(split_frames(wrapped, 1)[0]) == bytes.fromhex("02010000")
+
+
+def test_golden_xor_payload_still_decodes() -> None:
+    """Kind 2, the XOR delta earlier stores hold."""
+    base = struct.pack("<8H", 0x3F80, 0xC000, 0x3F00, 0x4040, 0x0000, 0x8000, 0x3FC0, 0x3F80)
+    data = encode(BF16, 2, base=base, base_digest=BASE_DIGEST, delta="xor", block_bytes=8)
     assert data[:56] == b"CKE1" + bytes([2, 2, 0, 0]) + struct.pack("<IQ", 8, 16) + b"\xab" * 32 + struct.pack("<I", 2)
     frames = split_frames(data, 2)
     # Only the last element differs, in its sign bit: its high byte's group holds 0x80.
     decompress = zstandard.ZstdDecompressor().decompress
     assert [decompress(frame) for frame in frames] == [bytes(8), bytes(7) + b"\x80"]
+    assert decode(data, nbytes=16, width=2, base=base) == BF16
 
 
 def test_golden_payload_built_by_hand_decodes() -> None:
@@ -348,7 +405,7 @@ HOSTILE_HEADERS = {
     "wrong magic": (payload(GOOD, magic=b"CKE2"), "not an encoded payload"),
     "safetensors bytes": (struct.pack("<Q", 2) + b"{}" + bytes(60), "not an encoded payload"),
     "unknown kind 0": (payload(GOOD, kind=0), "kind 0"),
-    "unknown kind 3": (payload(GOOD, kind=3), "kind 3"),
+    "unknown kind 4": (payload(GOOD, kind=4), "kind 4"),
     "group width of another dtype": (payload(GOOD, width=4), "groups of 4"),
     "group width 0": (payload(GOOD, width=0), "groups of 0"),
     "raw size too small": (payload(GOOD, nbytes=8), "describes 8 bytes"),
@@ -361,6 +418,7 @@ HOSTILE_HEADERS = {
     "block count far past the frame table": (payload(GOOD, count=2**32 - 1), "4294967295 blocks"),
     "frame table cut short": (payload(GOOD)[: HEAD.size + 6], "ends inside its frame table"),
     "a delta without base digest": (payload(GOOD, kind=DELTA), "base digest does not fit its encoding"),
+    "a difference without base digest": (payload(GOOD, kind=DIFFERENCE), "base digest does not fit its encoding"),
     "a keyframe with a base digest": (payload(GOOD, base=b"\x01" * 32), "base digest does not fit its encoding"),
 }
 
@@ -410,7 +468,7 @@ def test_hostile_frames(case: str) -> None:
     # Decoding block 1 alone, straight into a view of exactly its bytes, fails the same way.
     buffer, view = guarded(8)
     with pytest.raises(IntegrityError, match="block 1"):
-        decode_block(head, data, 1, view, xor=False, subject=SUBJECT)
+        decode_block(head, data, 1, view, subject=SUBJECT)
     assert bytes(buffer) == bytes([0xA5]) * (8 + 2 * GUARD)
     # The thread's decompressor is none the worse for it.
     assert decode(payload(GOOD), nbytes=16, width=2) == BF16
@@ -454,7 +512,8 @@ def test_chains_that_do_not_fit_together() -> None:
 SAMPLE = make("floats", 200, 4, 11)
 VALID = {
     "keyframe": encode(SAMPLE, 4, block_bytes=64),
-    "delta": encode(SAMPLE, 4, base=perturb(SAMPLE, 4, 5), base_digest=BASE_DIGEST, block_bytes=64),
+    "xor delta": encode(SAMPLE, 4, base=perturb(SAMPLE, 4, 5), base_digest=BASE_DIGEST, delta="xor", block_bytes=64),
+    "difference": encode(SAMPLE, 4, base=stepped(SAMPLE, 4, 5, 3), base_digest=BASE_DIGEST, block_bytes=64),
 }
 
 

@@ -25,7 +25,7 @@ def floats(values: list[float]) -> Raw:
 
 
 # Weights with random mantissas (a keyframe compresses them little), of which version 2 moves a
-# seventh by exact steps (its XOR with version 1 is mostly zeros).
+# seventh by exact steps (its difference from version 1 is mostly zeros).
 WEIGHTS_1 = [float((i * 2654435761) % 4093) / 64 for i in range(COUNT)]
 WEIGHTS_2 = [value + STEP if i % 7 == 0 else value for i, value in enumerate(WEIGHTS_1)]
 W1, W2 = floats(WEIGHTS_1), floats(WEIGHTS_2)
@@ -43,7 +43,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert (report.tensors_compressed, report.tensors_as_deltas) == (2, 1)
         locations = store.locate([W1.digest, W2.digest])
         assert locations[W1.digest].encoding == "grouped-zstd"
-        assert locations[W2.digest].encoding == "xor-grouped-zstd" and locations[W2.digest].base == W1.digest
+        assert locations[W2.digest].encoding == "diff-grouped-zstd" and locations[W2.digest].base == W1.digest
         assert all(location.length < location.nbytes for location in locations.values())
     finally:
         store.close()

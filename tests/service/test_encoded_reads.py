@@ -61,7 +61,7 @@ class Shards:
         digest = None if base is None else base.digest
         payload = encode(data, itemsize(dtype), base=None if base is None else base_data, base_digest=digest)
         shard_id, offset = self.put(payload, shard=1)
-        encoding = "grouped-zstd" if base is None else "xor-grouped-zstd"
+        encoding = "grouped-zstd" if base is None else "diff-grouped-zstd"
         return TensorLocation(
             digest=tensor_digest(dtype, shape, data),
             shard_id=shard_id,
@@ -279,7 +279,7 @@ def test_a_base_of_another_dtype_or_size_is_refused(dtype: str, shape: list[int]
 
 
 def test_a_base_of_another_shape_but_the_same_bytes_is_read() -> None:
-    """A delta XORs bytes: its base may be a reshaped tensor of the same dtype and length."""
+    """A delta applies to bytes: its base may be a reshaped tensor of the same dtype and length."""
     shards = Shards()
     old, new = versions("F32", [4, 8], 2)
     base = shards.keep_raw("F32", [32], old)

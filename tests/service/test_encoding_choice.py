@@ -44,12 +44,12 @@ def test_a_delta_is_stored_exactly_when_it_takes_at_most_its_share_of_the_whole(
     chosen = choose(memoryview(data.tobytes()), 4, memoryview(base.tobytes()), BASE_DIGEST)
     assert chosen is not None  # 0.02-scale normals always compress by more than MIN_GAIN
     name, payload = chosen
-    assert name == ("xor-grouped-zstd" if delta <= DELTA_AT_MOST * whole else "grouped-zstd")
+    assert name == ("diff-grouped-zstd" if delta <= DELTA_AT_MOST * whole else "grouped-zstd")
     assert len(payload) <= (1 - MIN_GAIN) * data.nbytes
     out = bytearray(data.nbytes)
     head = encoding.parse_head(payload, nbytes=data.nbytes, width=4, subject="t")
     chain = [(head, payload)]
-    if name == "xor-grouped-zstd":
+    if name == "diff-grouped-zstd":
         out[:] = base.tobytes()
     encoding.decode_chain(chain, memoryview(out), subject="t")
     assert bytes(out) == data.tobytes()
@@ -67,7 +67,7 @@ def test_the_share_decides_between_two_encodings_that_both_save(monkeypatch: pyt
         assert found is not None
         return found[0]
 
-    assert chosen(delta / whole + 0.01) == "xor-grouped-zstd"
+    assert chosen(delta / whole + 0.01) == "diff-grouped-zstd"
     assert chosen(delta / whole - 0.01) == "grouped-zstd"
 
 
