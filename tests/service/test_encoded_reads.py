@@ -5,6 +5,7 @@ raw or encoded base, over shards held in memory, and every way the records can m
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -55,13 +56,23 @@ class Shards:
         return TensorLocation(tensor_digest(dtype, shape, data), shard_id, offset, len(data), dtype, shape)
 
     def keep_encoded(
-        self, dtype: str, shape: list[int], data: bytes, *, base: TensorLocation | None = None, base_data: bytes = b""
+        self,
+        dtype: str,
+        shape: list[int],
+        data: bytes,
+        *,
+        base: TensorLocation | None = None,
+        base_data: bytes = b"",
+        delta: Literal["diff", "xor"] = "diff",
     ) -> TensorLocation:
-        """``data`` as a keyframe, or with ``base`` a delta against ``base_data`` (the base's bytes)."""
+        """``data`` as a keyframe, or with ``base`` a delta (``delta``: a difference, or an XOR as
+        earlier stores hold) against ``base_data`` (the base's bytes)."""
         digest = None if base is None else base.digest
-        payload = encode(data, itemsize(dtype), base=None if base is None else base_data, base_digest=digest)
+        payload = encode(
+            data, itemsize(dtype), base=None if base is None else base_data, base_digest=digest, delta=delta
+        )
         shard_id, offset = self.put(payload, shard=1)
-        encoding = "grouped-zstd" if base is None else "diff-grouped-zstd"
+        encoding = "grouped-zstd" if base is None else f"{delta}-grouped-zstd"
         return TensorLocation(
             digest=tensor_digest(dtype, shape, data),
             shard_id=shard_id,
@@ -90,17 +101,19 @@ def versions(dtype: str, shape: list[int], count: int, seed: int = 0) -> list[by
 
 
 def chain(
-    shards: Shards, dtype: str, shape: list[int], depth: int, bottom: str, seed: int = 0
+    shards: Shards, dtype: str, shape: list[int], depth: int, bottom: str, seed: int = 0, deltas: str = "diff"
 ) -> tuple[dict[str, TensorLocation], list[bytes]]:
     """Versions stored as a chain ``depth`` payloads deep: a keyframe then deltas, or deltas
-    above a raw tensor. The last version is the top, decoding through all of them."""
+    above a raw tensor. The last version is the top, decoding through all of them. ``deltas``:
+    "diff", "xor" (as earlier stores hold), or "mixed" (the two in turn)."""
     data = versions(dtype, shape, depth + 1 if bottom == "raw" else depth, seed)
     if bottom == "raw":
         located = [shards.keep_raw(dtype, shape, data[0])]
     else:
         located = [shards.keep_encoded(dtype, shape, data[0])]
-    for older, newer in zip(data, data[1:], strict=False):
-        located.append(shards.keep_encoded(dtype, shape, newer, base=located[-1], base_data=older))
+    for number, (older, newer) in enumerate(zip(data, data[1:], strict=False)):
+        delta: Literal["diff", "xor"] = "xor" if deltas == "xor" or (deltas == "mixed" and number % 2) else "diff"
+        located.append(shards.keep_encoded(dtype, shape, newer, base=located[-1], base_data=older, delta=delta))
     return {location.digest: location for location in located}, data
 
 
@@ -138,9 +151,10 @@ def test_a_raw_tensor_reads_as_its_bytes() -> None:
 
 @pytest.mark.parametrize("bottom", ["raw", "keyframe"])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
-def test_chains_read_back_exactly(bottom: str, depth: int) -> None:
+@pytest.mark.parametrize("deltas", ["diff", "xor", "mixed"])
+def test_chains_read_back_exactly(bottom: str, depth: int, deltas: str) -> None:
     shards = Shards()
-    locations, data = chain(shards, "BF16", [40, 50], depth, bottom)
+    locations, data = chain(shards, "BF16", [40, 50], depth, bottom, deltas=deltas)
     top = tensor_digest("BF16", [40, 50], data[-1])
     assert len(chain_of(locations, top)) == (depth + 1 if bottom == "raw" else depth)
     assert read_tensor(shards.read, locations, top) == data[-1] == streamed(shards, locations, top)
