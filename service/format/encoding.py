@@ -12,10 +12,11 @@ u32 block bytes | u64 raw bytes | 32 bytes base digest (zeros unless a delta)
 u32 block count | u32 frame length × block count | the frames, back to back
 ```
 
-The raw bytes (for a delta: what it takes to get them from the base's raw bytes, below) are cut into blocks of
-``block bytes`` (the last shorter). Each block is *byte-grouped*, with the first byte of every
-element, then the second, … (a bfloat16 block becomes its low bytes, then its high bytes: the
-sign and exponent, which repeat a lot, end up together), and compressed as one zstd frame.
+The raw bytes (for a delta: what it takes to get them from the base's raw bytes, below) are cut
+into blocks of ``block bytes`` (the last shorter). Each block is *byte-grouped*, with the first
+byte of every element, then the second, … (a bfloat16 block becomes its low bytes, then its high
+bytes: the sign and exponent, which repeat a lot, end up together), and compressed as one zstd
+frame.
 Blocks decode independently, so a large tensor decodes on every core and a delta chain
 decodes a block at a time.
 
