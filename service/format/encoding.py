@@ -137,7 +137,8 @@ def _add_zigzag(out: np.ndarray, coded: np.ndarray, width: int) -> None:
     np = _numpy()
     unsigned = np.dtype(_UINT[width])
     words = coded.view(unsigned)
-    sign = np.negative(np.bitwise_and(words, 1))  # all ones where the difference is negative
+    sign = np.bitwise_and(words, 1)
+    np.negative(sign, out=sign)  # all ones where the difference is negative
     np.right_shift(words, 1, out=words)
     np.bitwise_xor(words, sign, out=words)
     np.add(out.view(unsigned), words, out=out.view(unsigned))
