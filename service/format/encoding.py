@@ -47,14 +47,16 @@ from service.errors import IntegrityError
 Encoding = Literal["raw", "grouped-zstd", "xor-grouped-zstd", "diff-grouped-zstd"]
 #: Encodings a tensor may be stored in; "raw" is a plain safetensors entry.
 ENCODINGS: tuple[Encoding, ...] = ("raw", "grouped-zstd", "xor-grouped-zstd", "diff-grouped-zstd")
-#: Encodings that decode from a base tensor.
-DELTAS: frozenset[str] = frozenset({"xor-grouped-zstd", "diff-grouped-zstd"})
 MAGIC = b"CKE1"
 _KINDS: dict[Encoding, int] = {"grouped-zstd": 1, "xor-grouped-zstd": 2, "diff-grouped-zstd": 3}
 #: How a payload's decoded elements meet what ``out`` holds: written over it, XORed into it, or
 #: (zigzag-decoded) added to it.
 Combine = Literal["write", "xor", "diff"]
 _COMBINE: dict[Encoding, Combine] = {"grouped-zstd": "write", "xor-grouped-zstd": "xor", "diff-grouped-zstd": "diff"}
+#: The encoding of each kind of delta :func:`encode` writes.
+_DELTA_ENCODING: dict[str, Encoding] = {"diff": "diff-grouped-zstd", "xor": "xor-grouped-zstd"}
+#: Encodings that decode from a base tensor.
+DELTAS: frozenset[str] = frozenset(_DELTA_ENCODING.values())
 _ENCODING_OF_KIND = {kind: encoding for encoding, kind in _KINDS.items()}
 _HEAD = struct.Struct("<4sBB2xIQ32sI")
 #: Raw bytes per block: small enough to stay in a core's cache while it is ungrouped, large
@@ -219,7 +221,7 @@ def encode(
         elif base is not None:
             block = _zigzag_difference(block, other[begin : begin + block_bytes], width)
         frames.append(compressor.compress(_group(block, width).data))
-    kind = _KINDS["grouped-zstd" if base is None else f"{delta}-grouped-zstd"]  # type: ignore[index]
+    kind = _KINDS["grouped-zstd" if base is None else _DELTA_ENCODING[delta]]
     digest = bytes.fromhex(base_digest) if base is not None and base_digest is not None else bytes(32)
     head = _HEAD.pack(MAGIC, kind, width, block_bytes, raw.size, digest, len(frames))
     return b"".join([head, struct.pack(f"<{len(frames)}I", *map(len, frames)), *frames])
@@ -392,7 +394,7 @@ def decode_block_frames(
     bottom_is_delta = frames[-1][0].base is not None
     # Grouping permutes bytes the same way in every payload of one width, so the XORs of a chain
     # apply to grouped blocks and the block is ungrouped once, not once per link.
-    if len({head.group for head, _ in frames}) == 1 and all(head.encoding != "diff-grouped-zstd" for head, _ in frames):
+    if len({head.group for head, _ in frames}) == 1 and all(_COMBINE[head.encoding] != "diff" for head, _ in frames):
         grouped = None
         for head, frame in reversed(frames):
             inflated = _inflate(head, frame, index, subject)
