@@ -15,7 +15,7 @@ MIN_GAIN = 0.03
 #: reads and decodes its keyframe too, nearly twice the work for a saving of a quarter or less.
 #: bf16 weights' deltas take 0.39-0.51x, fp32 weights' 0.6-0.85x. Young bf16 Adam ``exp_avg_sq``
 #: (steps 30 to 40) takes 0.76-0.84x as a delta: at 0.8, 57 of its 78 tensors in the latest
-#: version became deltas, storage fell by 0.003x and that version loaded 1.3x slower; settled
+#: version became deltas, storage fell by 0.008x and that version loaded 1.3x slower; settled
 #: (after 200 steps) it takes 0.34-0.70x and is a delta at 0.7 too.
 DELTA_AT_MOST = 0.7
 #: Stretches of a tensor compressed both ways to choose between a keyframe and a delta, and their size.
