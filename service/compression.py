@@ -34,9 +34,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,11 +46,12 @@ from sqlalchemy.orm import Session
 
 from service import lookup
 from service.blobs import BlobStore
+from service.compression_memory import BufferPool, RecentTensors
 from service.db import Database
 from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from service.db.session import insert_missing, insert_new
 from service.direct_file import DirectFileWriter
-from service.encoded_reads import chain_of, read_raw
+from service.encoded_reads import ReadInto, chain_of, read_raw
 from service.encoding_choice import choose
 from service.errors import IntegrityError, NotFoundError, StorageError
 from service.format.digest import shard_id as blob_id_of
@@ -72,8 +72,6 @@ SHARD_BYTES = 256 << 20
 VERSION_BATCH = 200
 #: Raw bytes of tensors being encoded at once (each holds its bytes, its base's and its payload).
 IN_FLIGHT_BYTES = 1 << 30
-#: Raw bytes of a version's encoded tensors kept for the next version's deltas.
-CACHE_BYTES = 1 << 30
 SHARD_FORMAT = "ckptstore.shard/2"
 #: The raw shards compression leaves are compacted when less than this share of them is live.
 COMPACT_AFTER_COMPRESSION = 0.5
@@ -87,9 +85,14 @@ class Encoded:
     old_shard: str
     nbytes: int
     encoding: str
-    payload: bytes
+    parts: tuple[bytes, ...]  # the payload, in parts written one after the other
     base: str | None
     needs: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        """The payload's length."""
+        return sum(map(len, self.parts))
 
 
 @dataclass
@@ -146,36 +149,12 @@ def _dependents(session: Session, digests: Sequence[str]) -> dict[str, int]:
     return found
 
 
-class _Recent:
-    """Raw bytes of the tensors the last version visited had encoded: the next one's delta bases."""
-
-    def __init__(self, *, dry_run: bool) -> None:
-        #: On a dry run nothing is recorded, so the deltas it would store are kept here (delta ->
-        #: keyframe), for later versions to see as a real run would.
-        self.planned: dict[str, str] | None = {} if dry_run else None
-        self.previous: dict[str, memoryview] = {}
-        self.current: dict[str, memoryview] = {}
-        self.size = 0
-        self._lock = threading.Lock()
-
-    def turn(self) -> None:
-        """Start the next version: what this one encoded becomes what the next one may read."""
-        self.previous, self.current, self.size = self.current, {}, 0
-
-    def keep(self, digest: str, data: memoryview) -> None:
-        """Keep ``data`` for the next version while the cache has room (called from the workers)."""
-        with self._lock:
-            if self.size + len(data) <= CACHE_BYTES:
-                self.current[digest] = data
-                self.size += len(data)
-
-
 def _plan(
     db: Database,
     mine: dict[Piece, tuple[str, str, list[int]]],
     theirs: dict[Piece, tuple[str, str, list[int]]],
     max_deltas: int,
-    recent: _Recent,
+    recent: RecentTensors,
 ) -> tuple[dict[str, tuple[TensorLocation, str | None]], dict[str, TensorLocation], set[str]] | None:
     """Which of a version's pieces to encode (``mine``, against its parent's ``theirs``), each with
     the keyframe a delta would decode from; their locations; and those some delta already needs.
@@ -221,9 +200,9 @@ def _encode_version(
     parent_parts: list[int],
     max_deltas: int,
     report: Compression,
-    recent: _Recent,
+    recent: RecentTensors,
     on_bytes: Callable[[int], object] | None = None,
-) -> Iterator[Encoded]:
+) -> Generator[Encoded, None, None]:
     """Choose an encoding for every raw tensor a version added (in the parts its parent lacks),
     on a pool of threads, with at most :data:`IN_FLIGHT_BYTES` of tensors on their way; each
     tensor's raw bytes are told to ``on_bytes`` once it is done."""
@@ -238,30 +217,6 @@ def _encode_version(
     if planned is None:
         return
     jobs, locations, depended_on = planned
-    read = blobs.read_into
-
-    def encode_one(digest: str) -> Encoded | None:
-        location, base = jobs[digest]
-        try:
-            data = memoryview(read_raw(read, locations, digest))
-            base_bytes = None
-            if base is not None and digest not in depended_on:
-                base_bytes = recent.previous.get(base)
-                if base_bytes is None:
-                    base_bytes = memoryview(read_raw(read, locations, base))
-            else:
-                base = None
-        except IntegrityError:
-            return None  # damaged bytes stay as they are, for `ckptstore verify` to name
-
-        chosen = choose(data, itemsize(location.dtype), base_bytes, base)
-        if chosen is None:
-            return None
-        name, payload = chosen
-        uses = base if name in DELTAS else None
-        needs = () if uses is None else (uses, *(link.digest for link in chain_of(locations, uses)[1:]))
-        recent.keep(digest, data)
-        return Encoded(digest, location.shard_id, location.nbytes, name, payload, uses, needs)
 
     pool = ThreadPoolExecutor(_workers(), thread_name_prefix="ckptstore-compress")
     waiting: deque[tuple[int, Future[Encoded | None]]] = deque()
@@ -282,7 +237,10 @@ def _encode_version(
             while waiting and in_flight + size > IN_FLIGHT_BYTES:
                 in_flight -= waiting[0][0]
                 yield from done()
-            waiting.append((size, pool.submit(encode_one, digest)))
+            location, base = jobs[digest]
+            keyframe = None if digest in depended_on else base
+            job = pool.submit(_encode_one, blobs.read_into, locations, recent, digest, location, keyframe)
+            waiting.append((size, job))
             in_flight += size
         while waiting:
             yield from done()
@@ -290,12 +248,51 @@ def _encode_version(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _encode_one(
+    read: ReadInto,
+    locations: dict[str, TensorLocation],
+    recent: RecentTensors,
+    digest: str,
+    location: TensorLocation,
+    base: str | None,
+) -> Encoded | None:
+    """Read one tensor (and ``base``, the keyframe a delta would decode from, unless the last
+    version kept it) and choose its encoding; None leaves it raw."""
+    pool = recent.pool
+    data = pool.take(location.nbytes)
+    read_base: bytearray | None = None
+    try:
+        read_raw(read, locations, digest, into=data)
+        base_bytes = None if base is None else recent.previous.get(base)
+        if base is not None and base_bytes is None:
+            read_base = base_bytes = read_raw(read, locations, base, into=pool.take(location.nbytes))
+        chosen = choose(memoryview(data), itemsize(location.dtype), _view(base_bytes), base)
+    except IntegrityError:
+        chosen = None  # damaged bytes stay as they are, for `ckptstore verify` to name
+    finally:
+        if read_base is not None:
+            pool.give(read_base)
+    if chosen is None:
+        pool.give(data)
+        return None
+    name, parts = chosen
+    uses = base if name in DELTAS else None
+    needs = () if uses is None else (uses, *(link.digest for link in chain_of(locations, uses)[1:]))
+    if not recent.keep(digest, data):
+        pool.give(data)
+    return Encoded(digest, location.shard_id, location.nbytes, name, tuple(parts), uses, needs)
+
+
+def _view(data: bytearray | None) -> memoryview | None:
+    return None if data is None else memoryview(data)
+
+
 def _counted(encoded: Encoded | None, report: Compression) -> Iterator[Encoded]:
     if encoded is not None:
         report.tensors += 1
         report.deltas += encoded.base is not None
         report.raw_bytes += encoded.nbytes
-        report.stored_bytes += len(encoded.payload)
+        report.stored_bytes += encoded.size
         yield encoded
 
 
@@ -340,9 +337,9 @@ def write_encoded_shard(
 ) -> tuple[int, int]:
     """Store ``batch`` as one v2 shard and move its tensors' rows onto it: raw rows (``repack``:
     rows of the same payload in ``old_shard``); how many moved, and the shard's size."""
-    head = header_bytes([(e.digest, "U8", [len(e.payload)]) for e in batch], {"format": SHARD_FORMAT}, align=8)
+    head = header_bytes([(e.digest, "U8", [e.size]) for e in batch], {"format": SHARD_FORMAT}, align=8)
     shard_id = blob_id_of(head)
-    size = len(head) + sum(len(e.payload) for e in batch)
+    size = len(head) + sum(e.size for e in batch)
     path = staging / f"{shard_id}.{os.getpid()}.incomplete"
     try:
         path.unlink(missing_ok=True)  # a killed collection's, should this process have its number
@@ -350,7 +347,8 @@ def write_encoded_shard(
         try:
             writer.write(head)
             for item in batch:
-                writer.write(item.payload)
+                for part in item.parts:
+                    writer.write(part)
         except BaseException:
             writer.abort()
             raise
@@ -362,7 +360,7 @@ def write_encoded_shard(
     position = len(head)
     for item in batch:
         offsets.append(position)
-        position += len(item.payload)
+        position += item.size
     moved = 0
     with db.transaction() as session:
         hold_exclusive(session)
@@ -371,7 +369,7 @@ def write_encoded_shard(
         for item, offset in zip(batch, offsets, strict=True):
             row = {
                 "b_digest": item.digest, "b_old": item.old_shard, "b_new": shard_id, "b_offset": offset,
-                "b_encoding": item.encoding, "b_stored": len(item.payload), "b_base": item.base,
+                "b_encoding": item.encoding, "b_stored": item.size, "b_base": item.base,
             }  # fmt: skip
             if connection.execute(_REPACK if repack else _MOVE, row).rowcount:
                 moved += 1
@@ -406,7 +404,7 @@ def compress(
     if max_deltas < 0:
         raise ValueError(f"max_deltas {max_deltas} must be at least 0")
     report = Compression()
-    recent = _Recent(dry_run=dry_run)
+    recent = RecentTensors(BufferPool(), dry_run=dry_run)
     after: tuple[str, int] = ("", 0)
     while True:
         with db.transaction() as session:
@@ -437,6 +435,8 @@ def compress(
                         report.shards += 1
             except (NotFoundError, StorageError):
                 continue  # deleted, and its parts or tensors collected, while it was visited
+            finally:
+                chosen.close()  # its workers are done before the next version hands their buffers on
             if not dry_run:
                 _mark(db, run_id, version)
         if len(rows) < VERSION_BATCH:
@@ -470,11 +470,11 @@ def _shard_batches(chosen: Iterable[Encoded]) -> Iterator[list[Encoded]]:
     batch: list[Encoded] = []
     size = 0
     for item in chosen:
-        if batch and size + len(item.payload) > SHARD_BYTES:
+        if batch and size + item.size > SHARD_BYTES:
             yield batch
             batch, size = [], 0
         batch.append(item)
-        size += len(item.payload)
+        size += item.size
     if batch:
         yield batch
 

@@ -62,7 +62,7 @@ def repack(db: Database, blobs: BlobStore, staging: Path, shard_id: str, live: S
             batch.append(
                 Encoded(
                     digest=payload.digest, old_shard=shard_id, nbytes=payload.nbytes, encoding=payload.encoding,
-                    payload=bytes(chain.links[0][1]), base=payload.base, needs=(),
+                    parts=(bytes(chain.links[0][1]),), base=payload.base, needs=(),
                 )
             )  # fmt: skip
     except NotFoundError:

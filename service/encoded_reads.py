@@ -195,16 +195,20 @@ def check_digest(location: TensorLocation, actual: str) -> None:
         raise IntegrityError(f"{subject(location)} reads back as {actual[:16]}…; run `ckptstore verify`")
 
 
-def read_raw(read: ReadInto, locations: Mapping[str, TensorLocation], digest: str) -> bytearray:
+def read_raw(
+    read: ReadInto, locations: Mapping[str, TensorLocation], digest: str, into: bytearray | None = None
+) -> bytearray:
     """The raw bytes of the located tensor ``digest``, decoded if stored encoded, *not* checked
     against its digest (re-encoding bytes needs no check: whatever they are, every load checks
-    what decoding them gives).
+    what decoding them gives); read into ``into`` when given (its length must be the tensor's).
 
     Raises:
         IntegrityError: a payload is corrupt or does not fit its tensor.
     """
     location = locations[digest]
-    data = bytearray(location.nbytes)
+    data = bytearray(location.nbytes) if into is None else into
+    if len(data) != location.nbytes:
+        raise ValueError(f"{len(data)} bytes cannot hold a tensor of {location.nbytes}")
     if location.encoded:
         decode_into(read, fetch_chain(read, locations, digest), memoryview(data))
     else:

@@ -8,6 +8,7 @@ from a valid payload in exactly one way and cannot pass by some other rule.
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from service.format.encoding import (
     decode_block,
     decode_chain,
     encode,
+    encode_parts,
     head_bytes,
     parse_head,
 )
@@ -186,6 +188,60 @@ def test_a_delta_decodes_against_its_raw_base(
     head = parse_head(encoded, nbytes=nbytes, width=width, subject=SUBJECT)
     assert (head.encoding, head.base) == (f"{delta}-grouped-zstd", BASE_DIGEST)
     assert decode(encoded, nbytes=nbytes, width=width, base=base) == data
+
+
+def zigzag_by_hand(data: bytes, base: bytes, width: int) -> bytes:
+    """Each element's difference from its base's, wrapping, zigzag-coded, with Python integers."""
+    bits, out = 8 * width, bytearray()
+    for i in range(0, len(data), width):
+        element, under = (int.from_bytes(b[i : i + width], "little") for b in (data, base))
+        step = (element - under) % (1 << bits)
+        signed = step - (1 << bits) if step >> (bits - 1) else step
+        coded = ((signed << 1) ^ (signed >> (bits - 1))) & ((1 << bits) - 1)
+        out += coded.to_bytes(width, "little")
+    return bytes(out)
+
+
+@FAST
+@given(tensors(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_each_frame_holds_its_block_grouped_and_the_parts_join_to_the_payload(
+    tensor: tuple[str, int, int, int, str, int], as_delta: bool, other: int
+) -> None:
+    """Grouping (and the difference) checked against Python, block by block, for every width:
+    the scratch arrays an encoding reuses never leak one block's bytes into the next."""
+    _, width, block_bytes, nbytes, kind, seed = tensor
+    data = make(kind, nbytes, width, seed)
+    base = make("random", nbytes, width, other) if as_delta else None
+    digest = BASE_DIGEST if as_delta else None
+    parts = encode_parts(data, width, base=base, base_digest=digest, block_bytes=block_bytes)
+    assert b"".join(parts) == encode(data, width, base=base, base_digest=digest, block_bytes=block_bytes)
+    assert len(parts) == 1 + block_count(nbytes, block_bytes) and len(parts[0]) == head_bytes(len(parts) - 1)
+    elements = data if base is None else zigzag_by_hand(data, base, width)
+    for index, frame in enumerate(parts[1:]):
+        block = elements[index * block_bytes : (index + 1) * block_bytes]
+        assert zstandard.ZstdDecompressor().decompress(frame) == grouped_by_hand(block, width)
+
+
+def test_threads_encoding_at_once_each_get_their_own_bytes() -> None:
+    """Every thread has scratch arrays of its own: four encoding tensors of different sizes at
+    once each get a payload that decodes to their tensor."""
+    start, failures = threading.Barrier(4), []
+
+    def encode_many(seed: int) -> None:
+        start.wait()
+        for round_ in range(12):
+            width = WIDTHS[(seed + round_) % len(WIDTHS)]
+            nbytes = width * (1 + (seed * 7919 + round_ * 104729) % 20000)
+            data = make("floats", nbytes, width, seed * 100 + round_)
+            if decode(encode(data, width, block_bytes=4096), nbytes=nbytes, width=width) != data:
+                failures.append((seed, round_))
+
+    threads = [threading.Thread(target=encode_many, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
 
 
 @pytest.mark.parametrize("width", [2, 4])

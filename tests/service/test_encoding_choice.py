@@ -43,7 +43,8 @@ def test_a_delta_is_stored_exactly_when_it_takes_at_most_its_share_of_the_whole(
     whole, delta = sizes(data, base)
     chosen = choose(memoryview(data.tobytes()), 4, memoryview(base.tobytes()), BASE_DIGEST)
     assert chosen is not None  # 0.02-scale normals always compress by more than MIN_GAIN
-    name, payload = chosen
+    name, parts = chosen
+    payload = b"".join(parts)
     assert name == ("diff-grouped-zstd" if delta <= DELTA_AT_MOST * whole else "grouped-zstd")
     assert len(payload) <= (1 - MIN_GAIN) * data.nbytes
     out = bytearray(data.nbytes)
@@ -76,3 +77,23 @@ def test_bytes_that_do_not_compress_stay_raw() -> None:
     assert choose(memoryview(noise.tobytes()), 1, None, None) is None
     other = np.random.default_rng(1).integers(0, 256, 1 << 18, dtype=np.uint8)
     assert choose(memoryview(noise.tobytes()), 1, memoryview(other.tobytes()), BASE_DIGEST) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 1 << 34))
+def test_samples_are_a_bounded_share_spread_over_the_tensor(nbytes: int) -> None:
+    """The choice compresses at most an eighth of a large tensor both ways (no fixed size that
+    costs more than compressing a small one), in equal, element-aligned stretches that stay
+    inside it and do not overlap."""
+    parts = samples(nbytes)
+    sizes = {part.stop - part.start for part in parts}
+    assert len(sizes) == 1 and len(parts) in (1, encoding_choice.SAMPLES)
+    size = sizes.pop()
+    assert all(part.start % 8 == 0 and 0 <= part.start < part.stop <= nbytes for part in parts)
+    assert all(a.stop <= b.start for a, b in zip(parts, parts[1:], strict=False))
+    floor = encoding_choice.SAMPLES * encoding_choice.SAMPLE_MIN_BYTES
+    if len(parts) == 1:  # a short tensor: all of it
+        assert parts[0] == slice(0, nbytes) and nbytes <= floor
+    else:
+        assert size % 8 == 0 and encoding_choice.SAMPLE_MIN_BYTES <= size <= encoding_choice.SAMPLE_BYTES
+        assert len(parts) * size <= max(nbytes * encoding_choice.SAMPLED_SHARE, floor)
