@@ -19,7 +19,7 @@ Prints, in one run:
    each load) and warm.
 3. **Collection speed.** Raw bytes the compressing collection visited per second, in all and
    per core (``os.cpu_count()``), and per CPU-second it spent; it runs in a process of its own,
-   as ``ckptstore gc --compress`` does.
+   as ``ckptstore gc --compress`` does, from a cold page cache.
 4. **Codec choice.** One thread compressing and decompressing the trained bf16 weights, Adam
    moments and an fp32 weight: ckptstore's byte-grouped zstd 1 (and its deltas) against
    zstd 3, zstd 1 without grouping and blosc2 (shuffle or bitshuffle + zstd 1) when it is
@@ -416,9 +416,9 @@ class Collection:
 
 def collect(home: Path) -> Collection:
     """``gc(compress=True, grace_seconds=0)`` timed in a process of its own, as ``ckptstore gc
-    --compress`` runs (warm page cache: the saves just wrote it). In this process, after training,
-    the same collection took up to twice the CPU time: the allocator's state after a training
-    loop is not that of a collection."""
+    --compress`` runs, from a cold page cache (a collection visits versions long after they were
+    saved)."""
+    evict([home])
     out = subprocess.run(
         [sys.executable, __file__, "--collect", str(home)], check=True, capture_output=True, text=True
     ).stdout
@@ -709,7 +709,7 @@ def main() -> None:
             print("\n".join(load_rows(trained, books[dtype][0], loads[dtype])))
 
         cores = os.cpu_count() or 1
-        print(f"\n## 3. `gc(compress=True, grace_seconds=0)` throughput ({cores} cores, warm page cache)\n")
+        print(f"\n## 3. `gc(compress=True, grace_seconds=0)` throughput ({cores} cores, cold page cache)\n")
         print("Visited: raw bytes of every tensor of at least 64 KiB the 4 versions hold (each is read and")
         print("encoded, then kept if it saves 3%); the pass: the compression pass alone, inside the whole collection")
         print("(which also compacts and sweeps), in a process of its own as `ckptstore gc --compress` runs. Per core:")
