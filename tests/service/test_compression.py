@@ -38,6 +38,7 @@ from typer.testing import CliRunner
 import client
 import client.progress
 from client.cli import app
+from service import compression, compression_memory
 from service.db.models import Shard, Version
 from service.encoded_reads import chain_of, read_tensor
 from service.errors import IntegrityError, NotFoundError
@@ -139,6 +140,34 @@ def test_a_compressing_collection_tells_the_bytes_it_visits_and_the_client_shows
     assert "compress: " in capsys.readouterr().err
     assert ckpt.gc(grace_seconds=0).versions_compressed == 0
     assert "compress" not in capsys.readouterr().err  # a collection that compresses nothing shows no bar
+
+
+def test_a_collection_reads_later_versions_into_the_buffers_earlier_ones_handed_back(
+    store: Store, ckpt: client.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the first two versions (one being encoded, one kept as its delta bases), a collection
+    reads each tensor into a buffer a version before it handed back, not into fresh memory."""
+    handed_out: dict[int, bytearray] = {}  # every buffer the pass was given, by identity
+
+    class CountingPool(compression_memory.BufferPool):
+        def take(self, nbytes: int) -> bytearray:
+            buffer = super().take(nbytes)
+            handed_out.setdefault(id(buffer), buffer)
+            return buffer
+
+    monkeypatch.setattr(compression, "BufferPool", CountingPool)
+    tune = FineTune(torch.bfloat16)
+    tune.save_versions(ckpt, "run", 6)
+    first = large_digests(store, "run", 1).values()
+    version_bytes = sum(location.nbytes for location in store.locate(first).values())
+
+    report = store.gc(compress=True, grace_seconds=0)
+
+    assert report.versions_compressed == 6 and report.bytes_before_compression == 6 * version_bytes
+    fresh = sum(map(len, handed_out.values()))
+    # Without reuse: six versions' worth, and the keyframes read again besides.
+    assert 2 * version_bytes <= fresh <= 3 * version_bytes, (fresh, version_bytes)
+    assert tune.wrong_loads(ckpt) == {}
 
 
 @pytest.mark.parametrize("per_keyframe", [0, 1, 2])
