@@ -19,7 +19,7 @@ Prints, in one run:
    each load) and warm.
 3. **Collection speed.** Raw bytes the compressing collection visited per second, in all and
    per core (``os.cpu_count()``), and per CPU-second it spent; it runs in a process of its own,
-   as ``ckptstore gc --compress`` does, from a cold page cache; medians of 3 collections (the
+   as ``ckptstore gc --compress`` does, from a cold page cache; medians of ``--collections`` (3; the
    store the loads read, then fresh copies of the same uncompressed versions).
 4. **Codec choice.** One thread compressing and decompressing the trained bf16 weights, Adam
    moments and an fp32 weight: ckptstore's byte-grouped zstd 1 (and its deltas) against
