@@ -42,8 +42,8 @@ def choose(
     if base is not None:
         whole = delta = 0
         for part in samples(len(data)):
-            whole += len(encoding.encode(data[part], width))
-            delta += len(encoding.encode(data[part], width, base=base[part], base_digest=base_digest))
+            whole += sum(map(len, encoding.encode_parts(data[part], width)))
+            delta += sum(map(len, encoding.encode_parts(data[part], width, base=base[part], base_digest=base_digest)))
         if delta > DELTA_AT_MOST * whole:
             base = None
     if base is None:

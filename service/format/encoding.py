@@ -38,7 +38,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 import zstandard
 
@@ -219,6 +219,16 @@ def _scratch(size: int) -> tuple[np.ndarray, np.ndarray]:
 _ENCODING_SCRATCH = threading.local()
 
 
+class EncodeOptions(TypedDict, total=False):
+    """What :func:`encode` passes on to :func:`encode_parts` besides the data and its width."""
+
+    base: memoryview | bytes | bytearray | None
+    base_digest: str | None
+    delta: Literal["diff", "xor"]
+    level: int
+    block_bytes: int
+
+
 def encode_parts(
     data: memoryview | bytes | bytearray,
     width: int,
@@ -264,23 +274,9 @@ def encode_parts(
     return [head + struct.pack(f"<{len(frames)}I", *map(len, frames)), *frames]
 
 
-def encode(
-    data: memoryview | bytes | bytearray,
-    width: int,
-    *,
-    base: memoryview | bytes | bytearray | None = None,
-    base_digest: str | None = None,
-    delta: Literal["diff", "xor"] = "diff",
-    level: int = LEVEL,
-    block_bytes: int = BLOCK_BYTES,
-) -> bytes:
-    """The payload of ``data`` (a tensor's raw bytes, elements ``width`` bytes wide): grouped and
-    compressed, or, given ``base`` (raw bytes of the same length) and its digest, the two's
-    difference (``delta="diff"``; ``"xor"`` writes the older XOR delta) grouped and compressed."""
-    parts = encode_parts(
-        data, width, base=base, base_digest=base_digest, delta=delta, level=level, block_bytes=block_bytes
-    )
-    return b"".join(parts)
+def encode(data: memoryview | bytes | bytearray, width: int, **options: Unpack[EncodeOptions]) -> bytes:
+    """The payload :func:`encode_parts` makes of ``data``, joined into one bytes object."""
+    return b"".join(encode_parts(data, width, **options))
 
 
 def parse_head(payload: memoryview | bytes | bytearray, *, nbytes: int, width: int, subject: str) -> PayloadHead:
@@ -466,6 +462,7 @@ __all__ = [
     "BLOCK_BYTES",
     "DELTAS",
     "ENCODINGS",
+    "EncodeOptions",
     "LEVEL",
     "Encoding",
     "PayloadHead",
