@@ -165,11 +165,15 @@ def train(config: LlamaConfig, dtype: str, root: Path, warmup: int = 0) -> Train
                 progress(f"{trained.label}: saved version {number}")
     trained.train_seconds = time.perf_counter() - started
     torch.set_num_threads(threads)
-    # The uncompressed store: its own database, the same blob files (hard links: shards are written
-    # once and never changed; the collection writes new ones and unlinks the compressed store's).
-    shutil.copytree(home, trained.raw_home, ignore=shutil.ignore_patterns("blobs"))
-    shutil.copytree(home / "blobs", trained.raw_home / "blobs", copy_function=os.link)
+    linked_copy(home, trained.raw_home)  # the uncompressed store
     return trained
+
+
+def linked_copy(home: Path, copy: Path) -> None:
+    """A copy of the store at ``home``: its own database, the same blob files (hard links: shards
+    are written once and never changed; a collection writes new ones and unlinks the copy's)."""
+    shutil.copytree(home, copy, ignore=shutil.ignore_patterns("blobs"))
+    shutil.copytree(home / "blobs", copy / "blobs", copy_function=os.link)
 
 
 # --------------------------------------------------------------------------------------
@@ -435,8 +439,7 @@ def collections_of(trained: Trained, root: Path, times: int) -> list[Collection]
     for number in range(1, times):
         home = root / f"{trained.dtype}-{trained.warmup}-collected-{number}"
         shutil.rmtree(home, ignore_errors=True)
-        shutil.copytree(trained.raw_home, home, ignore=shutil.ignore_patterns("blobs"))
-        shutil.copytree(trained.raw_home / "blobs", home / "blobs", copy_function=os.link)
+        linked_copy(trained.raw_home, home)
         try:
             done.append(collect(home))
         finally:
