@@ -150,9 +150,15 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
                 # third of loading a model of many small tensors. In SQLite the driver takes the
                 # statement as it is, where expanding the IN list of a Core statement compiled it
                 # anew for every batch (0.13 s of locating 32,768 tensors).
-                # ``all()`` fetches the rows at once; iterating a result fetches them one by one.
+                # ``fetchall()`` fetches the rows at once; iterating a result fetches them one by one.
+                # SQLite's own cursor hands back plain tuples, without a result row wrapping each.
                 if sqlite:
-                    rows = connection.exec_driver_sql(_sqlite_locate(len(batch)), tuple(batch)).all()
+                    cursor = connection.connection.cursor()
+                    try:
+                        cursor.execute(_sqlite_locate(len(batch)), batch)
+                        rows = cursor.fetchall()
+                    finally:
+                        cursor.close()
                 else:
                     rows = connection.execute(_LOCATE, {"digests": batch}).all()
                 for digest, shard_id, offset, nbytes, dtype, shape, encoding, stored, base in rows:

@@ -30,13 +30,14 @@ class TensorsReceipt(_Record):
     digests: list[str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TensorLocation:
     """Where one tensor digest's bytes live.
 
     A plain dataclass, not a pydantic model: a load of a model with tens of thousands of
-    tensors builds one per tensor, and a model costs several times as much to build. The HTTP
-    face still validates and serializes it as a JSON object.
+    tensors builds one per tensor, and a model costs several times as much to build (a frozen
+    dataclass three times as much as this one, 28 ms against 9 for 32,768). Treated as
+    immutable all the same. The HTTP face still validates and serializes it as a JSON object.
     """
 
     digest: str

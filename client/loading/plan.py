@@ -70,14 +70,19 @@ def plan_reads(items: Sequence[Located], unit_bytes: int) -> list[ReadUnit]:
     units: list[ReadUnit] = []
     current: ReadUnit | None = None
     for index, item in enumerate(items):
-        if current is None or current.shard_id != item.shard_id or current.offset + current.nbytes != item.offset:
-            current = _start(units, item.shard_id, item.offset)
+        shard_id, offset, nbytes = item.shard_id, item.offset, item.nbytes
+        if current is None or current.shard_id != shard_id or current.offset + current.nbytes != offset:
+            current = _start(units, shard_id, offset)
+        if current.nbytes + nbytes <= unit_bytes:  # the whole item in this read: most items of a large model
+            current.pieces.append(Piece(index, 0, nbytes, True))
+            current.nbytes += nbytes
+            continue
         done = 0
-        while done < item.nbytes:
+        while done < nbytes:
             if current.nbytes == unit_bytes:
-                current = _start(units, item.shard_id, item.offset + done)
-            length = min(unit_bytes - current.nbytes, item.nbytes - done)
-            current.pieces.append(Piece(index, done, length, done + length == item.nbytes))
+                current = _start(units, shard_id, offset + done)
+            length = min(unit_bytes - current.nbytes, nbytes - done)
+            current.pieces.append(Piece(index, done, length, done + length == nbytes))
             current.nbytes += length
             done += length
     return units

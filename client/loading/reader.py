@@ -201,12 +201,12 @@ class TensorReader:
         destination partly overlaps it: bytes for it may arrive while an earlier tensor there
         is still being hashed. Such keys are read into a fresh tensor and copied in order.
         """
-        spans = {key: _span(tensor) for key, tensor in into.items() if tensor.numel()}
+        spans = {key: _span(tensor) for key, tensor in into.items() if tensor.nbytes}
         tangled = _partly_overlapping(list(spans.values()))
         claimed: set[tuple[int, int]] = set()
         locations = self.locations
         jobs = []
-        for digest in sorted(groups, key=lambda d: (locations[d].shard_id, locations[d].offset)):
+        for digest in sorted(groups, key=lambda d: ((where := locations[d]).shard_id, where.offset)):
             keys = groups[digest]
             owner = None
             for key in keys:
@@ -247,17 +247,18 @@ class TensorReader:
                 yield from self._hand_out(job, digest, into)
                 self._count(job.location.nbytes)
 
-    def _hand_out(
-        self, job: _Job, digest: str, into: dict[str, torch.Tensor]
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Check a whole tensor's digest, then yield it under each of its keys."""
-        self._check(job.keys[0], job.location, digest)
+    def _hand_out(self, job: _Job, digest: str, into: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Check a whole tensor's digest, then hand it out under each of its keys (a list, not a
+        generator: a load of many small tensors makes one per tensor)."""
+        first = job.keys[0]
+        self._check(first, job.location, digest)
         tensor = job.release()
-        yield job.keys[0], _deliver(tensor, into.get(job.keys[0]))
+        handed = [(first, _deliver(tensor, into.get(first)))]
         for key in job.keys[1:]:
             # Every key gets its own memory: optimizer state updated in place
             # (Adam's step, equal moments) must never alias another parameter's.
-            yield key, _deliver(tensor, into.get(key), copy=True)
+            handed.append((key, _deliver(tensor, into.get(key), copy=True)))
+        return handed
 
     def _stream_raw(
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
@@ -356,7 +357,8 @@ class TensorReader:
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The memory a contiguous tensor occupies: (first byte, end) addresses."""
-    return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    start = tensor.data_ptr()
+    return start, start + tensor.nbytes
 
 
 def _partly_overlapping(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
@@ -394,6 +396,8 @@ def _deliver(source: torch.Tensor, destination: torch.Tensor | None, *, copy: bo
     """``source``'s values in ``destination`` if given (returned), else in ``source`` or a copy of it."""
     if destination is None:
         return source.detach().clone() if copy else source
+    if destination is source:
+        return destination
     if destination.data_ptr() != source.data_ptr() and source.numel():
         byte_view(destination.detach())[:] = byte_view(source.detach())
     return destination

@@ -118,9 +118,11 @@ def load_into_model(
     with copier, closing(stream):
         for key, source in stream:
             target = targets[name_of[key]]
-            if source is target:
-                pass
-            elif target.is_cpu:
+            if source is target:  # read in place: same dtype, on the CPU
+                if (digest := entries[key].digest) is not None:
+                    loaded(target, digest)
+                continue
+            if target.is_cpu:
                 _copy_into(target, source)
             else:
                 copier.copy(target, source)
