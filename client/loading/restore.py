@@ -114,7 +114,8 @@ def load_into_model(
     casts = []
     verified: list[tuple[torch.Tensor, str]] = []
     copier = DeviceCopier(target.device for target in targets.values())
-    stream = reader.read_many(sources.values(), into=direct, host_empty=copier.host_empty)
+    # Each of ``direct`` passed _readable_in_place and the shape check above: the reader's rules and more.
+    stream = reader.read_many(sources.values(), into=direct, host_empty=copier.host_empty, checked=True)
     with copier, closing(stream):
         for key, source in stream:
             target = targets[name_of[key]]
