@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Text, bindparam, select, type_coerce, update
 from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
@@ -18,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from service.db import Database
 from service.db.models import Tensor, table, utcnow
+from service.db.session import driver_rows
 from service.db.shapes import ShapeCache
 from service.errors import InvalidInputError, NotFoundError
 from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
@@ -150,15 +152,10 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
                 # third of loading a model of many small tensors. In SQLite the driver takes the
                 # statement as it is, where expanding the IN list of a Core statement compiled it
                 # anew for every batch (0.13 s of locating 32,768 tensors).
-                # ``fetchall()`` fetches the rows at once; iterating a result fetches them one by one.
-                # SQLite's own cursor hands back plain tuples, without a result row wrapping each.
+                # The rows are fetched at once; iterating a result fetches them one by one.
+                rows: Sequence[Sequence[Any]]
                 if sqlite:
-                    cursor = connection.connection.cursor()
-                    try:
-                        cursor.execute(_sqlite_locate(len(batch)), batch)
-                        rows = cursor.fetchall()
-                    finally:
-                        cursor.close()
+                    rows = driver_rows(connection, _sqlite_locate(len(batch)), batch)
                 else:
                     rows = connection.execute(_LOCATE, {"digests": batch}).all()
                 for digest, shard_id, offset, nbytes, dtype, shape, encoding, stored, base in rows:
