@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     #: Bytes of downloads (shards, range batches, tensors) read from blob storage and not yet taken
     #: by the clients' sockets, per worker; a piece waits for room (:mod:`service.api.streaming`).
     max_unsent_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    #: Downloads of shards and range batches from a local blob folder are sent by the kernel
+    #: (``sendfile``, :mod:`service.api.sendfile`), no byte passing through the server's memory.
+    #: False: they are read and streamed piece by piece under ``max_unsent_bytes``.
+    sendfile: bool = True
     #: Seconds a signed read URL of a shard stays valid, where the blobs are in S3: clients then
     #: read shard bytes from S3 directly (``POST /v1/shards/urls``). 0: every read goes through the server.
     read_url_seconds: int = Field(default=900, ge=0, le=7 * 24 * 3600)

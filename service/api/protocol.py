@@ -14,6 +14,8 @@ cycle object uvicorn has just built for each request.
 A large body of known length may also be read from the socket by the app itself, off the event
 loop (:mod:`service.api.socket_body`).
 
+An answer made of local files may be sent by the kernel (:mod:`service.api.sendfile`).
+
 Four more things uvicorn lacks are added per connection (:class:`PiecewiseBodyProtocol`):
 
 - **read timeouts.** A request's line and headers must arrive within ``header_timeout``
@@ -56,6 +58,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from service.api import sendfile
 from service.api.socket_body import offer
 
 #: Defaults of the read timeouts, for a uvicorn Config that does not carry them
@@ -183,7 +186,15 @@ class PiecewiseRequestCycle(RequestResponseCycle):
 
     async def send(self, message: ASGISendEvent) -> None:
         """uvicorn's send (it first waits until everything sent before is taken, then writes), then
-        the write deadline learns whether the answer started, ended, or went out whole."""
+        the write deadline learns whether the answer started, ended, or went out whole.
+
+        A ``ckptstore.sendfile`` message (:mod:`service.api.sendfile`) has its file segments sent
+        by the kernel, then counts as a body message without bytes."""
+        if message["type"] == sendfile.EXTENSION:
+            extension: Any = message
+            seconds = self.write_deadline.seconds if self.write_deadline is not None else WRITE_TIMEOUT
+            await sendfile.send_segments(self, extension["segments"], seconds, reset)
+            message = {"type": "http.response.body", "body": b"", "more_body": bool(extension.get("more_body"))}
         await super().send(message)
         deadline = self.write_deadline
         if deadline is None or self.disconnected:
@@ -340,6 +351,7 @@ class PiecewiseBodyProtocol(HttpToolsProtocol):
         self.body_seen = 0
         if isinstance(self.cycle, PiecewiseRequestCycle):
             offer(self, self.cycle)
+            sendfile.offer(self.transport, self.cycle.scope)
         self.start_body_window()
 
     async def over_capacity(self, scope: Any, receive: Any, send: Any) -> None:

@@ -9,16 +9,19 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import range_batch
-from service.api import ranges
+from service.api import ranges, sendfile
 from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
 from service.api.metrics import Metrics
 from service.api.schemas import DigestList, MissingResponse, RangeBatch, ReadUrls, ShardList, SizeList, SizesHeld
+from service.api.sendfile import FileAnswer, FileSpans
 from service.api.socket_body import offered
 from service.api.streaming import PIECE_BYTES
 from service.api.strict_json import StrictJSONRoute
 from service.api.uploads import receive_shard, receive_unhashed
 from service.format.digest import DIGEST_PATTERN
 from service.records import ShardReceipt, TensorLocation, TensorsReceipt
+from service.settings import Settings
+from service.store import Store
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["data"])
 #: The OpenAPI description of a request body of raw bytes.
@@ -125,7 +128,9 @@ SHARD_RESPONSES: dict[int | str, dict[str, object]] = {
 @router.get("/shards/{shard_id}", dependencies=[CanRead], response_class=StreamingResponse, responses=SHARD_RESPONSES)
 async def download_shard(
     shard_id: ShardId,
+    request: Request,
     store: StoreDep,
+    settings: SettingsDep,
     streamer: StreamerDep,
     metrics: MetricsDep,
     range_: RangeHeader = None,
@@ -136,10 +141,27 @@ async def download_shard(
     plan = ranges.answer(shard_id, size, range_, if_none_match)
     if plan.status == 304:
         return Response(status_code=304, headers=plan.headers)
-    chunks = store.iter_shard(shard_id, plan.start, plan.length, PIECE_BYTES)
-    answer = await streamer.open(chunks, plan.status, plan.headers)  # reads the first piece: errors come first
+    spans = await _local_files(request, store, settings, [(shard_id, plan.start, plan.length)])
+    if spans is not None:
+        answer: Response = FileAnswer(spans, plan.status, plan.headers)
+    else:
+        chunks = store.iter_shard(shard_id, plan.start, plan.length, PIECE_BYTES)
+        answer = await streamer.open(chunks, plan.status, plan.headers)  # reads the first piece: errors come first
     metrics.add_bytes("out", plan.length)
     return answer
+
+
+async def _local_files(
+    request: Request, store: Store, settings: Settings, spans: list[tuple[str, int, int]]
+) -> FileSpans | None:
+    """The spans as files the kernel can send, their first opened already (so a shard gone since
+    it was checked is a 404), where blobs are local files, the settings allow it and the connection
+    offers it; else None."""
+    if not spans or not settings.sendfile or not sendfile.offered(request.scope):
+        return None
+    first = spans[0][0]
+    fd = await run_in_threadpool(store.blobs.open_file, first)  # a shard's blob id is its id
+    return None if fd is None else FileSpans(store.blobs.open_file, spans, opened=(first, fd))
 
 
 @router.post(
@@ -148,7 +170,14 @@ async def download_shard(
     response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
-async def download_ranges(body: RangeBatch, store: StoreDep, streamer: StreamerDep, metrics: MetricsDep) -> Response:
+async def download_ranges(
+    body: RangeBatch,
+    request: Request,
+    store: StoreDep,
+    settings: SettingsDep,
+    streamer: StreamerDep,
+    metrics: MetricsDep,
+) -> Response:
     """Byte ranges of many shards in one answer: their bytes back to back, in the order asked.
 
     At most ``MAX_RANGES`` ranges and ``MAX_BATCH_BYTES`` in all; each range must lie inside
@@ -156,8 +185,13 @@ async def download_ranges(body: RangeBatch, store: StoreDep, streamer: StreamerD
     """
     wanted = [range_batch.ByteRange(r.shard_id, r.offset, r.length) for r in body.ranges]
     total = await run_in_threadpool(range_batch.check_batch, store, wanted)
-    chunks = range_batch.stream_batch(store, wanted, PIECE_BYTES)
-    answer = await streamer.open(chunks, headers={"Content-Length": str(total), "Cache-Control": "no-store"})
+    headers = {"Content-Length": str(total), "Cache-Control": "no-store"}
+    spans = await _local_files(request, store, settings, [(r.shard_id, r.offset, r.length) for r in wanted])
+    if spans is not None:
+        answer: Response = FileAnswer(spans, 200, headers)
+    else:
+        chunks = range_batch.stream_batch(store, wanted, PIECE_BYTES)
+        answer = await streamer.open(chunks, headers=headers)
     metrics.add_bytes("out", total)
     return answer
 

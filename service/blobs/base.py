@@ -103,6 +103,15 @@ class BlobStore(ABC):
         does nothing."""
         return None
 
+    def open_file(self, blob_id: str) -> int | None:
+        """A read-only file descriptor of the blob where blobs are local files (the caller closes
+        it), so its bytes can be sent by the kernel; None where they are not (this default).
+
+        Raises:
+            NotFoundError: the blob is absent (where blobs are local files).
+        """
+        return None
+
     def read_scatter(self, blob_id: str, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` in turn with the blob's consecutive bytes starting at ``offset``.
 

@@ -117,6 +117,15 @@ class LocalBlobStore(BlobStore):
         finally:
             os.close(fd)
 
+    def open_file(self, blob_id: str) -> int:
+        """A read-only descriptor of the blob's file (the caller closes it).
+
+        Raises:
+            NotFoundError: the blob is absent.
+            StorageError: the file cannot be opened.
+        """
+        return self._open(blob_id, 0)
+
     def will_read(self, blob_id: str, spans: Sequence[tuple[int, int]]) -> None:
         """Ask the kernel to start reading the spans into the page cache (``POSIX_FADV_WILLNEED``):
         the reads that follow find them there, and the disk serves several at once meanwhile.

@@ -336,7 +336,8 @@ def _error_responses(tmp_path: Path, serve: Callable[[FastAPI], Served]) -> dict
             found[errors.PermissionDeniedError] = http.post("/v1/tensors/missing", json={"digests": []}, headers=read)
             direct = f"/v1/shards/{SMALL.shard_id}/uploads"  # a server on a local folder takes none
             found[errors.DirectUploadsUnavailableError] = http.post(direct, json={"size": 8}, headers=write)
-        busy = create_app(store, settings.model_copy(update={"write_timeout": 0.1}))
+        # Streamed answers (not sendfile's, which hold no memory) wait for room in the budget.
+        busy = create_app(store, settings.model_copy(update={"write_timeout": 0.1, "sendfile": False}))
         budget = busy.state.streamer.budget
         asyncio.run(budget.take(budget.total))  # no room for answers: a download waits 0.1 s, then is refused
         with serve(busy).client() as http:

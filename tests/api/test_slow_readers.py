@@ -157,6 +157,23 @@ def read_to_end(sock: socket.socket, seconds: float = 30) -> tuple[int, str]:
     return received, "open"
 
 
+def read_in_full(server: Server, request: bytes, size: int) -> None:
+    """Send ``request`` (raw, as :func:`stalled` does) on a new connection and read its whole answer."""
+    with socket.create_connection(server.address, timeout=60) as sock:
+        sock.sendall(request)
+        head = bytearray()
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, "the connection closed before the answer's head came"
+            head += chunk
+        got = len(head.partition(b"\r\n\r\n")[2])
+        while got < size:
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"the connection closed after {got} of {size} bytes"
+            got += len(chunk)
+    assert head.startswith(b"HTTP/1.1 200"), bytes(head[:200])
+
+
 def healthz_ms(server: Server, count: int) -> list[float]:
     """``count`` timings of /healthz, each on a new connection (as a load balancer's probe)."""
     timings = []
@@ -198,13 +215,10 @@ def test_clients_that_never_read_are_dropped_once_the_write_timeout_passes(serve
 def test_a_hundred_stalled_clients_hold_at_most_the_budget_and_leave_healthz_fast(
     serve: Callable[..., Server],
 ) -> None:
-    server = serve()  # the default write timeout (30 s): the clients stay stalled while measured
+    # Answers streamed piece by piece (sendfile off): what they hold is the budget's.
+    server = serve(sendfile="false")  # the default write timeout (30 s): the clients stay stalled while measured
     request, size = whole_shards(server.shard, 256 << 20)
-    with server.http() as http:  # warm up: one answer of the same size read in full
-        body = request.partition(b"\r\n\r\n")[2]
-        answer = http.post("/v1/shards/ranges", content=body, headers={"Content-Type": "application/json"})
-        assert answer.status_code == 200 and len(answer.content) == size
-        del answer
+    read_in_full(server, request, size)  # warm up: one answer of the same size
     idle = server.process.reset_peak()
     socks = []
     try:
@@ -221,6 +235,35 @@ def test_a_hundred_stalled_clients_hold_at_most_the_budget_and_leave_healthz_fas
             sock.close()
     # Clients that go away give their pieces back.
     assert server.wait_for_unsent_bytes(lambda held: held == 0, 30) == 0
+
+
+@pytest.mark.parametrize("route", ["GET /v1/shards/{id}", "POST /v1/shards/ranges"])
+def test_a_hundred_stalled_clients_of_sendfile_answers_hold_no_memory_nor_threads(
+    serve: Callable[..., Server], route: str
+) -> None:
+    server = serve()  # sendfile (the default for a local folder); the clients stay stalled while measured
+    request, size = get_shard(server.shard) if route.startswith("GET") else whole_shards(server.shard, 256 << 20)
+    read_in_full(server, request, size)  # warm up: one answer of the same size
+    idle = server.process.reset_peak()
+    socks = []
+    try:
+        socks = [stalled(server.address, request) for _ in range(100)]
+        for sock in socks:  # every client has its status line: its answer is under way and stuck
+            sock.settimeout(30)
+            assert sock.recv(12).startswith(b"HTTP/1.1 200")
+        # The bytes in flight are the kernel's socket buffers, none read into the server's memory;
+        # and no thread waits on a stalled client, so the thread pool still serves /healthz at once.
+        assert server.unsent_bytes() == 0
+        timings = healthz_ms(server, 9)
+        assert statistics.median(timings) < 100, timings
+        with server.http() as http:  # a full answer, through the same pool of threads, still comes
+            whole = http.get(f"/v1/shards/{server.shard.shard_id}")
+            assert whole.status_code == 200 and whole.content == server.shard.data
+        grown = server.process.status_bytes("VmHWM") - idle
+        assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB over {idle >> 20} MiB idle"
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @pytest.mark.parametrize("route", ["GET /v1/shards/{id}", "POST /v1/shards/ranges"])
