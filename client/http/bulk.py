@@ -21,6 +21,7 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -202,7 +203,8 @@ class BulkHttp:
             if response.status >= 300:
                 answer.content = response.read()
             else:
-                fill_buffers(response, buffers, path, response.getheader("content-length"))
+                source = _SocketBody.of(response, connection.sock, self._timeout)
+                fill_buffers(source, buffers, path, response.getheader("content-length"))
         except BaseException:
             connection.close()
             raise
@@ -270,6 +272,56 @@ class HttpxBulk:
 
 class _ReadsInto(Protocol):
     def readinto(self, buffer: memoryview) -> int: ...
+
+
+class _SocketBody:
+    """``readinto`` over the rest of a plain-TCP response body of known length, read with
+    ``MSG_WAITALL`` straight from the socket once the bytes buffered with the headers are taken.
+
+    ``HTTPResponse.readinto`` returns what one ``recv`` brings (a few dozen KiB over loopback):
+    thousands of calls, each through Python and the interpreter lock, for a large range. Here the
+    kernel fills each destination buffer in one call. The socket is blocking for the call, the
+    kernel's receive timeout standing in for the connection's: a call that brings nothing for
+    ``timeout`` seconds raises ``TimeoutError``, as a read of the connection would.
+    """
+
+    def __init__(self, response: http.client.HTTPResponse, sock: socket.socket, timeout: float) -> None:
+        self._response = response
+        self._sock = sock
+        self._timeout = timeout
+        self._buffered = len(response.fp.peek(0)) if response.fp is not None else 0
+
+    @classmethod
+    def of(cls, response: http.client.HTTPResponse, sock: socket.socket | None, timeout: float) -> _ReadsInto:
+        """The fast reader where it applies (plain TCP, a Content-Length), else ``response`` itself."""
+        if sock is None or isinstance(sock, ssl.SSLSocket) or response.chunked or response.length is None:
+            return response
+        return cls(response, sock, timeout)
+
+    def readinto(self, buffer: memoryview) -> int:
+        """Fill as much of ``buffer`` as the body has left (0 at its end)."""
+        response = self._response
+        left = response.length or 0
+        if self._buffered or not left or not buffer.nbytes:
+            count = response.readinto(buffer[: self._buffered] if self._buffered else buffer)
+            self._buffered -= min(count, self._buffered)
+            return count
+        want = min(buffer.nbytes, left)
+        sock = self._sock
+        sock.settimeout(None)
+        seconds = int(self._timeout)
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int((self._timeout - seconds) * 1e6))
+        )
+        try:
+            count = sock.recv_into(buffer, want, socket.MSG_WAITALL)
+        except BlockingIOError:
+            raise TimeoutError(f"no bytes came for {self._timeout:g} s") from None
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+            sock.settimeout(self._timeout)
+        response.length = left - count
+        return count
 
 
 class _Chunks:
