@@ -48,7 +48,8 @@ def _sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds DTensor parameters in an initialized process group (FSDP2 and
     other DTensor parallelism), checked without importing torch.distributed's checkpointing
     when no process group is up."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not (distributed and isinstance(model, torch.nn.Module)):  # not a module: flatten says why
         return False
     from client.distributed.training import is_sharded
 

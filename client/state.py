@@ -165,6 +165,11 @@ def flatten(
 ) -> FlatState:
     """Flatten everything a save stores; ``names_of`` gives the model's names (a client passes
     its :class:`client.names.NamesCache`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise StateEncodingError(
+            f"model must be a torch.nn.Module, not a {type(model).__name__}; "
+            "store a plain {name: tensor} dict with save_state_dict"
+        )
     flat = FlatState()
     known = names_of(model)
     flatten_model(flat, model, known)

@@ -114,3 +114,14 @@ def test_a_shape_whose_strides_overflow_is_refused_by_key_before_anything_is_sto
             assert "size or strides overflow 64-bit integers" in message
     assert backend.client.runs() == []
     assert list(backend.blobs.list_ids()) == [], "a refused save stored shards"
+
+
+@pytest.mark.parametrize("model", [{"w": torch.ones(3)}, [torch.ones(3)], torch.ones(3), None])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_model_that_is_not_a_module_is_refused_by_its_type(backend: Backend, model: Any, blocking: bool) -> None:
+    with pytest.raises(client.StateEncodingError) as raised:
+        backend.client.save("run", model, blocking=blocking)
+    message = str(raised.value)
+    assert f"model must be a torch.nn.Module, not a {type(model).__name__}" in message
+    assert "save_state_dict" in message
+    assert backend.client.runs() == []
