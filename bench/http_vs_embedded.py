@@ -12,9 +12,12 @@ Prints, in one run:
    from S3 directly) and with ``CKPTSTORE_READ_URL_SECONDS=0`` (every byte through the server):
    the aggregate load throughput and the CPU seconds the server's processes spent.
 
-The server and moto run as processes of their own; server start-up is not timed. Page cache:
-warm (the store's files were just written). On a 2-core machine the S3 stand-in itself takes a
-core, so compare the server's CPU seconds more than the throughput.
+The server and moto run as processes of their own; server start-up is not timed, and each
+timed call starts after ``os.sync()``. Page cache: a local folder's shards are written around
+it (``O_DIRECT``), so the load after a save reads the disk; moto keeps its objects in memory
+and temporary files. The server's CPU seconds (its workers' user and system time) are printed
+beside each HTTP row. On a 2-core machine the S3 stand-in itself takes a core, so compare the
+server's CPU seconds more than the throughput.
 
     .venv/bin/python bench/http_vs_embedded.py --quick      # 128 MiB, 256 MiB read by 4 readers, 1 round
     .venv/bin/python bench/http_vs_embedded.py
@@ -132,6 +135,9 @@ def cpu_seconds(process: psutil.Process) -> float:
 
 
 def timed(action: object) -> float:
+    """Seconds ``action()`` takes, started on a quiet disk: what earlier rows left to write back
+    (moto keeps its objects in temporary files) is flushed first, off the clock."""
+    os.sync()
     started = time.perf_counter()
     action()  # type: ignore[operator]
     return time.perf_counter() - started
@@ -146,24 +152,38 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
     for number in range(rounds):
         for name in ("embedded", "http, local folder", "http, S3"):
             home = root / f"{name.replace(' ', '_').replace(',', '')}-{number}"
-            times = found.setdefault(name, {"save": [], "load": []})
+            times = found.setdefault(name, {"save": [], "load": [], "save cpu": [], "load cpu": []})
             if name == "embedded":
                 with Client(home=home) as ckpt:
                     times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
                 with Client(home=home) as ckpt:
                     times["load"].append(timed(lambda ckpt=ckpt: ckpt.load(RUN, model=target)))
                 continue
-            with served(home, s3 if "S3" in name else None) as (url, _):
-                with Client(url) as ckpt:
-                    times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
-                with Client(url) as ckpt:
-                    times["load"].append(timed(lambda ckpt=ckpt: ckpt.load(RUN, model=target)))
+            with served(home, s3 if "S3" in name else None) as (url, server):
+                for what, action in (
+                    ("save", lambda ckpt: ckpt.save(RUN, model)),
+                    ("load", lambda ckpt: ckpt.load(RUN, model=target)),
+                ):
+                    with Client(url) as ckpt:
+                        before = cpu_seconds(server)
+                        times[what].append(timed(lambda ckpt=ckpt, action=action: action(ckpt)))
+                        times[f"{what} cpu"].append(cpu_seconds(server) - before)
     base = {what: statistics.median(found["embedded"][what]) for what in ("save", "load")}
-    print(f"\n## Save and load, {size / MIB:.0f} MiB fp32, medians of {rounds} (warm page cache)")
-    print(f"{'store':<22}{'save s':>9}{'vs embedded':>13}{'load s':>9}{'vs embedded':>13}")
+    print(f"\n## Save and load, {size / MIB:.0f} MiB fp32, medians of {rounds}")
+    print("(the first save into a fresh store; the load is the first after it, into an existing model,")
+    print(" its bytes read from the disk: the save's direct writes leave none in the page cache)")
+    columns = f"{'vs embedded':>13}{'server CPU s':>14}"
+    print(f"{'store':<22}{'save s':>9}{columns}{'load s':>9}{columns}")
     for name, times in found.items():
         save, load = statistics.median(times["save"]), statistics.median(times["load"])
-        print(f"{name:<22}{save:>9.2f}{base['save'] / save:>12.2f}x{load:>9.2f}{base['load'] / load:>12.2f}x")
+        cpu = {
+            what: f"{statistics.median(times[f'{what} cpu']):.2f}" if times[f"{what} cpu"] else ""
+            for what in ("save", "load")
+        }
+        print(
+            f"{name:<22}{save:>9.2f}{base['save'] / save:>12.2f}x{cpu['save']:>14}"
+            f"{load:>9.2f}{base['load'] / load:>12.2f}x{cpu['load']:>14}"
+        )
 
 
 def many_readers(root: Path, s3: str, size: int, readers: int) -> None:
