@@ -13,13 +13,16 @@ from service.store import Store
 from service.write_probe import CACHE_NAME, WriteChoice, choose_direct_writes, measure
 
 
-def test_the_probe_measures_both_ways_and_the_faster_wins(tmp_path: Path) -> None:
+def test_the_probe_measures_both_ways_and_the_cheaper_wins(tmp_path: Path) -> None:
     choice = measure(tmp_path)
-    assert choice.buffered_seconds > 0
+    assert choice.buffered_seconds > 0 and choice.buffered_cpu_seconds is not None
     if choice.direct_seconds is None:  # a file system refusing O_DIRECT: buffered without a contest
         assert choice.direct is False
     else:
-        assert choice.direct == (choice.direct_seconds <= choice.buffered_seconds)
+        assert choice.direct_cpu_seconds is not None
+        direct = WriteChoice.cost(choice.direct_seconds, choice.direct_cpu_seconds)
+        buffered = WriteChoice.cost(choice.buffered_seconds, choice.buffered_cpu_seconds)
+        assert choice.direct == (direct <= buffered)
     assert choice.device == os.stat(tmp_path).st_dev
     assert list(tmp_path.iterdir()) == []  # no probe file left behind
 
@@ -38,6 +41,22 @@ def test_the_choice_is_cached_and_read_back_without_measuring(tmp_path: Path, mo
     flipped = {**cached, "direct": not cached["direct"]}
     (tmp_path / CACHE_NAME).write_text(json.dumps(flipped))
     assert choose_direct_writes(tmp_path).direct is (not first.direct)
+
+
+WITHOUT_CPU = '{"direct": false, "direct_seconds": 0.03, "buffered_seconds": 0.02, "device": %d}'
+
+
+def test_a_cost_counts_the_cpu_a_way_takes() -> None:
+    # Buffered writes that finish sooner but copy every byte lose to direct ones that copy none.
+    assert WriteChoice.cost(0.027, 0.007) < WriteChoice.cost(0.021, 0.016)
+    assert WriteChoice.cost(0.040, 0.007) > WriteChoice.cost(0.021, 0.016)
+
+
+def test_a_cache_chosen_by_time_alone_is_measured_again(tmp_path: Path) -> None:
+    (tmp_path / CACHE_NAME).write_text(WITHOUT_CPU % os.stat(tmp_path).st_dev)
+    choice = choose_direct_writes(tmp_path)
+    assert choice.direct_cpu_seconds is not None or choice.direct_seconds is None
+    assert json.loads((tmp_path / CACHE_NAME).read_text())["buffered_cpu_seconds"] is not None
 
 
 @pytest.mark.parametrize("cache", ["not json", '{"direct": true}', "[]", '{"direct": true, "direct_seconds": 1}'])
