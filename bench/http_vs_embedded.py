@@ -8,9 +8,11 @@ Prints, in one run:
    docker-compose), alternating, medians of ``--rounds``. Each ratio is the embedded time over
    the HTTP time (1.0x: as fast as embedded).
 2. **Many readers.** ``--readers`` processes (default 8) loading the same version (``--read-size``,
-   default 1 GiB) at once through one server on S3 blobs, with signed read URLs (the bytes come
-   from S3 directly) and with ``CKPTSTORE_READ_URL_SECONDS=0`` (every byte through the server):
-   the aggregate load throughput and the CPU seconds the server's processes spent.
+   default 1 GiB) at once through one server: on S3 blobs with signed read URLs (the bytes come
+   from S3 directly) and with ``CKPTSTORE_READ_URL_SECONDS=0`` (every byte through the server),
+   and on a local folder with downloads sent by the kernel (``sendfile``) and streamed
+   (``CKPTSTORE_SENDFILE=false``): the aggregate load throughput and the CPU seconds the
+   server's processes spent.
 
 The server and moto run as processes of their own; server start-up is not timed, and each
 timed call starts after ``os.sync()``. Page cache: a local folder's shards are written around
@@ -190,10 +192,16 @@ def many_readers(root: Path, s3: str, size: int, readers: int) -> None:
     """Section 2: ``readers`` processes loading one version at once, direct and proxied."""
     vocab, hidden = 32000, 1024
     model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
-    print(f"\n## {readers} readers of one {size / MIB:.0f} MiB version, one server on S3 blobs (moto)")
-    print(f"{'reads':<34}{'aggregate MB/s':>16}{'slowest s':>11}{'server CPU s':>14}")
-    for label, settings in (("signed URLs: bytes from S3", {}), ("through the server", {"read_url_seconds": "0"})):
-        with served(root / f"readers-{len(settings)}", s3, **settings) as (url, server):
+    print(f"\n## {readers} readers of one {size / MIB:.0f} MiB version at once, through one server")
+    print(f"{'reads':<44}{'aggregate MB/s':>16}{'slowest s':>11}{'server CPU s':>14}")
+    ways: list[tuple[str, str | None, dict[str, str]]] = [
+        ("S3 (moto), signed URLs: bytes from S3", s3, {}),
+        ("S3 (moto), every byte through the server", s3, {"read_url_seconds": "0"}),
+        ("local folder, sent with sendfile", None, {}),
+        ("local folder, streamed in 1 MiB pieces", None, {"sendfile": "false"}),
+    ]
+    for number, (label, blobs, settings) in enumerate(ways):
+        with served(root / f"readers-{number}", blobs, **settings) as (url, server):
             with Client(url) as ckpt:
                 ckpt.save(RUN, model)
             before = cpu_seconds(server)
@@ -207,7 +215,7 @@ def many_readers(root: Path, s3: str, size: int, readers: int) -> None:
             spent = cpu_seconds(server) - before
         loaded = sum(int(out[1]) for out in outputs)
         slowest = max(float(out[0]) for out in outputs)
-        print(f"{label:<34}{loaded / wall / 1e6:>16.0f}{slowest:>11.2f}{spent:>14.2f}")
+        print(f"{label:<44}{loaded / wall / 1e6:>16.0f}{slowest:>11.2f}{spent:>14.2f}")
 
 
 def main() -> None:
