@@ -281,6 +281,10 @@ class FileSpans:
         if fd >= 0:
             os.close(fd)
 
+    def __del__(self) -> None:
+        # An answer built but never sent (the request ended first) still gives its file back.
+        self.close()
+
 
 class FileAnswer(Response):
     """An ``application/octet-stream`` answer whose body is :class:`FileSpans`, sent by the kernel.
