@@ -24,6 +24,7 @@ import ssl
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 from urllib.parse import urlsplit
@@ -203,8 +204,8 @@ class BulkHttp:
             if response.status >= 300:
                 answer.content = response.read()
             else:
-                source = _SocketBody.of(response, connection.sock, self._timeout)
-                fill_buffers(source, buffers, path, response.getheader("content-length"))
+                with _SocketBody.reading(response, connection.sock, self._timeout) as source:
+                    fill_buffers(source, buffers, path, response.getheader("content-length"))
         except BaseException:
             connection.close()
             raise
@@ -281,8 +282,8 @@ class _SocketBody:
     ``HTTPResponse.readinto`` returns what one ``recv`` brings (a few dozen KiB over loopback):
     thousands of calls, each through Python and the interpreter lock, for a large range. Here the
     kernel fills each destination buffer in one call (256 MiB over loopback: 0.075 CPU-seconds of
-    the client against 0.093). The socket is blocking for the call, the
-    kernel's receive timeout standing in for the connection's: a call that brings nothing for
+    the client against 0.093). While the body is read (:meth:`reading`) the socket is blocking,
+    the kernel's receive timeout standing in for the connection's: a call that brings nothing for
     ``timeout`` seconds raises ``TimeoutError``, as a read of the connection would.
     """
 
@@ -293,11 +294,26 @@ class _SocketBody:
         self._buffered = len(response.fp.peek(0)) if response.fp is not None else 0
 
     @classmethod
-    def of(cls, response: http.client.HTTPResponse, sock: socket.socket | None, timeout: float) -> _ReadsInto:
-        """The fast reader where it applies (plain TCP, a Content-Length), else ``response`` itself."""
+    @contextmanager
+    def reading(
+        cls, response: http.client.HTTPResponse, sock: socket.socket | None, timeout: float
+    ) -> Iterator[_ReadsInto]:
+        """The fast reader where it applies (plain TCP, a Content-Length), else ``response`` itself;
+        the socket is set up for it once, and left as it was found at the end."""
         if sock is None or isinstance(sock, ssl.SSLSocket) or response.chunked or response.length is None:
-            return response
-        return cls(response, sock, timeout)
+            yield response
+            return
+        body = cls(response, sock, timeout)
+        seconds = int(timeout)
+        sock.settimeout(None)
+        try:
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+            )
+            yield body
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+            sock.settimeout(timeout)
 
     def readinto(self, buffer: memoryview) -> int:
         """Fill as much of ``buffer`` as the body has left (0 at its end)."""
@@ -307,20 +323,10 @@ class _SocketBody:
             count = response.readinto(buffer[: self._buffered] if self._buffered else buffer)
             self._buffered -= min(count, self._buffered)
             return count
-        want = min(buffer.nbytes, left)
-        sock = self._sock
-        sock.settimeout(None)
-        seconds = int(self._timeout)
-        sock.setsockopt(
-            socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int((self._timeout - seconds) * 1e6))
-        )
         try:
-            count = sock.recv_into(buffer, want, socket.MSG_WAITALL)
+            count = self._sock.recv_into(buffer, min(buffer.nbytes, left), socket.MSG_WAITALL)
         except BlockingIOError:
             raise TimeoutError(f"no bytes came for {self._timeout:g} s") from None
-        finally:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-            sock.settimeout(self._timeout)
         response.length = left - count
         return count
 
