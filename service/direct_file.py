@@ -38,10 +38,10 @@ from pathlib import Path
 ALIGNMENT = 4096
 #: Bytes gathered before each write.
 BUFFER_BYTES = 4 << 20
-#: Idle buffers kept for the next files and upload bodies (each BUFFER_BYTES of resident memory):
-#: the sixteen a process writing shards kept, plus three for each of four upload bodies read
-#: from the socket (:mod:`service.api.socket_body`).
-MAX_IDLE_BUFFERS = 28
+#: Idle buffers kept for the next files (each BUFFER_BYTES of resident memory): the sixteen a
+#: process writing shards kept; a server's uploads receive their bodies into their staging
+#: files' buffers (:mod:`service.api.socket_body`), three for each.
+MAX_IDLE_BUFFERS = 16
 #: Threads writing full buffers, shared by every file being written in the process (started as needed).
 WRITER_THREADS = 16
 #: Buffers a shard file keeps on their way to the device (``in_flight``). Measured on a 2-core VM
@@ -178,6 +178,23 @@ class DirectFileWriter:
             view = view[take:]
             if self._filled == BUFFER_BYTES:
                 self._write_full_buffer()
+
+    def space(self) -> memoryview:
+        """The free rest of the buffer being filled: bytes put there are appended by :meth:`advance`.
+
+        For bytes that can be made in place, such as a socket's (``recv_into``), which then
+        need no copy into the buffer. The view is valid until the next call of any other method.
+        """
+        return self._view[self._filled :]
+
+    def advance(self, nbytes: int) -> None:
+        """Append the first ``nbytes`` of the memory :meth:`space` gave, put there since."""
+        if not 0 < nbytes <= BUFFER_BYTES - self._filled:
+            raise ValueError(f"{nbytes} bytes do not fit the {BUFFER_BYTES - self._filled} bytes of space")
+        self.size += nbytes
+        self._filled += nbytes
+        if self._filled == BUFFER_BYTES:
+            self._write_full_buffer()
 
     def write_head(self, data: bytes) -> None:
         """Write ``data``, exactly ``start`` bytes long, into the space left free at the start."""

@@ -30,6 +30,9 @@ from service.format.safetensors_header import (
 #: Buffers an upload's staging file keeps on their way to the device with ``write_behind``: a
 #: server takes many uploads at once, each holding this many + 1 buffers of 4 MiB.
 UPLOAD_IN_FLIGHT = 2
+#: Bytes of an upload received at a time into a receiver's own memory (its header, say) rather
+#: than into its staging file's buffer (see :meth:`ShardReceiver.space`).
+SCRATCH_BYTES = 64 << 10
 
 
 class ShardReceiver:
@@ -68,6 +71,7 @@ class ShardReceiver:
         self._handle: _Sink | None = None
         self._entry = 0  # index of the tensor the next data byte belongs to
         self._hasher: TensorHasher | None = None  # None until the tensor's first bytes arrive
+        self._landing = ReceiveSpace()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Take the next bytes of the shard."""
@@ -81,6 +85,29 @@ class ShardReceiver:
                 return
         if view.nbytes:
             self._take_data(view)
+
+    def space(self) -> memoryview:
+        """Memory for the shard's next bytes, to be received in place and then given to :meth:`landed`.
+
+        Tensor data lands in the staging file's write buffer, where it is hashed and written from
+        without a copy; the header, and anything past the shard's end, lands in memory of the
+        receiver's own and goes through :meth:`write`.
+        """
+        header = self.header
+        left = 0 if header is None else header.file_size - self.received
+        return self._landing.space(self._handle if left > 0 else None, left)
+
+    def landed(self, nbytes: int) -> None:
+        """Take the ``nbytes`` received into the memory :meth:`space` gave last."""
+        view, in_place = self._landing.take(nbytes)
+        if not in_place:
+            self.write(view)
+            return
+        assert self.header is not None and self._handle is not None
+        self.received += nbytes
+        self._hash_pieces(view, self.received - nbytes - self.header.data_start)
+        del view
+        advance(self._handle, nbytes)
 
     def write_tensors(self, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None) -> None:
         """Take the shard's next tensors, each whole and in header order, as :meth:`write` would
@@ -242,16 +269,65 @@ class _Sink(Protocol):
 
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
+    def space(self) -> memoryview: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
 
 
+class ReceiveSpace:
+    """Where a receiver's next bytes are received in place: its staging file's buffer, or scratch
+    memory of its own for bytes that :meth:`ShardReceiver.write` must see (headers, layouts)."""
+
+    def __init__(self) -> None:
+        self._scratch: bytearray | None = None
+        self._view: memoryview | None = None
+        self._in_place = False
+
+    def space(self, sink: _Sink | None, limit: int) -> memoryview:
+        """Up to ``limit`` bytes of ``sink``'s buffer, or (no sink) the scratch memory."""
+        if sink is not None:
+            self._view, self._in_place = sink.space()[:limit], True
+        else:
+            if self._scratch is None:
+                self._scratch = bytearray(SCRATCH_BYTES)
+            self._view, self._in_place = memoryview(self._scratch), False
+        return self._view
+
+    def take(self, nbytes: int) -> tuple[memoryview, bool]:
+        """The first ``nbytes`` of the last space, and whether it is in the sink's buffer."""
+        view, self._view = self._view, None
+        if view is None or not 0 < nbytes <= view.nbytes:
+            raise ValueError(f"{nbytes} bytes did not land in the space last given")
+        return view[:nbytes], self._in_place
+
+
+def advance(sink: _Sink, nbytes: int) -> None:
+    """Append the ``nbytes`` put into ``sink``'s space (a disk error is a :class:`StorageError`)."""
+    try:
+        sink.advance(nbytes)
+    except OSError as exc:
+        raise staging_error(exc) from exc
+
+
 class _Nowhere:
     """A sink that keeps nothing: the bytes a :class:`ShardVerifier` checks are stored elsewhere."""
 
+    def __init__(self) -> None:
+        self._space = bytearray(SCRATCH_BYTES)
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Drop ``data``."""
+
+    def space(self) -> memoryview:
+        """Memory reused for every piece received in place."""
+        return memoryview(self._space)
+
+    def advance(self, nbytes: int) -> None:
+        """Drop what was put into the space."""
 
     def close(self) -> None:
         """Nothing to close."""

@@ -30,7 +30,7 @@ from service.format.digest import TensorHasher
 from service.format.dtypes import DTYPES, byte_length
 from service.format.safetensors_header import PREFIX_BYTES, ShardHeader, header_bytes, laid_out_entries
 from service.format.sharding import MAX_TENSORS_PER_SHARD, SHARD_METADATA
-from service.receiver import UPLOAD_IN_FLIGHT, staging_error, take_prefixed
+from service.receiver import UPLOAD_IN_FLIGHT, ReceiveSpace, advance, staging_error, take_prefixed
 from service.shard_writer import WrittenShard
 
 #: Most dimensions of one tensor in a layout.
@@ -73,6 +73,7 @@ class UnhashedReceiver:
         self._hasher: TensorHasher | None = None
         self._digests: list[str] = []
         self._first: dict[str, int] = {}  # digest -> index of the tensor that has it
+        self._landing = ReceiveSpace()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Take the next bytes of the body."""
@@ -84,6 +85,25 @@ class UnhashedReceiver:
             view = self._take_layout(view)
         while view.nbytes:
             view = self._take_data(view)
+
+    def space(self) -> memoryview:
+        """Memory for the body's next bytes, to be received in place and then given to
+        :meth:`landed`: the staging file's write buffer once the layout is in (the tensors are
+        hashed and written from there, not copied), else memory of the receiver's own."""
+        in_data = self._writer is not None and self.received < self.length
+        return self._landing.space(self._writer if in_data else None, self.length - self.received)
+
+    def landed(self, nbytes: int) -> None:
+        """Take the ``nbytes`` received into the memory :meth:`space` gave last."""
+        view, in_place = self._landing.take(nbytes)
+        if not in_place:
+            self.write(view)
+            return
+        assert self._writer is not None
+        self.received += nbytes
+        while view.nbytes:
+            view = self._hash_data(view)
+        advance(self._writer, nbytes)
 
     def _take_layout(self, view: memoryview) -> memoryview:
         """Collect the prefix and layout; once complete, check it and open the staging file."""
@@ -144,15 +164,22 @@ class UnhashedReceiver:
 
     def _take_data(self, view: memoryview) -> memoryview:
         """Write and hash the bytes of the current tensor that ``view`` starts with; the rest of ``view``."""
-        assert self._layout is not None and self._writer is not None
-        dtype, shape, _ = self._layout[self._index]
-        if self._hasher is None:
-            self._hasher = TensorHasher(dtype, shape, parallel=False)
+        assert self._writer is not None
         piece = view[: self._left]
         try:
-            self._writer.write(piece, self._hasher.update)
+            self._writer.write(piece, self._hash_data)
         except OSError as exc:
             raise staging_error(exc) from exc
+        return view[piece.nbytes :]
+
+    def _hash_data(self, view: memoryview) -> memoryview:
+        """Hash the bytes of the current tensor that ``view`` starts with; the rest of ``view``."""
+        assert self._layout is not None
+        if self._hasher is None:
+            dtype, shape, _ = self._layout[self._index]
+            self._hasher = TensorHasher(dtype, shape, parallel=False)
+        piece = view[: self._left]
+        self._hasher.update(piece)
         self._left -= piece.nbytes
         if not self._left:
             self._end_tensor(self._hasher.hexdigest())

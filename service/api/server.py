@@ -15,7 +15,6 @@ from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
 
 from service.api.app import create_app
-from service.api.socket_body import BUFFERS
 from service.direct_file import warm_buffers
 from service.factory import open_store
 from service.receiver import UPLOAD_IN_FLIGHT
@@ -197,7 +196,7 @@ def app_from_env() -> FastAPI:
             cleaned.failed,
         )
     store.prepare_writes()  # the disk's write mode is measured now, not during the first upload
-    warm_buffers(WARM_UPLOADS * (BUFFERS + UPLOAD_IN_FLIGHT + 1))  # each upload's socket and file buffers
+    warm_buffers(WARM_UPLOADS * (UPLOAD_IN_FLIGHT + 1))  # each upload's staging file buffers
     application = create_app(store, settings)
     freeze_heap()
     share_gil()

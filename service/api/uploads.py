@@ -1,11 +1,11 @@
 """Receiving a shard upload: stream the body through a ShardReceiver, then store it.
 
-The body is never held in memory. A large one is read from the socket by worker threads
-(:mod:`service.api.socket_body`); otherwise chunks are batched to a few MiB. Either way they go to the engine's
-:class:`service.receiver.ShardReceiver` off the event loop, which checks the header (and the
-shard id the URL names) as soon as it is complete, hashes every tensor as its bytes pass and
-writes them to a staging file. A body that is cut short, too long, sent under another id or
-wrong leaves nothing behind.
+The body is never held in memory. A large one is received from the socket straight into the
+staging file's write buffers (:mod:`service.api.socket_body`); otherwise chunks are batched to a
+few MiB. Either way they go to the engine's :class:`service.receiver.ShardReceiver` off the
+event loop, which checks the header (and the shard id the URL names) as soon as it is
+complete, hashes every tensor as its bytes pass and writes them to a staging file. A body that
+is cut short, too long, sent under another id or wrong leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class Receiving(Protocol):
     received: int
 
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    def space(self) -> memoryview: ...
+
+    def landed(self, nbytes: int) -> None: ...
 
     def discard(self) -> None: ...
 
@@ -85,7 +89,7 @@ async def _fill(
     one), else streamed; on any error its staging file is removed."""
     try:
         if socket_body is not None:
-            await socket_body.read(receiver.write)
+            await socket_body.read_into(receiver)
         else:
             await _stream(receiver, body, declared_length)
     except BaseException:

@@ -1,8 +1,9 @@
 """Large request bodies read from the socket by the app (service.api.socket_body), over a real uvicorn.
 
-An ASGI app takes the body through :meth:`SocketBody.read` where the server offers it, else
-through ``receive``, and answers with the SHA-256 of what it got and which way it came. Raw
-sockets send bodies in random pieces, with ``Expect: 100-continue``, cut off, or chunked.
+An ASGI app takes the body through :meth:`SocketBody.read` or :meth:`SocketBody.read_into` where
+the server offers it, else through ``receive``, and answers with the SHA-256 of what it got and
+which way it came. Raw sockets send bodies in random pieces, with ``Expect: 100-continue``, cut
+off, or chunked.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import random
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from hypothesis import strategies as st
 
 from service import direct_file
 from service.api import socket_body
-from service.api.socket_body import BUFFER_BYTES, MIN_BODY_BYTES, RateWindow, offered
+from service.api.socket_body import MIN_BODY_BYTES, RateWindow, offered
+from service.direct_file import BUFFER_BYTES
 from service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
 from service.settings import Settings
 from tests.servers import running_server
@@ -31,16 +33,42 @@ from tests.servers import running_server
 BIG = MIN_BODY_BYTES + BUFFER_BYTES + 12_345  # spans several buffers, the last one partial
 
 
+class Spaces:
+    """A landing for :meth:`SocketBody.read_into` that gives spaces of the sizes drawn, in turn,
+    then of all its memory (the largest, at least 64 KiB); it may dwell on one piece (work on
+    what landed, which the rate rule must not count)."""
+
+    def __init__(self, sizes: list[int], consume: Callable[[memoryview], None], dwell: float = 0.0) -> None:
+        self.sizes, self.turn, self.consume, self.dwell = sizes, 0, consume, dwell
+        self.memory = memoryview(bytearray(max(*sizes, 1 << 16)))
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.consume(memoryview(data))
+
+    def space(self) -> memoryview:
+        return self.memory[: self.sizes[self.turn] if self.turn < len(self.sizes) else None]
+
+    def landed(self, nbytes: int) -> None:
+        self.turn += 1
+        self.consume(self.memory[:nbytes])
+        if self.dwell and self.turn == 1:
+            threading.Event().wait(self.dwell)
+
+
 class SocketHash:
     """Answers each request with the SHA-256 and length of its body and whether it came from the socket.
 
     ``fail_after``: raise from the consumer once this many bytes came (the app's own error).
-    Errors the app saw are kept in ``errors``.
+    ``spaces``: receive into a :class:`Spaces` of these sizes (``read_into``) rather than with ``read``.
+    Errors the app saw are kept in ``errors``; ``blocking`` tells, for each body read from the
+    socket, whether the connection's socket was left blocking (the event loop's must not be).
     """
 
-    def __init__(self, fail_after: int | None = None) -> None:
+    def __init__(self, fail_after: int | None = None, spaces: list[int] | None = None, dwell: float = 0.0) -> None:
         self.fail_after = fail_after
+        self.spaces, self.dwell = spaces, dwell
         self.errors: list[BaseException] = []
+        self.blocking: list[bool] = []
         self.done = threading.Event()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -57,7 +85,13 @@ class SocketHash:
                     if self.fail_after is not None and count[0] >= self.fail_after:
                         raise InvalidInputError("the app refuses this body")
 
-                await body.read(consume)
+                try:
+                    if self.spaces is not None:
+                        await body.read_into(Spaces(self.spaces, consume, self.dwell))
+                    else:
+                        await body.read(consume)
+                finally:
+                    self.blocking.append(os.get_blocking(body._fd))
             else:
                 more = True
                 while more:
@@ -148,6 +182,40 @@ def test_a_large_body_sent_in_random_pieces_comes_from_the_socket_whole_and_in_o
         assert status == 200
         assert answer == {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body), "socket": True}
         assert b"connection: close" in header and closed(sock)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    spaces=st.lists(st.one_of(st.integers(1, 9000), st.integers(1, 2 * BUFFER_BYTES)), min_size=1, max_size=8),
+)
+def test_a_body_received_into_spaces_of_any_size_lands_whole_and_in_order(
+    serve: Any, seed: int, spaces: list[int]
+) -> None:
+    rng = random.Random(seed)
+    body = rng.randbytes(MIN_BODY_BYTES + rng.randrange(BUFFER_BYTES))
+    app = SocketHash(spaces=spaces)
+    address = serve(app)
+    with socket.create_connection(address, timeout=30) as sock:
+        data, at = head(len(body)) + body, 0
+        while at < len(data):
+            step = rng.choice([1000, 65536, 1 << 20, 3 << 20])
+            sock.sendall(data[at : at + step])
+            at += step
+        status, answer, _ = response(sock)
+    assert status == 200
+    assert answer == {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body), "socket": True}
+    assert app.blocking == [False]
+
+
+def test_time_spent_on_what_landed_does_not_count_against_the_body_rate(serve: Any) -> None:
+    app = SocketHash(spaces=[1 << 20], dwell=1.0)  # one piece's work outlasts the whole window
+    address = serve(app, body_timeout=0.5, min_body_rate=4 << 20)  # 2 MiB a window: more than had come
+    body = os.urandom(BIG)
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(len(body)) + body)
+        status, answer, _ = response(sock)
+    assert status == 200 and answer["sha256"] == hashlib.sha256(body).hexdigest()
 
 
 def test_a_small_body_goes_through_receive_and_the_connection_stays_open(serve: Any) -> None:
