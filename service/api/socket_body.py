@@ -15,9 +15,10 @@ that takes a body of known length can instead take the socket over once the head
   into the socket's buffer, so its sending overlaps the server's hashing.
 - the parser never sees the rest of the body, so the connection closes after the answer.
 
-Measured on a 2-core VM saving 512 MiB over HTTP: a reading thread filling buffers of its own,
-which the route's thread then hashed and copied into the staging file's buffers, cost the
-server 0.59-0.81 CPU-seconds, 13% of them in that copy.
+Measured on a 2-core VM saving 512 MiB over HTTP (medians of 9): a reading thread filling
+buffers of its own, which the route's thread then hashed and copied into the staging file's
+buffers, cost the server 0.59 CPU-seconds, 13% of its samples in that copy; received in place,
+0.50.
 
 The read limits of :mod:`service.api.protocol` still hold: the body must bring ``min_body_rate``
 bytes a second over every ``body_timeout`` window in which the server was reading it (time the
