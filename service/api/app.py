@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from service import __version__
@@ -20,6 +23,7 @@ from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
 from service.api.streaming import Streamer
+from service.api.warm_up import warm_up
 from service.auth import TokenSet, is_loopback
 from service.errors import AuthenticationError
 from service.settings import Settings
@@ -61,6 +65,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        lifespan=_lifespan,
     )
     app.state.store = store
     app.state.settings = settings
@@ -81,3 +86,10 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(CountAndLimit, metrics=app.state.metrics, max_json_bytes=settings.max_json_bytes)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """A worker's start: its routes are built before it takes a connection (:mod:`service.api.warm_up`)."""
+    await warm_up(app)
+    yield
