@@ -20,6 +20,9 @@ it (``O_DIRECT``), so the load after a save reads the disk; moto keeps its objec
 and temporary files. The server's CPU seconds (its workers' user and system time) are printed
 beside each HTTP row. On a 2-core machine the S3 stand-in itself takes a core, so compare the
 server's CPU seconds more than the throughput.
+Each store measures its own write mode unless ``CKPTSTORE_DIRECT_WRITES`` says which
+(:mod:`service.write_probe`); the ``writes`` column tells how many rounds' stores wrote direct,
+since a store that drew buffered writes saves slower and leaves its shards in the page cache.
 
     .venv/bin/python bench/http_vs_embedded.py --quick      # 128 MiB, 256 MiB read by 4 readers, 1 round
     .venv/bin/python bench/http_vs_embedded.py
@@ -28,6 +31,7 @@ server's CPU seconds more than the throughput.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -46,6 +50,7 @@ import psutil
 import torch
 
 from client import Client
+from service.write_probe import CACHE_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Shape, build_model, layers_for  # noqa: E402
@@ -55,6 +60,7 @@ RUN = "bench"
 READER = """
 import sys, time
 from client import Client
+from service.write_probe import CACHE_NAME
 started = time.perf_counter()
 with Client(sys.argv[1]) as ckpt:
     state = ckpt.load(sys.argv[2]).state_dict
@@ -136,6 +142,21 @@ def cpu_seconds(process: psutil.Process) -> float:
     return total
 
 
+def direct_writes(home: Path) -> bool | None:
+    """Whether the store in ``home`` writes shards direct: its cached probe's choice, else the
+    setting; None where neither says (S3 blobs)."""
+    for cache in home.rglob(CACHE_NAME):
+        return bool(json.loads(cache.read_text())["direct"])
+    setting = os.environ.get("CKPTSTORE_DIRECT_WRITES")
+    return None if setting is None else setting not in ("0", "false")
+
+
+def modes(found: list[bool | None]) -> str:
+    """``direct k/n`` for the rounds' write modes, or ``-`` where none was known."""
+    known = [mode for mode in found if mode is not None]
+    return f"direct {sum(known)}/{len(known)}" if known else "-"
+
+
 def timed(action: object) -> float:
     """Seconds ``action()`` takes, started on a quiet disk: what earlier rows left to write back
     (moto keeps its objects in temporary files) is flushed first, off the clock."""
@@ -154,12 +175,13 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
     for number in range(rounds):
         for name in ("embedded", "http, local folder", "http, S3"):
             home = root / f"{name.replace(' ', '_').replace(',', '')}-{number}"
-            times = found.setdefault(name, {"save": [], "load": [], "save cpu": [], "load cpu": []})
+            times = found.setdefault(name, {"save": [], "load": [], "save cpu": [], "load cpu": [], "direct": []})
             if name == "embedded":
                 with Client(home=home) as ckpt:
                     times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
                 with Client(home=home) as ckpt:
                     times["load"].append(timed(lambda ckpt=ckpt: ckpt.load(RUN, model=target)))
+                times["direct"].append(direct_writes(home))
                 continue
             with served(home, s3 if "S3" in name else None) as (url, server):
                 for what, action in (
@@ -170,12 +192,15 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
                         before = cpu_seconds(server)
                         times[what].append(timed(lambda ckpt=ckpt, action=action: action(ckpt)))
                         times[f"{what} cpu"].append(cpu_seconds(server) - before)
+            times["direct"].append(direct_writes(home))
     base = {what: statistics.median(found["embedded"][what]) for what in ("save", "load")}
     print(f"\n## Save and load, {size / MIB:.0f} MiB fp32, medians of {rounds}")
     print("(the first save into a fresh store; the load is the first after it, into an existing model,")
     print(" its bytes read from the disk: the save's direct writes leave none in the page cache)")
+    print(" writes: the rounds whose store wrote its shards direct (O_DIRECT), as its probe chose or")
+    print(" CKPTSTORE_DIRECT_WRITES said; the others wrote buffered")
     columns = f"{'vs embedded':>13}{'server CPU s':>14}"
-    print(f"{'store':<22}{'save s':>9}{columns}{'load s':>9}{columns}")
+    print(f"{'store':<22}{'save s':>9}{columns}{'load s':>9}{columns}{'writes':>13}")
     for name, times in found.items():
         save, load = statistics.median(times["save"]), statistics.median(times["load"])
         cpu = {
@@ -185,6 +210,7 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
         print(
             f"{name:<22}{save:>9.2f}{base['save'] / save:>12.2f}x{cpu['save']:>14}"
             f"{load:>9.2f}{base['load'] / load:>12.2f}x{cpu['load']:>14}"
+            f"{modes(times['direct']):>13}"
         )
 
 
