@@ -41,7 +41,10 @@ if TYPE_CHECKING:
 
 UPLOADS_IN_FLIGHT = 2
 HTTP_UPLOADS_IN_FLIGHT = 4
-HTTP_READS_IN_PARALLEL = 2
+#: Reads a load over HTTP runs at once. A server sends shard bytes with ``sendfile``, so more
+#: requests cost it little: on a 2-core VM, a 512 MiB load from cold files took 0.424 s with
+#: two at once and 0.391 s with four (medians of 9, the embedded load 0.32 s).
+HTTP_READS_IN_PARALLEL = 4
 
 
 def _sharded(model: torch.nn.Module) -> bool:
