@@ -190,6 +190,8 @@ class SocketBody:
                 got = sock.recv_into(space, want, socket.MSG_WAITALL)
             except BlockingIOError:  # the receive timeout ran out with nothing received
                 got = -1
+            except ConnectionError as exc:  # reset by the client
+                raise InvalidInputError(f"the upload was cut off after {done} bytes; retry it") from exc
             finally:
                 del space  # landing may hand its memory on once told
             if got == 0:

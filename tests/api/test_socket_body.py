@@ -13,6 +13,7 @@ import json
 import os
 import random
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -262,6 +263,18 @@ def test_a_body_cut_off_by_the_client_is_an_error_naming_what_came(serve: Any) -
         assert app.done.wait(30)
     assert len(app.errors) == 1 and isinstance(app.errors[0], InvalidInputError)
     assert f"cut off after {sent} bytes" in str(app.errors[0])
+
+
+def test_a_body_reset_by_the_client_is_the_same_error(serve: Any) -> None:
+    app = SocketHash()
+    address = serve(app)
+    sent = MIN_BODY_BYTES + 1000
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(BIG) + os.urandom(sent))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    assert app.done.wait(30)
+    assert len(app.errors) == 1 and isinstance(app.errors[0], InvalidInputError)
+    assert "cut off after" in str(app.errors[0])
 
 
 def test_an_error_of_the_consumer_stops_the_read_and_is_answered(serve: Any) -> None:
