@@ -13,7 +13,7 @@ import torch
 from client import keys
 from client.connection import Connection
 from client.gc_pause import paused_collection
-from client.http.transport import HttpTransport
+from client.http.transport import HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT, HttpTransport
 from client.loading import restore, selection
 from client.loading.readahead import local_reads
 from client.loading.reader import TensorReader
@@ -40,11 +40,6 @@ if TYPE_CHECKING:
     from service.format.manifest import Manifest
 
 UPLOADS_IN_FLIGHT = 2
-HTTP_UPLOADS_IN_FLIGHT = 4
-#: Reads a load over HTTP runs at once. A server sends shard bytes with ``sendfile``, so more
-#: requests cost it little: on a 2-core VM, a 512 MiB load from cold files took 0.424 s with
-#: two at once and 0.391 s with four (medians of 9, the embedded load 0.32 s).
-HTTP_READS_IN_PARALLEL = 4
 
 
 def _sharded(model: torch.nn.Module) -> bool:

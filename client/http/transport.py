@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 #: A range this large is read from the blob store directly when the server signs URLs; smaller
 #: ones go together in one request to the server, where one GET each would cost more round trips.
 DIRECT_MIN_BYTES = 256 << 10
+#: Shards a save sends to a server at once.
+HTTP_UPLOADS_IN_FLIGHT = 4
+#: Reads a load over HTTP runs at once. A server sends shard bytes with ``sendfile``, so more
+#: requests cost it little: on a 2-core VM, a 512 MiB load from cold files took 0.424 s with
+#: two at once and 0.391 s with four (medians of 9, the embedded load 0.32 s).
+HTTP_READS_IN_PARALLEL = 4
 
 #: Upload staging folders were ``<tmp>/ckptstore-upload-<pid>-<random>`` (clients no longer make them).
 STAGING_PREFIX = "ckptstore-upload-"
