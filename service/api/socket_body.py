@@ -52,9 +52,11 @@ MIN_BODY_BYTES = 8 << 20
 #: Pooled buffers a body read through :meth:`SocketBody.read` holds (one, filled and consumed in turn).
 BUFFERS = 1
 #: Of a body the app refuses midway, at most this much that the client sent already is read and
-#: dropped before the answer, waiting at most DISCARD_WAIT seconds for each piece (see :func:`_discard_sent`).
+#: dropped before the answer, waiting at most DISCARD_WAIT seconds for each piece and
+#: DISCARD_SECONDS in all (see :func:`_discard_sent`).
 DISCARD_BYTES = 16 << 20
 DISCARD_WAIT = 0.1
+DISCARD_SECONDS = 1.0
 
 Consume = Callable[[memoryview], object]
 
@@ -239,12 +241,14 @@ class _Consumer:
 
 def _discard_sent(sock: socket.socket, left: int) -> None:
     """Read and drop what the client has sent of the rest of a body that is refused, up to
-    :data:`DISCARD_BYTES`, until none comes for :data:`DISCARD_WAIT` seconds: a connection closed
-    with bytes unread is reset, and the client might lose the answer that says why."""
+    :data:`DISCARD_BYTES` and for at most :data:`DISCARD_SECONDS`, until none comes for
+    :data:`DISCARD_WAIT` seconds: a connection closed with bytes unread is reset, and the client
+    might lose the answer that says why."""
     scratch = bytearray(256 << 10)
-    _set_receive_timeout(sock, DISCARD_WAIT)
+    deadline = time.monotonic() + DISCARD_SECONDS
     dropped = 0
-    while dropped < min(left, DISCARD_BYTES):
+    while dropped < min(left, DISCARD_BYTES) and (wait := min(DISCARD_WAIT, deadline - time.monotonic())) > 0:
+        _set_receive_timeout(sock, wait)
         try:
             got = sock.recv_into(scratch, min(len(scratch), left - dropped))
         except OSError:  # nothing more came in time, or the client is gone

@@ -280,6 +280,30 @@ def test_an_error_of_the_consumer_stops_the_read_and_is_answered(serve: Any) -> 
         assert closed(sock)
 
 
+def test_a_refused_body_trickled_on_does_not_hold_back_the_answer(serve: Any) -> None:
+    app = SocketHash(fail_after=BUFFER_BYTES)
+    address = serve(app)
+    answered = threading.Event()
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(BIG) + os.urandom(2 * BUFFER_BYTES))
+
+        def trickle() -> None:  # a byte now and then, each sooner than the server waits for one
+            while not answered.wait(socket_body.DISCARD_WAIT / 4):
+                try:
+                    sock.send(b"x")
+                except OSError:
+                    return
+
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        try:
+            status, answer, _ = response(sock)
+        finally:
+            answered.set()
+            sender.join()
+    assert status == 400 and answer == {"code": "invalid_input"}
+
+
 def test_a_body_that_stalls_is_dropped_after_its_window(serve: Any) -> None:
     app = SocketHash()
     address = serve(app, body_timeout=0.5, min_body_rate=1000)
