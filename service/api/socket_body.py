@@ -32,33 +32,27 @@ length (chunked) or small are not offered: they go through ``receive`` as before
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import struct
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
-from service.direct_file import give_back, take_buffer
 from service.errors import InvalidInputError, RequestTimeoutError
 
 #: The scope extension under which a request's :class:`SocketBody` is offered.
 EXTENSION = "ckptstore.socket_body"
 #: Bodies at least this long are offered (smaller ones gain little and would cost a reconnect).
 MIN_BODY_BYTES = 8 << 20
-#: Pooled buffers a body read through :meth:`SocketBody.read` holds (one, filled and consumed in turn).
-BUFFERS = 1
 #: Of a body the app refuses midway, at most this much that the client sent already is read and
 #: dropped before the answer, waiting at most DISCARD_WAIT seconds for each piece and
 #: DISCARD_SECONDS in all (see :func:`_discard_sent`).
 DISCARD_BYTES = 16 << 20
 DISCARD_WAIT = 0.1
 DISCARD_SECONDS = 1.0
-
-Consume = Callable[[memoryview], object]
 
 
 class Landing(Protocol):
@@ -123,7 +117,7 @@ def offer(protocol: Connection, cycle: Cycle) -> None:
 
 
 class SocketBody:
-    """The body of one request, to be read from its socket once by :meth:`read_into` or :meth:`read`."""
+    """The body of one request, to be read from its socket once by :meth:`read_into`."""
 
     def __init__(self, protocol: Connection, cycle: Cycle, fd: int, length: int) -> None:
         self._protocol = protocol
@@ -132,15 +126,6 @@ class SocketBody:
         #: The body's length, from its Content-Length.
         self.length = length
         self._taken = False
-
-    async def read(self, consume: Consume) -> int:
-        """Hand every byte of the body, in order, to ``consume`` (called on a worker thread, with a
-        view valid only during the call); returns the body's length. Raises as :meth:`read_into`."""
-        buffer = take_buffer()
-        try:
-            return await self.read_into(_Consumer(consume, buffer))
-        finally:
-            give_back(buffer)
 
     async def read_into(self, landing: Landing) -> int:
         """Receive every byte of the body, in order, into ``landing`` (on a worker thread); returns
@@ -216,27 +201,6 @@ class SocketBody:
                     raise
                 window.resume()
             window.check(done)
-
-
-class _Consumer:
-    """A :class:`Landing` that receives into one buffer and hands each piece to ``consume``."""
-
-    def __init__(self, consume: Consume, buffer: mmap.mmap) -> None:
-        self._consume = consume
-        self._buffer = buffer
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Hand on a queued piece as it is."""
-        self._consume(memoryview(data))
-
-    def space(self) -> memoryview:
-        """The whole buffer: a piece is consumed before the next is received."""
-        return memoryview(self._buffer)
-
-    def landed(self, nbytes: int) -> None:
-        """Hand on what was received."""
-        with memoryview(self._buffer) as view:
-            self._consume(view[:nbytes])
 
 
 def _discard_sent(sock: socket.socket, left: int) -> None:

@@ -1,9 +1,8 @@
 """Large request bodies read from the socket by the app (service.api.socket_body), over a real uvicorn.
 
-An ASGI app takes the body through :meth:`SocketBody.read` or :meth:`SocketBody.read_into` where
-the server offers it, else through ``receive``, and answers with the SHA-256 of what it got and
-which way it came. Raw sockets send bodies in random pieces, with ``Expect: 100-continue``, cut
-off, or chunked.
+An ASGI app takes the body through :meth:`SocketBody.read_into` where the server offers it,
+else through ``receive``, and answers with the SHA-256 of what it got and which way it came. Raw
+sockets send bodies in random pieces, with ``Expect: 100-continue``, cut off, or chunked.
 """
 
 from __future__ import annotations
@@ -56,11 +55,32 @@ class Spaces:
             threading.Event().wait(self.dwell)
 
 
+class Pooled:
+    """A landing that receives each piece into one buffer of the writers' pool and consumes it
+    there, as a staging file's writer does."""
+
+    def __init__(self, consume: Callable[[memoryview], None]) -> None:
+        self.consume = consume
+        self.buffer = direct_file.take_buffer()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.consume(memoryview(data))
+
+    def space(self) -> memoryview:
+        return memoryview(self.buffer)
+
+    def landed(self, nbytes: int) -> None:
+        self.consume(memoryview(self.buffer)[:nbytes])
+
+    def give_back(self) -> None:
+        direct_file.give_back(self.buffer)
+
+
 class SocketHash:
     """Answers each request with the SHA-256 and length of its body and whether it came from the socket.
 
     ``fail_after``: raise from the consumer once this many bytes came (the app's own error).
-    ``spaces``: receive into a :class:`Spaces` of these sizes (``read_into``) rather than with ``read``.
+    ``spaces``: receive into a :class:`Spaces` of these sizes rather than a :class:`Pooled` buffer.
     Errors the app saw are kept in ``errors``; ``blocking`` tells, for each body read from the
     socket, whether the connection's socket was left blocking (the event loop's must not be).
     """
@@ -86,12 +106,11 @@ class SocketHash:
                     if self.fail_after is not None and count[0] >= self.fail_after:
                         raise InvalidInputError("the app refuses this body")
 
+                pooled = Pooled(consume)
                 try:
-                    if self.spaces is not None:
-                        await body.read_into(Spaces(self.spaces, consume, self.dwell))
-                    else:
-                        await body.read(consume)
+                    await body.read_into(Spaces(self.spaces, consume, self.dwell) if self.spaces else pooled)
                 finally:
+                    pooled.give_back()
                     self.blocking.append(os.get_blocking(body._fd))
             else:
                 more = True
@@ -335,9 +354,9 @@ def test_a_rate_window_counts_only_reading_time() -> None:
 
 def test_bodies_are_read_into_the_pooled_buffers_a_starting_server_warms(serve: Any) -> None:
     direct_file._idle_buffers.clear()
-    direct_file.warm_buffers(socket_body.BUFFERS + 6)  # a body's buffers and its staging file's
+    direct_file.warm_buffers(1 + 6)  # the app's landing buffer and a staging file's buffers
     pooled = {id(buffer) for buffer in direct_file._idle_buffers}
-    assert len(pooled) == socket_body.BUFFERS + 6
+    assert len(pooled) == 1 + 6
     address = serve(SocketHash())
     for _ in range(2):
         body = os.urandom(BIG)
