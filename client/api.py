@@ -17,7 +17,6 @@ from client.http.transport import HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
 from client.loading import restore, selection
 from client.loading.readahead import local_reads
 from client.loading.reader import TensorReader
-from client.names import NamesCache
 from client.progress import byte_bar
 from client.results import LoadResult, SaveResult
 from client.saving import save_process
@@ -27,12 +26,16 @@ from client.saving.save_process import SaveProcess
 from client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
 from client.saving.shared_staging import SharedSnapshot
 from client.saving.snapshot import SaveHandle
-from client.state import FlatState, TensorRecord, flatten, flatten_extra, flatten_named_optimizer, flatten_other
-from service.errors import (
-    InvalidInputError,
-    StateEncodingError,
-    StateMismatchError,
+from client.state import (
+    FlatState,
+    FlattenCache,
+    TensorRecord,
+    flatten,
+    flatten_extra,
+    flatten_named_optimizer,
+    flatten_other,
 )
+from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
 from service.format.names import validate_run_id, validate_tag
 from service.format.sharding import DEFAULT_SHARD_BYTES
 
@@ -52,10 +55,6 @@ def _sharded(model: torch.nn.Module) -> bool:
     from client.distributed.training import is_sharded
 
     return is_sharded(model)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank()
 
 
 class Client(Connection):
@@ -107,7 +106,7 @@ class Client(Connection):
         self.shard_bytes = shard_bytes
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
-        self._names = NamesCache()
+        self._flattened = FlattenCache()  # with the names of the models it saves
         helper = None
         if background == "process":
             helper = SaveProcess(str(home) if home is not None else None, shard_bytes, UPLOADS_IN_FLIGHT)
@@ -234,12 +233,12 @@ class Client(Connection):
                 )
             from client.distributed import training
 
-            if (keep_last, keep_best, metric, mode) != (None, None, None, None) and _rank() == 0:
+            if (keep_last, keep_best, metric, mode) != (None, None, None, None) and torch.distributed.get_rank() == 0:
                 self._use_retention(run_id, keep_last, keep_best, metric, mode)
             return training.save_sharded(
                 self, run_id, model, optim, scheduler=scheduler, extra=extra, step=step, metrics=metrics, tags=tags
             )
-        flat = flatten(model, optim, scheduler, extra, names_of=self._names.names)
+        flat = flatten(model, optim, scheduler, extra, reuse=self._flattened)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
         if blocking and any(record.tensor.is_cuda for record in flat.records):

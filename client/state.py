@@ -8,7 +8,9 @@ order its parameters were passed in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,13 @@ class FlatState:
         self.records.append(record)
         return record.key
 
+    def add_part(self, part: _Part) -> None:
+        """Add the records of a part flattened before, whose keys :meth:`add` checked then."""
+        if not self._keys.isdisjoint(part.keys):
+            raise StateEncodingError(f"two tensors map to the key {sorted(self._keys & part.keys)[0]!r}")
+        self._keys |= part.keys
+        self.records += part.records
+
 
 def parameter_names(model: torch.nn.Module, known: names.ModelNames | None = None) -> dict[int, str]:
     """``id(parameter) -> canonical name`` for every parameter of ``model`` (first name for tied
@@ -59,6 +68,112 @@ def parameter_names(model: torch.nn.Module, known: names.ModelNames | None = Non
 
 def _host_or_target(tensor: torch.Tensor) -> Placement:
     return "host" if tensor.device.type == "cpu" else "target"
+
+
+#: What a stored record depends on besides its tensor's identity: the dtype (``.data``
+#: assignment changes it in place) and whether the tensor requires grad (``trainable``).
+_SIGNATURE = operator.attrgetter("dtype", "requires_grad")
+#: Optimizer state values whose JSON an unchanged identity vouches for: tensors (stored by
+#: key) and immutable scalars. A list or dict may change inside without being replaced.
+_LASTING = frozenset({torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None)})
+
+
+@dataclass
+class _Part:
+    """Records flattened from a model or an optimizer, and what they were made from: reused while
+    the same objects (compared by identity) and the same plain values are found again."""
+
+    same: list[object]  # objects the records came from, compared by identity
+    equal: list[object]  # values they came from, compared with ==
+    records: list[TensorRecord]
+    keys: frozenset[str]
+    types: list[type]
+    signatures: list[tuple[torch.dtype, bool]]
+    json: Any = None
+
+    @classmethod
+    def of(cls, same: list[object], equal: list[object], records: list[TensorRecord], json: Any = None) -> _Part:
+        """The part of ``records`` (just flattened from ``same`` and ``equal``)."""
+        tensors = [record.tensor for record in records]
+        keys = frozenset(record.key for record in records)
+        return cls(same, equal, records, keys, list(map(type, tensors)), list(map(_SIGNATURE, tensors)), json)
+
+    def holds(self, same: list[object], equal: list[object]) -> bool:
+        """Whether flattening ``same`` and ``equal`` now would give these records again: the same
+        objects, equal values, and every tensor of the same type, dtype and ``requires_grad``."""
+        if len(same) != len(self.same) or equal != self.equal or not all(map(operator.is_, same, self.same)):
+            return False
+        tensors = [record.tensor for record in self.records]
+        return list(map(type, tensors)) == self.types and list(map(_SIGNATURE, tensors)) == self.signatures
+
+
+class FlattenCache:
+    """The flattened model and optimizer state of one client's last save, by model and optimizer.
+
+    A loop that saves every step flattens the same tensors under the same keys every step, and
+    encodes the same optimizer state JSON (which refers to tensors by key, not by value). The
+    cache keeps both parts, weakly keyed by the model and the optimizer, and hands them out again
+    while they hold (:meth:`_Part.holds`): the model's names unchanged (the :class:`names.NamesCache`
+    hands out the same :class:`names.ModelNames` while its walk holds), the optimizer's params in
+    the same groups, its state the same keys holding the same objects, and every tensor of the
+    same type, dtype and ``requires_grad``. Param groups (hyperparameters a scheduler changes
+    every step) are encoded at every save.
+    """
+
+    def __init__(self) -> None:
+        #: The names of the models saved, walked again only when a model's layout changed.
+        self.names = names.NamesCache()
+        self._models: weakref.WeakKeyDictionary[torch.nn.Module, _Part] = weakref.WeakKeyDictionary()
+        self._optims: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Part] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def model(self, flat: FlatState, model: torch.nn.Module, known: names.ModelNames) -> None:
+        """:func:`flatten_model`, from the last save's part of ``model`` while it holds."""
+        with self._lock:
+            part = self._models.get(model)
+        if part is not None and part.holds([known], []):
+            flat.add_part(part)
+            self.hits += 1
+            return
+        start = len(flat.records)
+        flatten_model(flat, model, known)
+        with self._lock:
+            self._models[model] = _Part.of([known], [], flat.records[start:])
+
+    def optimizer(
+        self, flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module, known: names.ModelNames
+    ) -> None:
+        """:func:`flatten_optimizer`, its state's records and JSON from the last save's part of
+        ``optim`` while it holds."""
+        saved = optim.state_dict()
+        groups = optim.param_groups
+        state = saved["state"]
+        params = [p for group in groups for p in group["params"]]
+        same = [known, *params, *(value for param_state in state.values() for value in param_state.values())]
+        equal = [
+            [len(group["params"]) for group in groups],
+            [group_places_step_on_device(group) for group in saved["param_groups"]],
+            list(state),
+            [key for param_state in state.values() for key in param_state],
+        ]
+        with self._lock:
+            part = self._optims.get(optim)
+        if part is not None and part.holds(same, equal):
+            flat.add_part(part)
+            self.hits += 1
+            _flatten_param_groups(flat, _named_groups(saved["param_groups"], part.json["names"]), part.json["state"])
+            return
+        group_names = _optimizer_param_names(optim, parameter_names(model, known))
+        start = len(flat.records)
+        state_json = _flatten_optimizer_state(flat, saved, group_names)
+        with self._lock:
+            if all(type(value) in _LASTING for value in same[1 + len(params) :]):
+                json = {"names": group_names, "state": state_json}
+                self._optims[optim] = _Part.of(same, equal, flat.records[start:], json)
+            else:  # a list or dict in the state may change inside without being replaced
+                self._optims.pop(optim, None)
+        _flatten_param_groups(flat, _named_groups(saved["param_groups"], group_names), state_json)
 
 
 def flatten_model(flat: FlatState, model: torch.nn.Module, known: names.ModelNames | None = None) -> None:
@@ -98,16 +213,31 @@ def flatten_optimizer(
     """Add optimizer state keyed by parameter name, plus any tensors inside param_groups."""
     group_names = _optimizer_param_names(optim, parameter_names(model, known))
     saved = optim.state_dict()
+    state_json = _flatten_optimizer_state(flat, saved, group_names)
+    _flatten_param_groups(flat, _named_groups(saved["param_groups"], group_names), state_json)
+
+
+def _named_groups(saved_groups: list[dict[str, Any]], group_names: list[list[str]]) -> list[dict[str, Any]]:
+    """The param groups of an optimizer's state_dict with parameter names in place of indexes."""
+    return [{**group, "params": names} for group, names in zip(saved_groups, group_names, strict=True)]
+
+
+def _flatten_optimizer_state(flat: FlatState, saved: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """Add the per-parameter state of an optimizer's state_dict ``saved``; returns its JSON."""
     index_names = [name for group_params in group_names for name in group_params]
     state = {index_names[index]: param_state for index, param_state in saved["state"].items()}
-    groups = [{**group, "params": names} for group, names in zip(saved["param_groups"], group_names, strict=True)]
-    flatten_named_optimizer(flat, state, groups)
+    return _flatten_named_state(flat, state, _named_groups(saved["param_groups"], group_names))
 
 
 def flatten_named_optimizer(flat: FlatState, state: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
     """Add an optimizer state_dict keyed by parameter name (``state`` by name, each group's
     ``params`` a list of names: the layout ``get_state_dict`` gives), placing Adam's ``step``
     on the host unless its group is fused or capturable."""
+    _flatten_param_groups(flat, param_groups, _flatten_named_state(flat, state, param_groups))
+
+
+def _flatten_named_state(flat: FlatState, state: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """Add the per-parameter state of :func:`flatten_named_optimizer`; returns its JSON."""
     group_of = {name: g for g, group in enumerate(param_groups) for name in group["params"]}
     step_on_host = [not group_places_step_on_device(group) for group in param_groups]
     state_json: dict[str, Any] = {}
@@ -123,6 +253,11 @@ def flatten_named_optimizer(flat: FlatState, state: dict[str, Any], param_groups
             return flat.add(TensorRecord(path, tensor, "param", name))
 
         state_json[name] = jsonstate.encode(param_state, prefix, store)
+    return state_json
+
+
+def _flatten_param_groups(flat: FlatState, param_groups: list[dict[str, Any]], state_json: dict[str, Any]) -> None:
+    """Add the tensors inside ``param_groups`` (params by name) and set the optimizer's JSON."""
     groups_json = []
     for group_index, group in enumerate(param_groups):
         group_params = list(group["params"])
@@ -161,20 +296,26 @@ def flatten(
     optim: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
-    names_of: Callable[[torch.nn.Module], names.ModelNames] = names.model_names,
+    reuse: FlattenCache | None = None,
 ) -> FlatState:
-    """Flatten everything a save stores; ``names_of`` gives the model's names (a client passes
-    its :class:`client.names.NamesCache`)."""
+    """Flatten everything a save stores; ``reuse`` (a client's :class:`FlattenCache`) gives the
+    model's names and the parts of its last saves that still hold."""
     if not isinstance(model, torch.nn.Module):
         raise StateEncodingError(
             f"model must be a torch.nn.Module, not a {type(model).__name__}; "
             "store a plain {name: tensor} dict with save_state_dict"
         )
     flat = FlatState()
-    known = names_of(model)
-    flatten_model(flat, model, known)
+    known = reuse.names.names(model) if reuse is not None else names.model_names(model)
+    if reuse is not None:
+        reuse.model(flat, model, known)
+    else:
+        flatten_model(flat, model, known)
     if optim is not None:
-        flatten_optimizer(flat, optim, model, known)
+        if reuse is not None:
+            reuse.optimizer(flat, optim, model, known)
+        else:
+            flatten_optimizer(flat, optim, model, known)
     if scheduler is not None:
         flatten_other(flat, "scheduler", scheduler.state_dict())
     if extra is not None:
