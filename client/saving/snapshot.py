@@ -15,6 +15,7 @@ for all but the last when its snapshot is small (:mod:`client.saving.background`
 from __future__ import annotations
 
 import atexit
+import operator
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -132,12 +133,18 @@ def check_shape(key: str, tensor: torch.Tensor) -> None:
         raise InvalidManifestError(f"{key}: {problem}")
 
 
+#: What a staging buffer must share with its tensor.
+_LAYOUT = operator.attrgetter("shape", "dtype")
+
+
 class Staging:
     """Staging buffers reused across one client's background saves, by record key."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._packed = PackedStaging()
+        #: The last snapshot's host copies: keys, each buffer's shape and dtype, the buffers.
+        self._last: tuple[list[str], list[tuple[torch.Size, torch.dtype]], list[torch.Tensor]] = ([], [], [])
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +154,7 @@ class Staging:
     def release(self) -> None:
         """Let go of every staging buffer (host, pinned and device memory); later saves allocate anew."""
         self._buffers = {}
+        self._last = ([], [], [])
         self._packed.release()
 
     def snapshot(self, flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> Snapshot:
@@ -159,7 +167,7 @@ class Staging:
         copies: dict[int, torch.Tensor] = {}
         on_cuda = [(key, tensor) for key, tensor in plan.tensors.values() if tensor.is_cuda]
         elsewhere = [(key, tensor) for key, tensor in plan.tensors.values() if not tensor.is_cuda]
-        buffers = [self._buffer(key, tensor) for key, tensor in elsewhere]
+        buffers = self._host_buffers(elsewhere)
         with torch.no_grad():  # a copy of a parameter must not join its autograd graph
             if buffers:  # one call for all: a third less time than a copy_ each
                 torch._foreach_copy_(buffers, [tensor for _, tensor in elsewhere])
@@ -194,6 +202,19 @@ class Staging:
         for (_, tensor), buffer in zip(tensors, buffers, strict=True):
             copies[id(tensor)] = buffer
         return copied
+
+    def _host_buffers(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The staging buffers of ``tensors`` (key, tensor) that are not on a CUDA device: the last
+        snapshot's list as it is when the keys, shapes and dtypes are the same (a loop saving
+        every step asks for the same ones), else one by one."""
+        keys = [key for key, _ in tensors]
+        layouts = list(map(_LAYOUT, [tensor for _, tensor in tensors]))
+        last_keys, last_layouts, last_buffers = self._last
+        if keys == last_keys and layouts == last_layouts:
+            return last_buffers
+        buffers = [self._buffer(key, tensor) for key, tensor in tensors]
+        self._last = (keys, layouts, buffers)
+        return buffers
 
     def _buffer(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """This key's staging buffer, shaped for ``tensor`` (on the host, pinned for a CUDA tensor)."""
