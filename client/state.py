@@ -12,7 +12,7 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,12 +51,13 @@ class FlatState:
         self.records.append(record)
         return record.key
 
-    def add_part(self, part: _Part) -> None:
-        """Add the records of a part flattened before, whose keys :meth:`add` checked then."""
-        if not self._keys.isdisjoint(part.keys):
-            raise StateEncodingError(f"two tensors map to the key {sorted(self._keys & part.keys)[0]!r}")
-        self._keys |= part.keys
-        self.records += part.records
+    def add_part(self, records: list[TensorRecord], keys: frozenset[str]) -> None:
+        """Add ``records`` (with these ``keys``) of a part flattened before, whose tensors and
+        keys :meth:`add` checked then."""
+        if not self._keys.isdisjoint(keys):
+            raise StateEncodingError(f"two tensors map to the key {sorted(self._keys & keys)[0]!r}")
+        self._keys |= keys
+        self.records += records
 
 
 def parameter_names(model: torch.nn.Module, known: names.ModelNames | None = None) -> dict[int, str]:
@@ -80,31 +81,62 @@ _LASTING = frozenset({torch.Tensor, torch.nn.Parameter, bool, int, float, str, t
 
 @dataclass
 class _Part:
-    """Records flattened from a model or an optimizer, and what they were made from: reused while
-    the same objects (compared by identity) and the same plain values are found again."""
+    """Records flattened from a model or an optimizer, and what they were made from: made again
+    while the same objects (compared by identity) and the same plain values are found."""
 
-    same: list[object]  # objects the records came from, compared by identity
+    kept: list[object]  # the objects the records came from; tensors past ``weak_from`` by weak reference
+    weak_from: int
     equal: list[object]  # values they came from, compared with ==
-    records: list[TensorRecord]
+    template: list[tuple[str, int, Placement, str | None, bool | None]]  # each record, its tensor by index
     keys: frozenset[str]
     types: list[type]
     signatures: list[tuple[torch.dtype, bool]]
     json: Any = None
+    #: The records themselves, where every object is kept strongly (they keep nothing more alive).
+    made: list[TensorRecord] | None = None
 
     @classmethod
-    def of(cls, same: list[object], equal: list[object], records: list[TensorRecord], json: Any = None) -> _Part:
-        """The part of ``records`` (just flattened from ``same`` and ``equal``)."""
+    def of(cls, same: list[object], equal: list[object], records: list[TensorRecord], **options: Any) -> _Part:
+        """The part of ``records``, just flattened from ``same`` (which holds every record's
+        tensor) and ``equal``. ``weak_from`` (default: none): the index in ``same`` from which
+        tensors are kept by weak reference, so that state an optimizer replaces is not kept
+        alive by this cache until the next save."""
+        weak_from = options.get("weak_from", len(same))
+        index = {id(value): number for number, value in enumerate(same)}
+        template = [(r.key, index[id(r.tensor)], r.placement, r.param, r.trainable) for r in records]
+        kept = same[:weak_from] + [_weak(value) for value in same[weak_from:]]
         tensors = [record.tensor for record in records]
         keys = frozenset(record.key for record in records)
-        return cls(same, equal, records, keys, list(map(type, tensors)), list(map(_SIGNATURE, tensors)), json)
+        types, signatures = list(map(type, tensors)), list(map(_SIGNATURE, tensors))
+        made = records if weak_from == len(same) else None
+        return cls(kept, weak_from, equal, template, keys, types, signatures, options.get("json"), made)
 
-    def holds(self, same: list[object], equal: list[object]) -> bool:
-        """Whether flattening ``same`` and ``equal`` now would give these records again: the same
-        objects, equal values, and every tensor of the same type, dtype and ``requires_grad``."""
-        if len(same) != len(self.same) or equal != self.equal or not all(map(operator.is_, same, self.same)):
-            return False
-        tensors = [record.tensor for record in self.records]
-        return list(map(type, tensors)) == self.types and list(map(_SIGNATURE, tensors)) == self.signatures
+    def records(self, same: list[object], equal: list[object]) -> list[TensorRecord] | None:
+        """The records flattening ``same`` and ``equal`` gives now if they are these again: the
+        same objects, equal values, and every tensor of the same type, dtype and
+        ``requires_grad``; else None."""
+        cut = self.weak_from
+        if len(same) != len(self.kept) or equal != self.equal or not all(map(operator.is_, same[:cut], self.kept)):
+            return None
+        if not all(map(operator.is_, same[cut:], map(_strong, self.kept[cut:]))):
+            return None
+        tensors = cast(list[torch.Tensor], [same[number] for _, number, _, _, _ in self.template])
+        if list(map(type, tensors)) != self.types or list(map(_SIGNATURE, tensors)) != self.signatures:
+            return None
+        if self.made is not None:
+            return self.made
+        return [
+            TensorRecord(key, tensor, placement, param, trainable)
+            for (key, _, placement, param, trainable), tensor in zip(self.template, tensors, strict=True)
+        ]
+
+
+def _weak(value: object) -> object:
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else value
+
+
+def _strong(value: object) -> object:
+    return value() if type(value) is weakref.ref else value
 
 
 class FlattenCache:
@@ -113,7 +145,7 @@ class FlattenCache:
     A loop that saves every step flattens the same tensors under the same keys every step, and
     encodes the same optimizer state JSON (which refers to tensors by key, not by value). The
     cache keeps both parts, weakly keyed by the model and the optimizer, and hands them out again
-    while they hold (:meth:`_Part.holds`): the model's names unchanged (the :class:`names.NamesCache`
+    while they hold (:meth:`_Part.records`): the model's names unchanged (the :class:`names.NamesCache`
     hands out the same :class:`names.ModelNames` while its walk holds), the optimizer's params in
     the same groups, its state the same keys holding the same objects, and every tensor of the
     same type, dtype and ``requires_grad``. Param groups (hyperparameters a scheduler changes
@@ -130,16 +162,18 @@ class FlattenCache:
 
     def model(self, flat: FlatState, model: torch.nn.Module, known: names.ModelNames) -> None:
         """:func:`flatten_model`, from the last save's part of ``model`` while it holds."""
+        same = [known, *known.state_dict.values()]  # kept by the names cache anyway
         with self._lock:
             part = self._models.get(model)
-        if part is not None and part.holds([known], []):
-            flat.add_part(part)
+        records = part.records(same, []) if part is not None else None
+        if part is not None and records is not None:
+            flat.add_part(records, part.keys)
             self.hits += 1
             return
         start = len(flat.records)
         flatten_model(flat, model, known)
         with self._lock:
-            self._models[model] = _Part.of([known], [], flat.records[start:])
+            self._models[model] = _Part.of(same, [], flat.records[start:])
 
     def optimizer(
         self, flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module, known: names.ModelNames
@@ -159,8 +193,9 @@ class FlattenCache:
         ]
         with self._lock:
             part = self._optims.get(optim)
-        if part is not None and part.holds(same, equal):
-            flat.add_part(part)
+        records = part.records(same, equal) if part is not None else None
+        if part is not None and records is not None:
+            flat.add_part(records, part.keys)
             self.hits += 1
             _flatten_param_groups(flat, _named_groups(saved["param_groups"], part.json["names"]), part.json["state"])
             return
@@ -170,7 +205,8 @@ class FlattenCache:
         with self._lock:
             if all(type(value) in _LASTING for value in same[1 + len(params) :]):
                 json = {"names": group_names, "state": state_json}
-                self._optims[optim] = _Part.of(same, equal, flat.records[start:], json)
+                records = flat.records[start:]
+                self._optims[optim] = _Part.of(same, equal, records, weak_from=1 + len(params), json=json)
             else:  # a list or dict in the state may change inside without being replaced
                 self._optims.pop(optim, None)
         _flatten_param_groups(flat, _named_groups(saved["param_groups"], group_names), state_json)

@@ -199,6 +199,22 @@ def test_the_cache_keeps_neither_model_nor_optimizer_alive() -> None:
     assert model_ref() is None and optim_ref() is None
 
 
+def test_the_cache_keeps_no_optimizer_state_the_optimizer_let_go() -> None:
+    model, optim = build()
+    cache = FlattenCache()
+    flatten(model, optim, reuse=cache)
+    flatten(model, optim, reuse=cache)  # a hit: made again from the live state
+    state = optim.state[model[2].weight]
+    replaced = weakref.ref(state["exp_avg"])
+    state["exp_avg"] = state["exp_avg"].clone()
+    del state
+    loaded = [weakref.ref(v) for s in optim.state.values() for v in s.values()]
+    optim.load_state_dict(copy.deepcopy(optim.state_dict()))  # new tensors for every state value
+    gc.collect()
+    assert replaced() is None and all(ref() is None for ref in loaded)
+    check((model, optim), cache)
+
+
 def test_background_saves_between_changes_store_the_state_as_it_is(tmp_path: Path) -> None:
     model, optim = build()
     with Client(home=tmp_path) as ckpt:
