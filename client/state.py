@@ -87,7 +87,8 @@ class _Part:
     kept: list[object]  # the objects the records came from; tensors past ``weak_from`` by weak reference
     weak_from: int
     equal: list[object]  # values they came from, compared with ==
-    template: list[tuple[str, int, Placement, str | None, bool | None]]  # each record, its tensor by index
+    #: Each record's fields, its tensor by index into the objects (where the records are not ``made``).
+    template: list[tuple[str, int, Placement, str | None, bool | None]]
     keys: frozenset[str]
     types: list[type]
     signatures: list[tuple[torch.dtype, bool]]
@@ -102,13 +103,15 @@ class _Part:
         tensors are kept by weak reference, so that state an optimizer replaces is not kept
         alive by this cache until the next save."""
         weak_from = options.get("weak_from", len(same))
-        index = {id(value): number for number, value in enumerate(same)}
-        template = [(r.key, index[id(r.tensor)], r.placement, r.param, r.trainable) for r in records]
+        made = records if weak_from == len(same) else None
+        template = []
+        if made is None:  # records made again at each hit: each one's fields, its tensor by index
+            index = {id(value): number for number, value in enumerate(same)}
+            template = [(r.key, index[id(r.tensor)], r.placement, r.param, r.trainable) for r in records]
         kept = same[:weak_from] + [_weak(value) for value in same[weak_from:]]
         tensors = [record.tensor for record in records]
         keys = frozenset(record.key for record in records)
         types, signatures = list(map(type, tensors)), list(map(_SIGNATURE, tensors))
-        made = records if weak_from == len(same) else None
         return cls(kept, weak_from, equal, template, keys, types, signatures, options.get("json"), made)
 
     def records(self, same: list[object], equal: list[object]) -> list[TensorRecord] | None:
@@ -120,7 +123,10 @@ class _Part:
             return None
         if not all(map(operator.is_, same[cut:], map(_strong, self.kept[cut:]))):
             return None
-        tensors = cast(list[torch.Tensor], [same[number] for _, number, _, _, _ in self.template])
+        if self.made is not None:
+            tensors = [record.tensor for record in self.made]
+        else:
+            tensors = cast(list[torch.Tensor], [same[number] for _, number, _, _, _ in self.template])
         if list(map(type, tensors)) != self.types or list(map(_SIGNATURE, tensors)) != self.signatures:
             return None
         if self.made is not None:
