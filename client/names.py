@@ -230,6 +230,13 @@ class NamesCache:
         self._lock = threading.Lock()
         self.hits = 0
 
+    def keeps(self, model: torch.nn.Module, known: ModelNames) -> bool:
+        """Whether the cache keeps ``known`` as ``model``'s names (and hands them out again while
+        its layout holds); a model walked at every save is not kept."""
+        with self._lock:
+            walk = self._walks.get(model)
+        return walk is not None and walk.names is known
+
     def names(self, model: torch.nn.Module) -> ModelNames:
         """``model``'s names, from the cache while its layout is unchanged."""
         with self._lock:

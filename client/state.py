@@ -179,7 +179,10 @@ class FlattenCache:
         start = len(flat.records)
         flatten_model(flat, model, known)
         with self._lock:
-            self._models[model] = _Part.of(same, [], flat.records[start:])
+            if self.names.keeps(model, known):
+                self._models[model] = _Part.of(same, [], flat.records[start:])
+            else:  # names made anew at every save (a state_dict hook may make its tensors): keep none
+                self._models.pop(model, None)
 
     def optimizer(
         self, flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module, known: names.ModelNames
@@ -209,11 +212,12 @@ class FlattenCache:
         start = len(flat.records)
         state_json = _flatten_optimizer_state(flat, saved, group_names)
         with self._lock:
-            if all(type(value) in _LASTING for value in same[1 + len(params) :]):
+            lasting = all(type(value) in _LASTING for value in same[1 + len(params) :])
+            if lasting and self.names.keeps(model, known):
                 json = {"names": group_names, "state": state_json}
                 records = flat.records[start:]
                 self._optims[optim] = _Part.of(same, equal, records, weak_from=1 + len(params), json=json)
-            else:  # a list or dict in the state may change inside without being replaced
+            else:  # a list or dict in the state may change inside; names made anew at every save
                 self._optims.pop(optim, None)
         _flatten_param_groups(flat, _named_groups(saved["param_groups"], group_names), state_json)
 

@@ -215,6 +215,28 @@ def test_the_cache_keeps_no_optimizer_state_the_optimizer_let_go() -> None:
     check((model, optim), cache)
 
 
+def test_nothing_is_kept_of_a_model_whose_state_dict_is_made_at_every_save() -> None:
+    model, optim = build()
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def scaled(module: nn.Module, state: dict[str, torch.Tensor], prefix: str, local: object) -> None:
+        state[prefix + "weight"] = module.weight.detach() * 2  # a tensor made by each state_dict call
+        made.append(weakref.ref(state[prefix + "weight"]))
+
+    model[0]._register_state_dict_hook(scaled)
+    cache = FlattenCache()
+    for _ in range(3):
+        step(model, optim)
+        cached, fresh = flatten(model, optim, reuse=cache), flatten(model, optim)
+        assert [r.key for r in cached.records] == [r.key for r in fresh.records]
+        assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(cached.records, fresh.records, strict=True))
+        assert cached.state == fresh.state
+        del cached, fresh
+    gc.collect()
+    assert made and all(ref() is None for ref in made)  # no part holds them
+    assert cache.hits == 0
+
+
 def test_background_saves_between_changes_store_the_state_as_it_is(tmp_path: Path) -> None:
     model, optim = build()
     with Client(home=tmp_path) as ckpt:
