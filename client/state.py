@@ -97,12 +97,20 @@ class _Part:
     made: list[TensorRecord] | None = None
 
     @classmethod
-    def of(cls, same: list[object], equal: list[object], records: list[TensorRecord], **options: Any) -> _Part:
+    def of(
+        cls,
+        same: list[object],
+        equal: list[object],
+        records: list[TensorRecord],
+        *,
+        weak_from: int | None = None,
+        json: Any = None,
+    ) -> _Part:
         """The part of ``records``, just flattened from ``same`` (which holds every record's
-        tensor) and ``equal``. ``weak_from`` (default: none): the index in ``same`` from which
-        tensors are kept by weak reference, so that state an optimizer replaces is not kept
-        alive by this cache until the next save."""
-        weak_from = options.get("weak_from", len(same))
+        tensor, unless every object is kept strongly) and ``equal``. ``weak_from`` (default:
+        none): the index in ``same`` from which tensors are kept by weak reference, so that state
+        an optimizer replaces is not kept alive by this cache until the next save."""
+        weak_from = len(same) if weak_from is None else weak_from
         made = records if weak_from == len(same) else None
         template = []
         if made is None:  # records made again at each hit: each one's fields, its tensor by index
@@ -112,7 +120,7 @@ class _Part:
         tensors = [record.tensor for record in records]
         keys = frozenset(record.key for record in records)
         types, signatures = list(map(type, tensors)), list(map(_SIGNATURE, tensors))
-        return cls(kept, weak_from, equal, template, keys, types, signatures, options.get("json"), made)
+        return cls(kept, weak_from, equal, template, keys, types, signatures, json, made)
 
     def records(self, same: list[object], equal: list[object]) -> list[TensorRecord] | None:
         """The records flattening ``same`` and ``equal`` gives now if they are these again: the
@@ -168,7 +176,7 @@ class FlattenCache:
 
     def model(self, flat: FlatState, model: torch.nn.Module, known: names.ModelNames) -> None:
         """:func:`flatten_model`, from the last save's part of ``model`` while it holds."""
-        same = [known, *known.state_dict.values()]  # kept by the names cache anyway
+        same: list[object] = [known]  # the same names hold the same tensors (made once, never changed)
         with self._lock:
             part = self._models.get(model)
         records = part.records(same, []) if part is not None else None
