@@ -6,7 +6,8 @@
 - :mod:`.snapshot`, :mod:`.packed_staging`: the state copied into staging buffers, accelerator
   tensors gathered on their device and moved in one transfer;
 - :mod:`.hashing`: digests, the frozen-tensor cache and the ledger of what a save may skip;
-- :mod:`.upload`, :mod:`.shards`: shards written and sent through the transport;
+- :mod:`.upload`, :mod:`.shards`, :mod:`.gather`: shards written and sent through the transport,
+  small tensors' bytes gathered into one copy;
 - :mod:`.saver`: one save run, from flattened state to a committed version.
 
 May import torch, the top of ``client`` (state, tensors, transport, connection, results, progress) and

@@ -18,9 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from client.saving.gather import byte_views
 from client.saving.plan import SeparatePacker, balanced_shard_bytes
 from client.saving.shards import build_shard
-from client.tensors import byte_view, dtype_name, host_contiguous
+from client.tensors import dtype_name
 from client.transport import Transport
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor
@@ -57,8 +58,8 @@ class ShardUploader:
         self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
         self._sending: deque[Future[ShardReceipt]] = deque()
         self._packer: SeparatePacker[tuple[str, str, torch.Tensor]] = SeparatePacker(shard_bytes)
-        self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(shard_bytes)
-        self._together: SeparatePacker[tuple[int, str, torch.Tensor]] = SeparatePacker(shard_bytes)
+        self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor, int]] = SeparatePacker(shard_bytes)
+        self._together: SeparatePacker[tuple[int, str, torch.Tensor, int]] = SeparatePacker(shard_bytes)
 
     def __enter__(self) -> ShardUploader:
         return self
@@ -94,7 +95,7 @@ class ShardUploader:
         a kind's small tensors only when they fit one), in which the store writes equal tensors once.
         """
         packer = self._together if together else self._unhashed
-        closed = packer.add((index, key, tensor), nbytes, frozen)
+        closed = packer.add((index, key, tensor, nbytes), nbytes, frozen)
         if closed is not None:
             self._send_unhashed(closed)
 
@@ -116,17 +117,17 @@ class ShardUploader:
         shard = build_shard(items)
         self._submit(lambda: self.transport.put_shard(shard.header, shard.pieces, self.on_bytes))
 
-    def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
+    def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor, int]]) -> None:
         store = self.transport  # it took tensors unhashed when the save was planned (a server may stop)
-        hosts = [host_contiguous(tensor, key) for _, key, tensor in items]
+        views = byte_views([(key, tensor, nbytes) for _, key, tensor, nbytes in items])
         tensors = [
-            UnhashedTensor(dtype_name(host, key), tuple(host.shape), byte_view(host))
-            for (_, key, _), host in zip(items, hosts, strict=True)
+            UnhashedTensor(dtype_name(tensor, key), tuple(tensor.shape), view)
+            for (_, key, tensor, _), view in zip(items, views, strict=True)
         ]
 
         def put() -> ShardReceipt:
             receipt, digests = store.put_tensors(tensors, self.on_bytes)
-            for (index, _, _), digest in zip(items, digests, strict=True):
+            for (index, _, _, _), digest in zip(items, digests, strict=True):
                 self.digests[index] = digest
             return receipt
 
