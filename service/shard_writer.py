@@ -11,7 +11,8 @@ Each tensor is hashed piece by piece from the writer's buffer, right after the p
 there and before the buffer goes to the device, so the digest is of the bytes as written and
 hashing one piece overlaps the device writing the pieces before it. Equal tensors are written
 once: a tensor that may equal one before it in the shard (same dtype, shape and sampled bytes)
-is hashed first instead, and written only if its digest is new.
+is hashed first instead, and written only if its digest is new. So is every small tensor
+(:data:`HASH_FIRST_BYTES`), where sampling cost as much as hashing.
 
 The header names tensors by digest, so it is written last, into room left at the start of
 the file. Its size does not depend on the digests (all are 64 characters), and it is padded to
@@ -23,16 +24,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from service.direct_file import ALIGNMENT, DEFAULT_IN_FLIGHT, DirectFileWriter
 from service.format.digest import TensorHasher, tensor_digest
-from service.format.safetensors_header import ShardHeader, header_bytes, laid_out_entries
+from service.format.safetensors_header import ShardHeader, header_bytes, header_size, laid_out_entries
 from service.receiver import staging_error
 
 
-@dataclass(frozen=True)
-class UnhashedTensor:
-    """A tensor to store whose digest is not known: its dtype name, shape and raw bytes."""
+class UnhashedTensor(NamedTuple):
+    """A tensor to store whose digest is not known: its dtype name, shape and raw bytes.
+
+    A named tuple: a save of 32,768 small tensors makes one each, and a frozen dataclass cost
+    three times as much to make.
+    """
 
     dtype: str
     shape: tuple[int, ...]
@@ -62,8 +67,7 @@ def write_shard(
     fsynced) when this returns; on an error it is gone. ``on_bytes`` is called with each
     tensor's size once it is written.
     """
-    spec = [(f"{i:064x}", t.dtype, t.shape) for i, t in enumerate(tensors)]  # stand-ins, as long as digests
-    room = len(header_bytes(spec, metadata, align=ALIGNMENT))
+    room = header_size([(t.dtype, t.shape) for t in tensors], metadata, align=ALIGNMENT)
     try:
         writer = DirectFileWriter(path, direct=direct_writes, in_flight=DEFAULT_IN_FLIGHT, start=room)
     except OSError as exc:
@@ -73,6 +77,15 @@ def write_shard(
     seen: set[tuple[str, tuple[int, ...], bytes]] = set()
     try:
         for tensor in tensors:
+            if tensor.data.nbytes <= HASH_FIRST_BYTES:  # small: hashed first, written if new
+                digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
+                if digest not in written:
+                    writer.write(tensor.data)
+                    written[digest] = tensor
+                digests.append(digest)
+                if on_bytes is not None:
+                    on_bytes(tensor.data.nbytes)
+                continue
             sampled = fingerprint(tensor)
             if sampled in seen:  # it may equal a tensor before it: hash first, write if new
                 digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
@@ -103,6 +116,13 @@ def write_shard(
     # (parsing 32,768 of them took 0.3 s).
     return WrittenShard(digests, ShardHeader(header, laid_out_entries(named), dict(metadata)))
 
+
+#: Tensors up to this size are hashed before they are written, and written only if no tensor
+#: before them had their digest: sampling them first to tell them apart cost as much as hashing
+#: them, and their bytes are still in the CPU's cache when they are copied. The caller's memory
+#: must hold still while the shard is written, as it must for any tensor hashed first (a save
+#: hands its small tensors over in a copy of its own: :mod:`client.saving.gather`).
+HASH_FIRST_BYTES = 64 << 10
 
 #: Bytes sampled at each end and in the middle of a tensor to tell it from the ones before it.
 _SAMPLE_BYTES = 64

@@ -32,6 +32,7 @@ from service.format.safetensors_header import (
     HeaderEntry,
     encode_header,
     header_bytes,
+    header_size,
     laid_out_entries,
     layout_order,
     parse_header,
@@ -636,3 +637,21 @@ def test_header_bytes_are_the_json_dumps_text_byte_for_byte(
     digests_only = all(is_digest(name) for name, _, _ in named)
     if digests_only and position and all(byte_length(dtype, shape) for _, dtype, shape in named):
         assert parse_header(header_bytes(named)).entries == laid_out_entries(named)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    layouts=st.lists(
+        st.tuples(st.sampled_from(sorted(DTYPES)), st.lists(st.integers(0, 100_000), max_size=4).map(tuple)),
+        max_size=30,
+    ),
+    metadata=st.sampled_from([None, {}, {"format": "pt"}, {"a": 'b"\u00e9', "n": "1"}]),
+    align=st.sampled_from([8, 16, 4096]),
+)
+def test_header_size_is_the_length_of_the_header_written_for_digest_names(
+    layouts: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str] | None, align: int
+) -> None:
+    # What a writer leaves room for before it knows the digests: exactly the header's length,
+    # whatever the dtypes, shapes, offsets' digits (empty tensors included) and metadata.
+    named = [(f"{index:064x}", dtype, shape) for index, (dtype, shape) in enumerate(layouts)]
+    assert header_size(layouts, metadata, align=align) == len(header_bytes(named, metadata, align=align))
