@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import ColumnElement, Exists
 
 from service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
-from service.db.session import insert_new
+from service.db.session import insert_new, rows_in
 from service.db.shapes import ShapeCache
 from service.errors import ConflictError, InvalidManifestError, MissingTensorsError, format_list
 from service.format.bounds import INT64_MAX, MAX_VERSION
@@ -99,7 +99,7 @@ def _stored_tensors(session: Session, digests: list[str]) -> dict[str, tuple[str
     found: dict[str, tuple[str, Any, int, bool]] = {}
     connection = session.connection()
     for start in range(0, len(digests), BATCH):
-        rows = connection.execute(_STORED, {"digests": digests[start : start + BATCH]}).all()
+        rows = rows_in(connection, _STORED, "digests", digests[start : start + BATCH])
         found.update((digest, (dtype, shape, nbytes, referenced)) for digest, dtype, shape, nbytes, referenced in rows)
     return found
 

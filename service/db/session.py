@@ -15,6 +15,7 @@ from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 from sqlalchemy.engine import Connection, CursorResult, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import Executable
 
 from service.db import schema
 from service.db.models import Base, table
@@ -94,6 +95,44 @@ def driver_rows(connection: Connection, sql: str, parameters: Sequence[Any]) -> 
         return cursor.fetchall()
     finally:
         cursor.close()
+
+
+def rows_in(connection: Connection, statement: Executable, name: str, values: Sequence[Any]) -> Sequence[Any]:
+    """Every row of ``statement`` with ``values`` for its expanding parameter ``name`` (an IN
+    list), as plain tuples, its other parameters as the statement binds them.
+
+    In SQLite the driver runs the statement compiled once for each count of values, where
+    SQLAlchemy expands the list and compiles it anew at each run (a third of checking a commit's
+    32,768 references) and wraps every row.
+    """
+    expanded = _sqlite_expanded(statement, name, len(values)) if connection.dialect.name == "sqlite" else None
+    if expanded is None:
+        return connection.execute(statement, {name: list(values)}).all()
+    sql, template, slots = expanded
+    parameters = list(template)
+    for slot, value in zip(slots, values, strict=True):
+        parameters[slot] = value
+    return driver_rows(connection, sql, parameters)
+
+
+@functools.cache
+def _sqlite_expanded(
+    statement: Executable, name: str, count: int
+) -> tuple[str, tuple[Any, ...], tuple[int, ...]] | None:
+    """``statement`` as SQLite's driver runs it with ``count`` values for ``name``: its SQL, every
+    placeholder's value (None where one of ``name``'s goes) and the places of ``name``'s. None
+    where a parameter's type processes its values in Python (the driver would not)."""
+    dialect = sqlite_dialect()
+    compiled = statement.compile(dialect=dialect)
+    if name not in compiled.binds or not compiled.binds[name].expanding:
+        raise ValueError(f"the statement does not expand {name!r} into a list")
+    if any(bind.type.dialect_impl(dialect).bind_processor(dialect) for bind in compiled.binds.values()):
+        return None
+    state = compiled.construct_expanded_state({name: [None] * count})
+    expanded = {f"{name}_{number}" for number in range(1, count + 1)}
+    order = state.positiontup or []
+    slots = tuple(place for place, key in enumerate(order) if key in expanded)
+    return state.statement, tuple(state.parameters[key] for key in order), slots
 
 
 @functools.cache
