@@ -10,12 +10,11 @@ from pathlib import Path
 from time import monotonic, sleep
 from typing import Any, cast
 
-from sqlalchemy import Table, create_engine, event
+from sqlalchemy import Select, Table, create_engine, event
 from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 from sqlalchemy.engine import Connection, CursorResult, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.sql import Executable
 
 from service.db import schema
 from service.db.models import Base, table
@@ -97,7 +96,7 @@ def driver_rows(connection: Connection, sql: str, parameters: Sequence[Any]) -> 
         cursor.close()
 
 
-def rows_in(connection: Connection, statement: Executable, name: str, values: Sequence[Any]) -> Sequence[Any]:
+def rows_in(connection: Connection, statement: Select[Any], name: str, values: Sequence[Any]) -> Sequence[Any]:
     """Every row of ``statement`` with ``values`` for its expanding parameter ``name`` (an IN
     list), as plain tuples, its other parameters as the statement binds them.
 
@@ -117,7 +116,7 @@ def rows_in(connection: Connection, statement: Executable, name: str, values: Se
 
 @functools.cache
 def _sqlite_expanded(
-    statement: Executable, name: str, count: int
+    statement: Select[Any], name: str, count: int
 ) -> tuple[str, tuple[Any, ...], tuple[int, ...]] | None:
     """``statement`` as SQLite's driver runs it with ``count`` values for ``name``: its SQL, every
     placeholder's value (None where one of ``name``'s goes) and the places of ``name``'s. None
