@@ -20,7 +20,7 @@ from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
 from service.db.models import ManifestPart, PartBody, PartRef, Version, table
-from service.db.session import insert_missing
+from service.db.session import insert_missing, rows_in
 from service.errors import StorageError
 from service.format.parts import Part, assemble
 
@@ -50,7 +50,7 @@ def known_parts(session: Session, digests: Sequence[str]) -> dict[str, tuple[int
     connection = session.connection()
     found: dict[str, tuple[int, int]] = {}
     for start in range(0, len(digests), BATCH):
-        rows = connection.execute(_KNOWN, {"digests": list(digests[start : start + BATCH])})
+        rows = rows_in(connection, _KNOWN, "digests", digests[start : start + BATCH])
         found.update((digest, (int(pid), int(count))) for digest, pid, count in rows)
     return found
 
