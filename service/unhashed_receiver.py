@@ -28,7 +28,7 @@ from service.direct_file import ALIGNMENT, DirectFileWriter
 from service.errors import InvalidInputError, PayloadTooLargeError
 from service.format.digest import TensorHasher
 from service.format.dtypes import DTYPES, byte_length
-from service.format.safetensors_header import PREFIX_BYTES, ShardHeader, header_bytes, laid_out_entries
+from service.format.safetensors_header import PREFIX_BYTES, ShardHeader, header_bytes, header_size, laid_out_entries
 from service.format.sharding import MAX_TENSORS_PER_SHARD, SHARD_METADATA
 from service.receiver import UPLOAD_IN_FLIGHT, ReceiveSpace, advance, staging_error, take_prefixed
 from service.shard_writer import WrittenShard
@@ -120,8 +120,7 @@ class UnhashedReceiver:
                 f"the layout lists {total} bytes of tensors after {need} bytes of layout, but the body is "
                 f"{self.length} bytes long"
             )
-        spec = [(f"{i:064x}", dtype, shape) for i, (dtype, shape, _) in enumerate(self._layout)]
-        self._room = len(header_bytes(spec, SHARD_METADATA, align=ALIGNMENT))  # digests are as long as these
+        self._room = header_size([(dtype, shape) for dtype, shape, _ in self._layout], SHARD_METADATA, align=ALIGNMENT)
         try:
             self._writer = DirectFileWriter(
                 self.path, direct=self.direct_writes, in_flight=UPLOAD_IN_FLIGHT, start=self._room
