@@ -16,9 +16,11 @@ from collections.abc import Sequence
 import torch
 
 from client.tensors import byte_view, host_contiguous
+from service.shard_writer import HASH_FIRST_BYTES
 
-#: Tensors of at most this many bytes are gathered; larger ones are viewed in place.
-GATHER_MAX_BYTES = 64 << 10
+#: Tensors of at most this many bytes are gathered; larger ones are viewed in place. The store
+#: hashes the tensors of up to this size before it writes them, from the memory given.
+GATHER_MAX_BYTES = HASH_FIRST_BYTES
 
 
 def byte_views(items: Sequence[tuple[str, torch.Tensor, int]]) -> list[memoryview]:
@@ -35,13 +37,15 @@ def byte_views(items: Sequence[tuple[str, torch.Tensor, int]]) -> list[memoryvie
         else:
             views[position] = byte_view(host_contiguous(tensor, key))
     for positions in groups.values():
-        if len(positions) == 1:
-            key, tensor, _ = items[positions[0]]
-            views[positions[0]] = byte_view(host_contiguous(tensor, key))
-            continue
+        tensors = [items[position][1] for position in positions]
         with torch.no_grad():  # no graph: the copy is of the values alone
-            flat = torch._utils._flatten_dense_tensors([items[position][1] for position in positions])
-        data = byte_view(flat.cpu())
+            # One tensor is flattened to a view of itself: torch.cat copies it (bits resolved).
+            flat = (
+                torch._utils._flatten_dense_tensors(tensors)
+                if len(tensors) > 1
+                else torch.cat([tensors[0].reshape(-1)])
+            )
+        data = byte_view(flat.detach().cpu())
         offset = 0
         for position in positions:
             nbytes = items[position][2]

@@ -48,3 +48,14 @@ def test_sizes_on_either_side_of_the_limit_keep_their_order() -> None:
     tensors.append(torch.randn(3, dtype=torch.float64))
     views = byte_views(_items(tensors))
     assert [bytes(v) for v in views] == [reference_bytes(t) for t in tensors]
+
+
+def test_a_tensor_alone_of_its_dtype_is_copied_too() -> None:
+    # What the store hashes before writing must be the save's own copy, even for a group of one.
+    alone = torch.nn.Parameter(torch.arange(8, dtype=torch.float64))
+    conj = torch.complex(torch.arange(4.0), torch.ones(4)).conj()
+    views = byte_views(_items([alone, conj, torch.zeros(2, dtype=torch.int8)]))
+    with torch.no_grad():
+        alone.zero_()
+    assert bytes(views[0]) == torch.arange(8, dtype=torch.float64).numpy().tobytes()
+    assert bytes(views[1]) == reference_bytes(conj)
