@@ -8,18 +8,15 @@ call and the ORM's handling of their results took about half of a save's questio
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Text, bindparam, select, type_coerce, update
-from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 from sqlalchemy.orm import Session
 
 from service.db import Database
 from service.db.models import Tensor, table, utcnow
-from service.db.session import driver_rows
+from service.db.session import rows_in
 from service.db.shapes import ShapeCache
 from service.errors import InvalidInputError, NotFoundError
 from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
@@ -56,17 +53,6 @@ _LOCATE = select(
     _TENSORS.c.stored_nbytes,
     _TENSORS.c.base,
 ).where(_TENSORS.c.digest.in_(bindparam("digests", expanding=True)))
-
-
-@functools.cache
-def _sqlite_locate(count: int) -> str:
-    """:data:`_LOCATE` as SQLite's driver runs it, for ``count`` digests (the shape as its JSON text)."""
-    quote = sqlite_dialect().identifier_preparer.quote
-    columns = ", ".join(quote(c.name) for c in (_TENSORS.c.digest, _TENSORS.c.shard_id, _TENSORS.c.offset))
-    columns += ", " + ", ".join(quote(c.name) for c in (_TENSORS.c.nbytes, _TENSORS.c.dtype, _TENSORS.c.shape))
-    columns += ", " + ", ".join(quote(c.name) for c in (_TENSORS.c.encoding, _TENSORS.c.stored_nbytes, _TENSORS.c.base))
-    marks = ", ".join("?" * count)
-    return f"SELECT {columns} FROM {quote(_TENSORS.name)} WHERE {quote(_TENSORS.c.digest.name)} IN ({marks})"
 
 
 def check_digests(digests: Iterable[str]) -> list[str]:
@@ -144,20 +130,13 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
     shapes = ShapeCache()
     with db.transaction() as session:
         connection = session.connection()
-        sqlite = connection.dialect.name == "sqlite"
         asking = wanted
         for _depth in range(MAX_CHAIN_LOOKUPS):
             for batch in batches(asking):
                 # Plain tuples through a statement built once: an ORM object per tensor was a
-                # third of loading a model of many small tensors. In SQLite the driver takes the
-                # statement as it is, where expanding the IN list of a Core statement compiled it
-                # anew for every batch (0.13 s of locating 32,768 tensors).
-                # The rows are fetched at once; iterating a result fetches them one by one.
-                rows: Sequence[Sequence[Any]]
-                if sqlite:
-                    rows = driver_rows(connection, _sqlite_locate(len(batch)), batch)
-                else:
-                    rows = connection.execute(_LOCATE, {"digests": batch}).all()
+                # third of loading a model of many small tensors, and expanding the IN list anew
+                # for every batch 0.13 s of locating 32,768 tensors (see rows_in).
+                rows = rows_in(connection, _LOCATE, "digests", batch)
                 for digest, shard_id, offset, nbytes, dtype, shape, encoding, stored, base in rows:
                     if encoding is None:
                         found[digest] = TensorLocation(digest, shard_id, offset, nbytes, dtype, shapes(shape))

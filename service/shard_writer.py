@@ -77,22 +77,16 @@ def write_shard(
     seen: set[tuple[str, tuple[int, ...], bytes]] = set()
     try:
         for tensor in tensors:
-            if tensor.data.nbytes <= HASH_FIRST_BYTES:  # small: hashed first, written if new
-                digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
-                if digest not in written:
-                    writer.write(tensor.data)
-                    written[digest] = tensor
-                digests.append(digest)
-                if on_bytes is not None:
-                    on_bytes(tensor.data.nbytes)
-                continue
-            sampled = fingerprint(tensor)
-            if sampled in seen:  # it may equal a tensor before it: hash first, write if new
+            hash_first = tensor.data.nbytes <= HASH_FIRST_BYTES
+            if not hash_first:
+                sampled = fingerprint(tensor)
+                hash_first = sampled in seen
+                seen.add(sampled)
+            if hash_first:  # small, or it may equal a tensor before it: hash first, write if new
                 digest = tensor_digest(tensor.dtype, tensor.shape, tensor.data, parallel=False)
                 if digest not in written:
                     writer.write(tensor.data)
             else:  # no tensor before it can be equal: hash the bytes as they are written
-                seen.add(sampled)
                 hasher = TensorHasher(tensor.dtype, tensor.shape, parallel=False)
                 writer.write(tensor.data, hasher.update)
                 digest = hasher.hexdigest()
@@ -120,8 +114,8 @@ def write_shard(
 #: Tensors up to this size are hashed before they are written, and written only if no tensor
 #: before them had their digest: sampling them first to tell them apart cost as much as hashing
 #: them, and their bytes are still in the CPU's cache when they are copied. The caller's memory
-#: must hold still while the shard is written, as it must for any tensor hashed first (a save
-#: hands its small tensors over in a copy of its own: :mod:`client.saving.gather`).
+#: must hold still while the shard is written, as it must for any tensor hashed first (a
+#: client's save hands tensors of up to this size over in a copy of its own).
 HASH_FIRST_BYTES = 64 << 10
 
 #: Bytes sampled at each end and in the middle of a tensor to tell it from the ones before it.
