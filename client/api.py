@@ -420,7 +420,7 @@ class Client(Connection):
         if cache is None:
             result.casts = restore.load_into_model(reader, plan, target, dtype)
         else:  # the next save hashes only what changed since this load
-            result.casts = restore.load_into_model(reader, plan, target, dtype, cache.forget, cache.know)
+            result.casts = restore.load_into_model(reader, plan, target, dtype, cache.forget_many, cache.know)
 
     @paused_collection()
     def load(

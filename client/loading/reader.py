@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import closing
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from client.loading.decoding import decode_threads, decoded
@@ -157,6 +158,22 @@ class TensorReader:
             InvalidInputError: a destination is not a contiguous CPU tensor of the stored dtype and shape.
             IntegrityError: bytes read do not hash to their digest.
         """
+        for batch in self.read_batches(keys, into=into, host_empty=host_empty, checked=checked):
+            yield from batch
+
+    def read_batches(
+        self,
+        keys: Iterable[str],
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        host_empty: HostEmpty = plain_empty,
+        checked: bool = False,
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+        """:meth:`read_many`'s ``(key, tensor)`` pairs in lists, one list per read as it completes.
+
+        For callers that handle many small tensors: a list per read instead of a generator
+        step per tensor (a load of 32,768 tensors passes each through several generators).
+        """
         into = dict(into or {})
         entries = self.entries
         if not checked:
@@ -166,7 +183,7 @@ class TensorReader:
         for key in keys:
             entry = entries[key]
             if entry.digest is None or 0 in entry.shape:
-                yield key, _deliver(self.read(key), into.get(key))
+                yield [(key, _deliver(self.read(key), into.get(key)))]
             else:
                 groups.setdefault(entry.digest, []).append(key)
         yield from self._stream(self._jobs(groups, into, entries, host_empty), into)
@@ -190,7 +207,8 @@ class TensorReader:
                 yield label, _deliver(torch.empty(spec.shape, dtype=NAME_TO_TORCH[spec.dtype]), into.get(label))
             else:
                 groups.setdefault(spec.digest, []).append(label)
-        yield from self._stream(self._jobs(groups, into, pieces, plain_empty), into)
+        for batch in self._stream(self._jobs(groups, into, pieces, plain_empty), into):
+            yield from batch
 
     def _jobs(
         self,
@@ -205,13 +223,22 @@ class TensorReader:
         destination partly overlaps it: bytes for it may arrive while an earlier tensor there
         is still being hashed. Such keys are read into a fresh tensor and copied in order.
         """
-        spans = {key: _span(tensor) for key, tensor in into.items() if tensor.nbytes}
+        spans = {}
+        for key, tensor in into.items():
+            if nbytes := tensor.nbytes:
+                start = tensor.data_ptr()
+                spans[key] = (start, start + nbytes)
         tangled = _partly_overlapping(list(spans.values()))
-        claimed: set[tuple[int, int]] = set()
         locations = self.locations
+        located = sorted((locations[digest] for digest in groups), key=_storage_order)
+        if not tangled and len(set(spans.values())) == len(spans):
+            # Every destination its own memory (a model's tensors, but for tied ones): each
+            # job reads into its first key's destination, if that key has one.
+            return [self._job(groups[where.digest], specs, where, into, host_empty) for where in located]
+        claimed: set[tuple[int, int]] = set()
         jobs = []
-        for digest in sorted(groups, key=lambda d: ((where := locations[d]).shard_id, where.offset)):
-            keys = groups[digest]
+        for where in located:
+            keys = groups[where.digest]
             owner = None
             for key in keys:
                 span = spans.get(key)
@@ -223,13 +250,31 @@ class TensorReader:
             if owner is not None and owner != keys[0]:
                 keys = [owner, *(k for k in keys if k != owner)]
             spec, destination = specs[keys[0]], into[owner] if owner is not None else None
-            jobs.append(_Job(keys, spec.dtype, spec.shape, locations[digest], destination, host_empty))
+            jobs.append(_Job(keys, spec.dtype, spec.shape, where, destination, host_empty))
         return jobs
+
+    @staticmethod
+    def _job(
+        keys: list[str],
+        specs: Mapping[str, TensorEntry] | Mapping[str, PieceSpec],
+        where: TensorLocation,
+        into: dict[str, torch.Tensor],
+        host_empty: HostEmpty,
+    ) -> _Job:
+        """The job of ``keys`` (one digest), reading into the first of them that has a destination."""
+        destination = into.get(keys[0])
+        if destination is None and len(keys) > 1:
+            owner = next((key for key in keys if key in into), None)
+            if owner is not None:
+                keys, destination = [owner, *(k for k in keys if k != owner)], into[owner]
+        spec = specs[keys[0]]
+        return _Job(keys, spec.dtype, spec.shape, where, destination, host_empty)
 
     def _stream(
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Hash each arriving piece into its tensor's digest; yield every tensor whose last piece came.
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+        """Hash each arriving piece into its tensor's digest; yield every tensor whose last piece
+        came, in a list per read.
 
         Tensors stored encoded are decoded after the others (:mod:`client.loading.decoding`).
         """
@@ -242,45 +287,59 @@ class TensorReader:
 
     def _stream_decoded(
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
         """Decode, verify and yield each tensor stored encoded, on :func:`decode_threads` threads."""
         read, hint = self.transport.read_into, self.transport.will_read
         with closing(decoded(read, self.locations, jobs, threads=decode_threads(), will_read=hint)) as done:
             for job, digest in done:
                 assert isinstance(job, _Job)
-                yield from self._hand_out(job, digest, into)
+                handed: list[tuple[str, torch.Tensor]] = []
+                self._hand_out(job, digest, into, handed)
+                yield handed
                 self._count(job.location.nbytes)
 
-    def _hand_out(self, job: _Job, digest: str, into: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """Check a whole tensor's digest, then hand it out under each of its keys (a list, not a
-        generator: a load of many small tensors makes one per tensor)."""
+    def _hand_out(
+        self, job: _Job, digest: str, into: dict[str, torch.Tensor], handed: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Check a whole tensor's digest, then append it to ``handed`` under each of its keys."""
         first = job.keys[0]
         self._check(first, job.location, digest)
         tensor = job.release()
-        handed = [(first, _deliver(tensor, into.get(first)))]
+        handed.append((first, _deliver(tensor, into.get(first))))
         for key in job.keys[1:]:
             # Every key gets its own memory: optimizer state updated in place
             # (Adam's step, equal moments) must never alias another parameter's.
             handed.append((key, _deliver(tensor, into.get(key), copy=True)))
-        return handed
 
     def _stream_raw(
         self, jobs: list[_Job], into: dict[str, torch.Tensor]
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
         """The tensors stored raw: read in bounded units, hashed as their pieces arrive."""
         units = plan_reads([job.location for job in jobs], UNIT_BYTES)
         with closing(self._fetched(jobs, units)) as fetched:
             for unit, views in fetched:
-                for piece, view in zip(unit.pieces, views, strict=True):
-                    job = jobs[piece.item]
-                    if piece.start == 0 and piece.last:  # read in one piece: hashed in one call
-                        digest: str | None = tensor_digest(job.dtype, job.shape, view)
+                handed: list[tuple[str, torch.Tensor]] = []
+                nbytes = 0
+                for (item, start, _length, last), view in zip(unit.pieces, views, strict=True):
+                    job = jobs[item]
+                    if start == 0 and last:  # read in one piece: hashed in one call
+                        digest = tensor_digest(job.dtype, job.shape, view)
                     else:
-                        digest = job.digest(view, last=piece.last)
-                    if digest is None:
+                        whole = job.digest(view, last=last)
+                        if whole is None:
+                            continue
+                        digest = whole
+                    nbytes += job.location.nbytes
+                    if len(job.keys) == 1 and digest == job.location.digest:  # most tensors
+                        tensor = job.release()
+                        destination = into.get(job.keys[0])
+                        if destination is not tensor:
+                            tensor = _deliver(tensor, destination)
+                        handed.append((job.keys[0], tensor))
                         continue
-                    yield from self._hand_out(job, digest, into)
-                self._count(sum(job.location.nbytes for job in (jobs[p.item] for p in unit.pieces if p.last)))
+                    self._hand_out(job, digest, into, handed)
+                yield handed
+                self._count(nbytes)
 
     def _fetched(
         self, jobs: list[_Job], units: list[ReadUnit]
@@ -359,17 +418,22 @@ class TensorReader:
             self._on_bytes(nbytes)
 
 
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The memory a contiguous tensor occupies: (first byte, end) addresses."""
-    start = tensor.data_ptr()
-    return start, start + tensor.nbytes
+def _storage_order(where: TensorLocation) -> tuple[str, int]:
+    return where.shard_id, where.offset
 
 
 def _partly_overlapping(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
     """The spans that overlap a different span (equal spans, one tensor under two names, do not count)."""
+    ordered = sorted(set(spans))
+    if len(ordered) < 2:
+        return set()
+    bounds = np.array(ordered, dtype=np.uint64)
+    # Sorted by start, a span overlaps an earlier one only if it starts before the furthest end so far.
+    if not (bounds[1:, 0] < np.maximum.accumulate(bounds[:-1, 1])).any():
+        return set()  # almost always: a model's tensors do not share memory
     tangled: set[tuple[int, int]] = set()
     reach: tuple[int, int] | None = None  # of the spans seen so far, the one ending last
-    for span in sorted(set(spans)):
+    for span in ordered:
         if reach is not None and span[0] < reach[1]:
             tangled.update((span, reach))
         if reach is None or span[1] > reach[1]:

@@ -79,7 +79,7 @@ def load_into_model(
     plan: ModelPlan,
     device: torch.device | None,
     dtype: torch.dtype | None,
-    before_write: Callable[[torch.Tensor], object] = lambda tensor: None,
+    before_write: Callable[[list[torch.Tensor]], object] = lambda tensors: None,
     loaded: Callable[[torch.Tensor, str], object] = lambda tensor, digest: None,
 ) -> list[str]:
     """Read ``plan.sources`` into the model's own parameters and buffers; returns casts made.
@@ -88,52 +88,54 @@ def load_into_model(
     ``device`` or ``dtype`` asks for a change, and keeps its identity, so an optimizer that
     holds it stays valid. A CPU tensor of the stored dtype is read into directly; the others
     are read into fresh memory, then copied (and cast or moved). ``before_write`` sees every
-    tensor before it changes (the digest cache forgets it); ``loaded`` sees every tensor that
+    tensor, in one list, before any changes (the digest cache forgets it); ``loaded`` sees every tensor that
     now holds exactly the verified bytes of a stored digest (no cast), with that digest.
     """
     targets, sources, entries = plan.targets, plan.sources, reader.entries
+    pairs = [(name, key, targets[name], entries[key]) for name, key in sources.items()]
     wrong = [
-        f"{name}: checkpoint {list(entries[key].shape)}, model {list(targets[name].shape)}"
-        for name, key in sources.items()
-        if targets[name].shape != tuple(entries[key].shape)
+        f"{name}: checkpoint {entry.shape}, model {list(target.shape)}"
+        for name, _key, target, entry in pairs
+        if target.shape != tuple(entry.shape)
     ]
     if wrong:
         raise StateMismatchError(f"shape mismatch for {len(wrong)} tensors: {format_list(wrong, 5)}")
     direct = {}  # key -> the target the reader fills itself
-    for name, key in sources.items():
-        target = targets[name]
-        before_write(target)
-        if device is not None or dtype is not None:
+    moving = device is not None or dtype is not None
+    before_write([target for _name, _key, target, _entry in pairs])
+    for _name, key, target, entry in pairs:
+        if moving:
             want_dtype = _wanted_dtype(target.dtype, dtype)
             want_device = device if device is not None else target.device
             if target.dtype != want_dtype or target.device != want_device:
                 _reallocate(target, want_dtype, want_device)
-        if _readable_in_place(target, NAME_TO_TORCH[entries[key].dtype]):
+        if _readable_in_place(target, NAME_TO_TORCH[entry.dtype]):
             direct[key] = target
     name_of = {key: name for name, key in sources.items()}
     casts = []
     verified: list[tuple[torch.Tensor, str]] = []
     copier = DeviceCopier(target.device for target in targets.values())
     # Each of ``direct`` passed _readable_in_place and the shape check above: the reader's rules and more.
-    stream = reader.read_many(sources.values(), into=direct, host_empty=copier.host_empty, checked=True)
+    stream = reader.read_batches(sources.values(), into=direct, host_empty=copier.host_empty, checked=True)
     with copier, closing(stream):
-        for key, source in stream:
-            target = targets[name_of[key]]
-            if source is target:  # read in place: same dtype, on the CPU
-                if (digest := entries[key].digest) is not None:
-                    loaded(target, digest)
-                continue
-            if target.is_cpu:
-                _copy_into(target, source)
-            else:
-                copier.copy(target, source)
-            if source.dtype != target.dtype:
-                casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
-            elif (digest := entries[key].digest) is not None:
+        for batch in stream:
+            for key, source in batch:
+                target = targets[name_of[key]]
+                if source is target:  # read in place: same dtype, on the CPU
+                    if (digest := entries[key].digest) is not None:
+                        loaded(target, digest)
+                    continue
                 if target.is_cpu:
-                    loaded(target, digest)  # while the next reads go on
+                    _copy_into(target, source)
                 else:
-                    verified.append((target, digest))
+                    copier.copy(target, source)
+                if source.dtype != target.dtype:
+                    casts.append(f"{key}: {source.dtype} -> {target.dtype}".replace("torch.", ""))
+                elif (digest := entries[key].digest) is not None:
+                    if target.is_cpu:
+                        loaded(target, digest)  # while the next reads go on
+                    else:
+                        verified.append((target, digest))
     # Once the copies to devices are done: the digest cache may take a sample of each tensor.
     for target, digest in verified:
         loaded(target, digest)

@@ -50,7 +50,13 @@ def _check_every_pattern_used(patterns: Sequence[str] | None, names_seen: Iterab
 
 def stored_model_names(manifest: Manifest) -> dict[str, str]:
     """``stored state_dict name -> manifest key`` for every model tensor of a version, in manifest order."""
-    return {keys.model_name(e.key): e.key for e in manifest.tensors if e.key.startswith("model/")}
+    # Inlined model_name: this runs once per tensor of a version.
+    found = {}
+    for entry in manifest.tensors:
+        key = entry.key
+        if key.startswith("model/"):
+            found[key[6:] if "~" not in key else keys.model_name(key)] = key
+    return found
 
 
 @dataclass

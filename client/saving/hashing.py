@@ -263,12 +263,16 @@ class DigestCache:
         load): the same rules as after hashing it, read now."""
         self.put(tensor, digest, self.take(tensor))
 
-    def forget(self, tensor: torch.Tensor) -> None:
-        """Drop ``tensor``'s entry (and with it the weak reference that blocks swap_tensors)."""
+    def forget_many(self, tensors: list[torch.Tensor]) -> None:
+        """Drop the entries of ``tensors`` (and with them the weak references that block swap_tensors)."""
+        entries = self._entries
         with self._lock:
-            entry = self._entries.get(id(tensor))
-            if entry is not None and entry.ref() is tensor:
-                del self._entries[id(tensor)]
+            if not entries:
+                return
+            for tensor in tensors:
+                entry = entries.get(id(tensor))
+                if entry is not None and entry.ref() is tensor:
+                    del entries[id(tensor)]
 
     def put(self, tensor: torch.Tensor, digest: str, taken: Taken | None) -> None:
         """Remember ``digest`` for ``tensor`` as :meth:`take` found it before its bytes were read."""

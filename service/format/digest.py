@@ -99,8 +99,9 @@ def tensor_digest(
     dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview, *, parallel: bool = True
 ) -> str:
     """Digest of a whole tensor held in ``data``, using every core for large tensors unless not ``parallel``."""
-    if memoryview(data).nbytes <= JOIN_BYTES:  # most tensors of a large model: one call, no hasher
-        return blake3.blake3(tensor_preamble(dtype, shape) + data).hexdigest()
+    nbytes = data.nbytes if type(data) is memoryview else memoryview(data).nbytes
+    if nbytes <= JOIN_BYTES:  # most tensors of a large model: one call, no hasher
+        return blake3.blake3(_preamble(dtype, tuple(shape)) + data).hexdigest()
     hasher = TensorHasher(dtype, shape, parallel=parallel)
     hasher.update(data)
     return hasher.hexdigest()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import client
@@ -188,3 +190,56 @@ def test_a_frozen_tensor_loaded_in_place_is_hashed_again_on_the_next_save(tmp_pa
         loaded = ckpt.load("run").state_dict
     assert loaded is not None
     assert torch.equal(loaded["big"], Wide(seed=1).big)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), max_size=12))
+def test_partly_overlapping_spans_are_those_meeting_a_different_span(raw: list[tuple[int, int]]) -> None:
+    spans = [(start, start + length) for start, length in raw]
+    expected = {
+        span for span in spans for other in spans if other != span and span[0] < other[1] and other[0] < span[1]
+    }
+    assert reader_module._partly_overlapping(spans) == expected
+
+
+@st.composite
+def shared_layouts(draw: st.DrawFn) -> tuple[list[int], dict[int, int | None]]:
+    """Which stored value each of several keys holds (keys may share one), and which memory slot,
+    if any, each key is read into (keys may share a slot)."""
+    count = draw(st.integers(1, 8))
+    values = draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    slots = draw(st.lists(st.one_of(st.none(), st.integers(0, 3)), min_size=count, max_size=count))
+    return values, dict(enumerate(slots))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=shared_layouts())
+def test_keys_sharing_digests_and_destinations_each_get_their_stored_value(
+    tmp_path_factory: pytest.TempPathFactory, layout: tuple[list[int], dict[int, int | None]]
+) -> None:
+    """Equal digests read once, destinations shared or not, given to the first key or a later one:
+    every key yields its own stored value, into its destination when that memory is its alone."""
+    values, slots = layout
+    stored = {f"k{i}": torch.full((64,), float(value)) for i, value in enumerate(values)}
+    with client.Client(home=tmp_path_factory.mktemp("store")) as ckpt:
+        ckpt.save_state_dict("run", stored)
+        reader = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+        memory = [torch.full((64,), -1.0) for _ in range(4)]
+        into = {f"model/k{i}": memory[slot] for i, slot in slots.items() if slot is not None}
+        keys = [f"model/k{i}" for i in range(len(values))]
+        batches = list(reader.read_batches(keys, into=into))
+        again = TensorReader(ckpt.transport, ckpt.transport.manifest("run"))
+        flat = [key for key, _ in again.read_many(keys, into=into)]
+    got = [pair for batch in batches for pair in batch]
+    assert [key for key, _ in got] == flat and sorted(flat) == sorted(keys)
+    sharing = {slot: sum(1 for s in slots.values() if s == slot) for slot in set(slots.values())}
+    for key, tensor in got:
+        index = int(key.removeprefix("model/k"))
+        slot = slots[index]
+        if slot is not None:
+            assert tensor is memory[slot], key
+        if slot is None or sharing[slot] == 1:
+            assert torch.equal(tensor, torch.full((64,), float(values[index]))), key
+    owners = [key for key, tensor in got if slots[int(key.removeprefix("model/k"))] is None]
+    pointers = [tensor.data_ptr() for key, tensor in got if key in owners]
+    assert len(set(pointers)) == len(pointers)  # fresh tensors never alias one another
