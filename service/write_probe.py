@@ -18,11 +18,14 @@ or one without CPU figures, is ignored).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import statistics
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +36,8 @@ PROBE_BYTES = 32 << 20
 #: Measurements of each way, alternating (the median counts).
 PROBE_ROUNDS = 3
 CACHE_NAME = "write-mode.json"
+#: Held by the process measuring (see :func:`choose_direct_writes`).
+LOCK_NAME = "write-mode.lock"
 #: Bytes handed to each write() of the probe, as a shard's tensors are.
 _PIECE = 4 << 20
 
@@ -60,6 +65,10 @@ class WriteChoice:
 def choose_direct_writes(staging_dir: Path) -> WriteChoice:
     """The write mode for shards staged in ``staging_dir``: read from its cache, else measured and cached.
 
+    One process measures at a time (the workers of a server start together): the others wait
+    for its figures rather than measure beside it, where each would slow the other's writes
+    down and the choice would follow the contention, not the disk.
+
     A disk that fails the measurement (full, read-only) gets direct writes, uncached: the write of
     the shard itself then reports the problem, as it would have without a probe.
     """
@@ -67,12 +76,38 @@ def choose_direct_writes(staging_dir: Path) -> WriteChoice:
     cached = _read_cache(staging_dir / CACHE_NAME, device)
     if cached is not None:
         return cached
+    with _measuring_alone(staging_dir):
+        cached = _read_cache(staging_dir / CACHE_NAME, device)  # measured while this process waited
+        if cached is not None:
+            return cached
+        try:
+            choice = measure(staging_dir)
+        except OSError:
+            return WriteChoice(True, None, None, device)
+        _write_cache(staging_dir / CACHE_NAME, choice)
+        return choice
+
+
+@contextmanager
+def _measuring_alone(staging_dir: Path) -> Iterator[None]:
+    """Hold ``LOCK_NAME`` in ``staging_dir`` (an exclusive ``flock``) for the ``with`` block.
+
+    The file is removed on the way out, after the cache is written: a process still waiting on
+    it finds the cache once it holds it, and one arriving later finds the cache first. A folder
+    where the file cannot be made (read-only) measures without it.
+    """
+    path = staging_dir / LOCK_NAME
     try:
-        choice = measure(staging_dir)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError:
-        return WriteChoice(True, None, None, device)
-    _write_cache(staging_dir / CACHE_NAME, choice)
-    return choice
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)  # releases the lock
 
 
 def measure(staging_dir: Path) -> WriteChoice:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import multiprocessing
 import os
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from service import write_probe
 from service.store import Store
-from service.write_probe import CACHE_NAME, WriteChoice, choose_direct_writes, measure
+from service.write_probe import CACHE_NAME, LOCK_NAME, WriteChoice, choose_direct_writes, measure
 
 
 def test_the_probe_measures_both_ways_and_the_cheaper_wins(tmp_path: Path) -> None:
@@ -114,3 +118,48 @@ def test_a_disk_that_fails_the_measurement_gets_direct_writes_uncached(
     monkeypatch.setattr(write_probe, "measure", full)
     assert choose_direct_writes(tmp_path).direct is True
     assert not (tmp_path / CACHE_NAME).exists()  # measured again once the disk has room
+
+
+def _choose_in_child(folder: Path, log: Any, go: Any, role: str) -> None:
+    """Run choose_direct_writes in a process of its own, telling ``log`` when it takes the lock and
+    when it measures; its measurement waits for ``go`` and chooses direct writes only for "first"."""
+    real_flock = fcntl.flock
+
+    def flock(fd: int, operation: int) -> None:
+        log.put(f"{role} locks")
+        real_flock(fd, operation)
+
+    def measure(path: Path) -> WriteChoice:
+        log.put(f"{role} measures")
+        go.wait()
+        return WriteChoice(role == "first", 1.0, 2.0, os.stat(path).st_dev, 0.1, 0.2)
+
+    write_probe.fcntl = types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX)  # type: ignore[assignment]
+    write_probe.measure = measure  # type: ignore[assignment]
+    log.put(f"{role} chose {'direct' if choose_direct_writes(folder).direct else 'buffered'}")
+
+
+def test_processes_starting_together_measure_once(tmp_path: Path) -> None:
+    """A server's workers start at once: the second waits for the first's figures instead of
+    measuring beside it."""
+    context = multiprocessing.get_context("spawn")
+    log, go = context.Queue(), context.Event()
+    first = context.Process(target=_choose_in_child, args=(tmp_path, log, go, "first"), daemon=True)
+    second = context.Process(target=_choose_in_child, args=(tmp_path, log, go, "second"), daemon=True)
+    try:
+        first.start()
+        assert [log.get(timeout=60), log.get(timeout=60)] == ["first locks", "first measures"]
+        second.start()
+        assert log.get(timeout=60) == "second locks"  # and waits there, the first still measuring
+        go.set()
+        rest = sorted([log.get(timeout=60), log.get(timeout=60)])
+    finally:
+        go.set()
+        for process in (first, second):
+            if process.pid is not None:
+                process.join(60)
+                process.kill()
+    assert rest == ["first chose direct", "second chose direct"]  # the second read the first's choice
+    assert (first.exitcode, second.exitcode) == (0, 0)
+    assert not (tmp_path / LOCK_NAME).exists()
+    assert json.loads((tmp_path / CACHE_NAME).read_text())["direct"] is True
