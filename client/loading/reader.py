@@ -9,6 +9,7 @@ ahead while the calling thread hashes what has arrived.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import closing
 from dataclasses import dataclass
@@ -228,13 +229,13 @@ class TensorReader:
             if nbytes := tensor.nbytes:
                 start = tensor.data_ptr()
                 spans[key] = (start, start + nbytes)
-        tangled = _partly_overlapping(list(spans.values()))
         locations = self.locations
-        located = sorted((locations[digest] for digest in groups), key=_storage_order)
-        if not tangled and len(set(spans.values())) == len(spans):
+        located = sorted((locations[digest] for digest in groups), key=_STORAGE_ORDER)
+        if _apart(list(spans.values())):
             # Every destination its own memory (a model's tensors, but for tied ones): each
             # job reads into its first key's destination, if that key has one.
             return [self._job(groups[where.digest], specs, where, into, host_empty) for where in located]
+        tangled = _partly_overlapping(list(spans.values()))
         claimed: set[tuple[int, int]] = set()
         jobs = []
         for where in located:
@@ -418,22 +419,26 @@ class TensorReader:
             self._on_bytes(nbytes)
 
 
-def _storage_order(where: TensorLocation) -> tuple[str, int]:
-    return where.shard_id, where.offset
+#: Shard, then offset: the order a job list reads in.
+_STORAGE_ORDER = operator.attrgetter("shard_id", "offset")
+
+
+def _apart(spans: list[tuple[int, int]]) -> bool:
+    """Whether no two of ``spans`` share a byte (equal spans do: one tensor under two names)."""
+    if len(spans) < 2:
+        return True
+    starts = np.fromiter((start for start, _ in spans), dtype=np.uint64, count=len(spans))
+    ends = np.fromiter((end for _, end in spans), dtype=np.uint64, count=len(spans))
+    order = np.argsort(starts)
+    # Sorted by start, apart when each span starts at or after the end of the one before it.
+    return bool((starts[order][1:] >= ends[order][:-1]).all())
 
 
 def _partly_overlapping(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
     """The spans that overlap a different span (equal spans, one tensor under two names, do not count)."""
-    ordered = sorted(set(spans))
-    if len(ordered) < 2:
-        return set()
-    bounds = np.array(ordered, dtype=np.uint64)
-    # Sorted by start, a span overlaps an earlier one only if it starts before the furthest end so far.
-    if not (bounds[1:, 0] < np.maximum.accumulate(bounds[:-1, 1])).any():
-        return set()  # almost always: a model's tensors do not share memory
     tangled: set[tuple[int, int]] = set()
     reach: tuple[int, int] | None = None  # of the spans seen so far, the one ending last
-    for span in ordered:
+    for span in sorted(set(spans)):
         if reach is not None and span[0] < reach[1]:
             tangled.update((span, reach))
         if reach is None or span[1] > reach[1]:

@@ -200,6 +200,8 @@ def test_partly_overlapping_spans_are_those_meeting_a_different_span(raw: list[t
         span for span in spans for other in spans if other != span and span[0] < other[1] and other[0] < span[1]
     }
     assert reader_module._partly_overlapping(spans) == expected
+    shared = any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
+    assert reader_module._apart(spans) is not shared  # equal spans share their bytes too
 
 
 @st.composite
