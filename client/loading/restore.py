@@ -87,9 +87,9 @@ def load_into_model(
     Shapes are all checked before anything is written. A tensor is re-allocated only when
     ``device`` or ``dtype`` asks for a change, and keeps its identity, so an optimizer that
     holds it stays valid. A CPU tensor of the stored dtype is read into directly; the others
-    are read into fresh memory, then copied (and cast or moved). ``before_write`` sees every
-    tensor, in one list, before any changes (the digest cache forgets it); ``loaded`` sees every tensor that
-    now holds exactly the verified bytes of a stored digest (no cast), with that digest.
+    are read into fresh memory, then copied (and cast or moved). ``before_write`` gets every
+    tensor, in one list, before any changes (the digest cache forgets them); ``loaded`` sees every
+    tensor that now holds exactly the verified bytes of a stored digest (no cast), with that digest.
     """
     targets, sources, entries = plan.targets, plan.sources, reader.entries
     pairs = [(name, key, targets[name], entries[key]) for name, key in sources.items()]
