@@ -4,7 +4,8 @@ Tensors are added in the order the save finds them missing and packed into shard
 :class:`client.saving.plan.SeparatePacker`, frozen tensors never beside trainable ones (so each
 kind's shards are reclaimed with the versions that use them); each closed shard goes to the store on a worker
 thread straight from tensor memory. At most
-``in_flight`` shards are sent at once; adding more waits for the oldest.
+``in_flight`` shards are sent at once; adding more waits for the oldest. A shard of small
+tensors sent ``together`` goes out beside them, outside that count.
 
 An embedded store also takes tensors not hashed yet (:meth:`ShardUploader.add_unhashed`): it
 hashes them as it writes them and hands back their digests.
