@@ -128,10 +128,12 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
     wanted = check_digests(digests)
     found: dict[str, TensorLocation] = {}
     shapes = ShapeCache()
+    bases: set[str] = set()  # of the deltas found in this round
     with db.transaction() as session:
         connection = session.connection()
         asking = wanted
         for _depth in range(MAX_CHAIN_LOOKUPS):
+            before = len(found)
             for batch in batches(asking):
                 # Plain tuples through a statement built once: an ORM object per tensor was a
                 # third of loading a model of many small tensors, and expanding the IN list anew
@@ -144,11 +146,14 @@ def locate(*, db: Database, digests: Iterable[str]) -> dict[str, TensorLocation]
                         found[digest] = TensorLocation(
                             digest, shard_id, offset, nbytes, dtype, shapes(shape), encoding, stored, base
                         )
-            if any(d not in found for d in asking):
+                        if base is not None:
+                            bases.add(base)
+            if len(found) - before < len(asking):  # each digest asked is new and has one row
                 break  # a digest (or a base) the store lacks: named below
-            asking = sorted({loc.base for loc in found.values() if loc.base is not None and loc.base not in found})
+            asking = sorted(base for base in bases if base not in found)
+            bases.clear()
             if not asking:
-                break
+                return found
     absent = [d for d in wanted if d not in found]
     if absent:
         raise NotFoundError(f"{len(absent)} tensors are not in the store, e.g. {absent[0]}")
