@@ -201,28 +201,18 @@ class SaveRun:
         total = sum(plan.lengths[i] for i in plan.write_first)
         # Bytes that make one shard per kind anyway all go together, small tensors or not.
         one_shard = total <= uploader.balance_unhashed(total)
-        if not one_shard:
-            # The small tensors' shards first: sent last, they waited for a large shard to finish
-            # and then went out alone while the store had nothing else to do.
-            small = [index for index in plan.write_first if index in self.together]
-            for index in small:
-                self._add_unhashed(uploader, plan, index, together=True)
-            uploader.flush_together()
         for index in plan.write_first:
-            if one_shard or index not in self.together:
-                self._add_unhashed(uploader, plan, index, together=one_shard)
+            nbytes = plan.lengths[index]
+            uploader.add_unhashed(
+                index,
+                self.records[index].key,
+                self.tensors[index],
+                nbytes,
+                frozen=self.frozen(index),
+                together=one_shard or index in self.together,
+            )
         uploader.flush()
         return taken
-
-    def _add_unhashed(self, uploader: ShardUploader, plan: SavePlan, index: int, *, together: bool) -> None:
-        uploader.add_unhashed(
-            index,
-            self.records[index].key,
-            self.tensors[index],
-            plan.lengths[index],
-            frozen=self.frozen(index),
-            together=together,
-        )
 
     def hash_ask_send(
         self, plan: SavePlan, group: list[int], uploader: ShardUploader, on_skipped: Callable[[int], object]

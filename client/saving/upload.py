@@ -4,8 +4,7 @@ Tensors are added in the order the save finds them missing and packed into shard
 :class:`client.saving.plan.SeparatePacker`, frozen tensors never beside trainable ones (so each
 kind's shards are reclaimed with the versions that use them); each closed shard goes to the store on a worker
 thread straight from tensor memory. At most
-``in_flight`` shards are sent at once; adding more waits for the oldest. A shard of small
-tensors sent ``together`` goes out beside them, outside that count.
+``in_flight`` shards are sent at once; adding more waits for the oldest.
 
 An embedded store also takes tensors not hashed yet (:meth:`ShardUploader.add_unhashed`): it
 hashes them as it writes them and hands back their digests.
@@ -27,19 +26,12 @@ from client.transport import Transport
 from service.records import ShardReceipt
 from service.shard_writer import UnhashedTensor
 
-#: Shards of small tensors sent ``together`` at most at once: one per kind (frozen, trainable).
-TOGETHER_KINDS = 2
-
 
 class ShardUploader:
     """Groups ``(digest, key, tensor)`` items into shards and sends them in the background.
 
     Use as a context manager: leaving it by an exception cancels shards not yet started and
     waits for those being sent.
-
-    The shards of small tensors added ``together`` (one per kind) do not count against
-    ``in_flight``: they go out beside the large ones as soon as they are flushed, rather than
-    wait for a large one to finish.
 
     Args:
         transport: where shards go (``put_shard``).
@@ -63,9 +55,8 @@ class ShardUploader:
         self.shards = 0
         #: Digests of the tensors given to :meth:`add_unhashed`, by their ``index``, as their shards are stored.
         self.digests: dict[int, str] = {}
-        self._pool = ThreadPoolExecutor(in_flight + TOGETHER_KINDS, thread_name_prefix="ckptstore-upload")
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
         self._sending: deque[Future[ShardReceipt]] = deque()
-        self._sending_together: list[Future[ShardReceipt]] = []
         self._packer: SeparatePacker[tuple[str, str, torch.Tensor]] = SeparatePacker(shard_bytes)
         self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor, int]] = SeparatePacker(shard_bytes)
         self._together: SeparatePacker[tuple[int, str, torch.Tensor, int]] = SeparatePacker(shard_bytes)
@@ -74,7 +65,7 @@ class ShardUploader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for future in [*self._sending, *self._sending_together]:
+        for future in self._sending:
             future.cancel()
         self._pool.shutdown(wait=True)
 
@@ -108,17 +99,11 @@ class ShardUploader:
         if closed is not None:
             self._send_unhashed(closed)
 
-    def flush_together(self) -> None:
-        """Start sending the shards of tensors added ``together`` now, without waiting for them."""
-        for shard in self._together.flush():
-            self._send_unhashed(shard, together=True)
-
     def flush(self) -> None:
         """Start sending the shards being filled, without waiting for them."""
         for last in self._packer.flush():
             self._send(last)
-        self.flush_together()
-        for unhashed in self._unhashed.flush():
+        for unhashed in [*self._unhashed.flush(), *self._together.flush()]:
             self._send_unhashed(unhashed)
 
     def finish(self) -> tuple[int, int]:
@@ -126,15 +111,13 @@ class ShardUploader:
         self.flush()
         while self._sending:
             self._collect()
-        while self._sending_together:
-            self.stored += self._sending_together.pop(0).result().size
         return self.stored, self.shards
 
     def _send(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
         shard = build_shard(items)
         self._submit(lambda: self.transport.put_shard(shard.header, shard.pieces, self.on_bytes))
 
-    def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor, int]], *, together: bool = False) -> None:
+    def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor, int]]) -> None:
         store = self.transport  # it took tensors unhashed when the save was planned (a server may stop)
         views = byte_views([(key, tensor, nbytes) for _, key, tensor, nbytes in items])
         tensors = [
@@ -148,11 +131,7 @@ class ShardUploader:
                 self.digests[index] = digest
             return receipt
 
-        if together:
-            self._sending_together.append(self._pool.submit(put))
-            self.shards += 1
-        else:
-            self._submit(put)
+        self._submit(put)
 
     def _submit(self, send: Callable[[], ShardReceipt]) -> None:
         while len(self._sending) >= self.in_flight:

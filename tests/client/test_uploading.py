@@ -12,7 +12,6 @@ import torch
 from client.saving.hashing import digest_of
 from client.saving.upload import ShardUploader
 from service.records import ShardReceipt
-from service.shard_writer import UnhashedTensor
 from service.store import Store
 
 
@@ -73,43 +72,3 @@ def test_finish_after_flush_sends_nothing_twice(store: HeldStore) -> None:
         _, shards = uploader.finish()
     assert shards == 1
     assert len(list(store.blobs.list_ids())) == 1
-
-
-class SideBySideStore(Store):
-    """A Store whose upload of a shard of small unhashed tensors waits until a large one has started."""
-
-    large_started: threading.Event
-    small_saw_large: list[bool]
-
-    def put_tensors(
-        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
-    ) -> tuple[ShardReceipt, list[str]]:
-        if all(t.data.nbytes <= 1024 for t in tensors):
-            self.small_saw_large.append(self.large_started.wait(timeout=30))
-        else:
-            self.large_started.set()
-        return super().put_tensors(tensors, on_bytes)
-
-
-def test_the_small_tensors_shard_takes_no_slot_from_the_large_shards(tmp_path: Path) -> None:
-    """Small tensors sent together (first, as a save sends them) go out beside the large shards:
-    in a slot of their own they held up a large shard, or, sent last, went out alone at the end."""
-    store = SideBySideStore.open_home(tmp_path / "home")
-    assert isinstance(store, SideBySideStore)
-    store.large_started, store.small_saw_large = threading.Event(), []
-    large = [torch.full((4096,), float(i)) for i in range(4)]
-    small = [torch.full((8,), float(i)) for i in range(3)]
-    try:
-        with ShardUploader(store, shard_bytes=16 << 10, in_flight=1) as uploader:
-            for index, tensor in enumerate(small, start=len(large)):
-                uploader.add_unhashed(index, f"small{index}", tensor, tensor.nbytes, together=True)
-            uploader.flush_together()
-            for index, tensor in enumerate(large):
-                uploader.add_unhashed(index, f"large{index}", tensor, tensor.nbytes)
-            stored, shards = uploader.finish()
-        assert store.small_saw_large == [True]
-        assert shards == 1 + len(large)  # a large tensor fills a shard of 16 KiB
-        assert sorted(uploader.digests) == list(range(len(large) + len(small)))
-        assert stored >= sum(t.nbytes for t in large + small)  # and the shards' headers
-    finally:
-        store.close()
