@@ -239,6 +239,12 @@ class HttpTransport:
     def takes_unhashed(self, value: bool) -> None:
         self._takes_unhashed = value
 
+    @property
+    def may_take_unhashed(self) -> bool:
+        """Whether new tensors may go to the server unhashed: False once it said it takes none,
+        True until then (asks nothing; the first :meth:`sizes_held` answer tells)."""
+        return self._takes_unhashed is not False
+
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
         """Those of ``sizes`` (byte lengths) some stored tensor has; all of them where the server
         takes no unhashed tensors (then a save hashes everything first)."""

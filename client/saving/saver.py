@@ -171,14 +171,16 @@ class SaveRun:
         marks: dict[int, Any] = {}
         likely_new = None
         holders = _holders(self.tensors)
-        if settings.transport.takes_unhashed:
-            marks = settings.ledger.snapshot(self.tensors)
-            changed = settings.ledger.changed(self.tensors, marks)
+        if _may_take_unhashed(settings.transport):
             frozen = [record.trainable is False for record in self.records]
-            unseen, self.together = surely_unstored(
+            unseen, together = surely_unstored(
                 settings.transport, self.tensors, lengths, frozen, holders, settings.shard_bytes
             )
-            likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
+            if settings.transport.takes_unhashed:  # known now: the sizes' answer told
+                marks = settings.ledger.snapshot(self.tensors)
+                changed = settings.ledger.changed(self.tensors, marks)
+                likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
+                self.together = together
         plan = plan_save(
             lengths,
             self.known,
@@ -359,6 +361,13 @@ def _small_together(
         ):
             together.update(mine)
     return together
+
+
+def _may_take_unhashed(transport: Transport) -> bool:
+    """Whether ``transport`` takes unhashed tensors, or has not said yet: a server tells with its
+    first answer about sizes, which :func:`surely_unstored` asks anyway (one question, not two)."""
+    may = getattr(transport, "may_take_unhashed", None)
+    return transport.takes_unhashed if may is None else bool(may)
 
 
 def _holders(tensors: list[torch.Tensor]) -> list[int]:

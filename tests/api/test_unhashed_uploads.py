@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -190,6 +191,32 @@ def test_a_save_to_a_server_without_the_route_hashes_its_tensors_first(tmp_path:
             client.load("run", model=loaded)
     finally:
         store.close()
+    assert same_state(saved.state_dict(), loaded.state_dict())
+
+
+def test_a_first_save_asks_about_sizes_once_and_sends_new_tensors_unhashed(tmp_path: Path) -> None:
+    store = Store.open_home(tmp_path / "home")
+    app = create_app(store, Settings(home=tmp_path / "home", tokens=TOKENS))
+    asked: list[str] = []
+
+    async def counting(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            asked.append(f"{scope['method']} {scope['path']}")
+        await app(scope, receive, send)
+
+    def model() -> torch.nn.Module:  # tensors of sizes of their own: none needs hashing first
+        return torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 300))
+
+    saved, loaded = model(), model()
+    try:
+        with running_server(counting) as url, Client(url, token=WRITE_TOKEN) as client:  # type: ignore[arg-type]
+            client.save("run", saved)
+            first = list(asked)
+            client.load("run", model=loaded)
+    finally:
+        store.close()
+    assert first.count("POST /v1/tensors/sizes") == 1, first
+    assert "POST /v1/shards" in first and "POST /v1/tensors/missing" not in first, first
     assert same_state(saved.state_dict(), loaded.state_dict())
 
 
