@@ -3,10 +3,11 @@
 Prints, in one run:
 
 1. **Save and load.** A fp32 transformer (``--size``, default 512 MiB): the first save into a
-   fresh store and a load into an existing model, embedded and through ``ckptstore serve`` on a
-   local folder and on S3 (a ``moto_server`` process stands in for S3 here; MinIO in
-   docker-compose), alternating, medians of ``--rounds``. Each ratio is the embedded time over
-   the HTTP time (1.0x: as fast as embedded).
+   fresh store, embedded and through ``ckptstore serve`` on a local folder and on S3 (a
+   ``moto_server`` process stands in for S3 here; MinIO in docker-compose), alternating, medians
+   of ``--rounds``; and a load into an existing model, the embedded one reading the same files
+   as the local-folder server's (see :func:`save_and_load`). Each ratio is the embedded time
+   over the HTTP time (1.0x: as fast as embedded).
 2. **Many readers.** ``--readers`` processes (default 8) loading the same version (``--read-size``,
    default 1 GiB) at once through one server: on S3 blobs with signed read URLs (the bytes come
    from S3 directly) and with ``CKPTSTORE_READ_URL_SECONDS=0`` (every byte through the server),
@@ -16,10 +17,11 @@ Prints, in one run:
 
 The server and moto run as processes of their own; server start-up is not timed, and each
 timed call starts after ``os.sync()``. Page cache: a local folder's shards are written around
-it (``O_DIRECT``), so the load after a save reads the disk; moto keeps its objects in memory
-and temporary files. The server's CPU seconds (its workers' user and system time) are printed
-beside each HTTP row. On a 2-core machine the S3 stand-in itself takes a core, so compare the
-server's CPU seconds more than the throughput.
+it (``O_DIRECT``), and each load starts with it dropped where the bench may (as root), so the
+loads read the disk; moto keeps its objects in memory and temporary files. The server's CPU
+seconds (its workers' user and system time) are printed beside each HTTP row. On a 2-core
+machine the S3 stand-in itself takes a core, so compare the server's CPU seconds more than the
+throughput.
 Each store measures its own write mode unless ``CKPTSTORE_DIRECT_WRITES`` says which
 (:mod:`service.write_probe`); the ``writes`` column tells how many rounds' stores wrote direct,
 since a store that drew buffered writes saves slower and leaves its shards in the page cache.
@@ -157,46 +159,76 @@ def modes(found: list[bool | None]) -> str:
     return f"direct {sum(known)}/{len(known)}" if known else "-"
 
 
-def timed(action: object) -> float:
+def timed(action: object, *, cold: bool = False) -> float:
     """Seconds ``action()`` takes, started on a quiet disk: what earlier rows left to write back
-    (moto keeps its objects in temporary files) is flushed first, off the clock."""
+    (moto keeps its objects in temporary files) is flushed first, off the clock; with ``cold``,
+    the page cache is then dropped too where this process may (:func:`drop_page_cache`)."""
     os.sync()
+    if cold:
+        drop_page_cache()
     started = time.perf_counter()
     action()  # type: ignore[operator]
     return time.perf_counter() - started
 
 
+def drop_page_cache() -> bool:
+    """Empty the page cache (Linux, as root), so that a load reads the disk; whether it could."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as control:
+            control.write("1")
+    except OSError:
+        return False
+    return True
+
+
 def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
-    """Section 1: embedded, HTTP on a local folder and HTTP on S3, alternating."""
+    """Section 1: embedded, HTTP on a local folder and HTTP on S3, alternating.
+
+    Every save goes into a fresh store. The local loads read one store's files, the HTTP
+    store's, embedded and through its server in turn (which first alternates by round): a load
+    right after the save that wrote its bytes found this VM's disk still busy with them (a
+    512 MiB embedded load took 0.4-1.3 s then, against 0.3-0.4 s for the same files at rest),
+    so loads of two stores, each right after its own save, compared the disk's state more than
+    the two paths.
+    """
     vocab, hidden = 32000, 1024
     model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
     target = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "zeros")
     found: dict[str, dict[str, list[float]]] = {}
+
+    def times_of(name: str) -> dict[str, list[float]]:
+        return found.setdefault(name, {"save": [], "load": [], "save cpu": [], "load cpu": [], "direct": []})
+
+    def load(name: str, ckpt: Client, server: psutil.Process | None) -> None:
+        before = cpu_seconds(server) if server is not None else 0.0
+        times_of(name)["load"].append(timed(lambda: ckpt.load(RUN, model=target), cold=True))
+        if server is not None:
+            times_of(name)["load cpu"].append(cpu_seconds(server) - before)
+
     for number in range(rounds):
         for name in ("embedded", "http, local folder", "http, S3"):
             home = root / f"{name.replace(' ', '_').replace(',', '')}-{number}"
-            times = found.setdefault(name, {"save": [], "load": [], "save cpu": [], "load cpu": [], "direct": []})
+            times = times_of(name)
             if name == "embedded":
                 with Client(home=home) as ckpt:
                     times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
-                with Client(home=home) as ckpt:
-                    times["load"].append(timed(lambda ckpt=ckpt: ckpt.load(RUN, model=target)))
                 times["direct"].append(direct_writes(home))
                 continue
             with served(home, s3 if "S3" in name else None) as (url, server):
-                for what, action in (
-                    ("save", lambda ckpt: ckpt.save(RUN, model)),
-                    ("load", lambda ckpt: ckpt.load(RUN, model=target)),
-                ):
-                    with Client(url) as ckpt:
-                        before = cpu_seconds(server)
-                        times[what].append(timed(lambda ckpt=ckpt, action=action: action(ckpt)))
-                        times[f"{what} cpu"].append(cpu_seconds(server) - before)
+                with Client(url) as ckpt:
+                    before = cpu_seconds(server)
+                    times["save"].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
+                    times["save cpu"].append(cpu_seconds(server) - before)
+                ways = [(name, url)] if "S3" in name else [(name, url), ("embedded", None)]
+                for way, address in ways if number % 2 == 0 else ways[::-1]:
+                    with Client(address) if address is not None else Client(home=home) as ckpt:
+                        load(way, ckpt, server if address is not None else None)
             times["direct"].append(direct_writes(home))
     base = {what: statistics.median(found["embedded"][what]) for what in ("save", "load")}
     print(f"\n## Save and load, {size / MIB:.0f} MiB fp32, medians of {rounds}")
-    print("(the first save into a fresh store; the load is the first after it, into an existing model,")
-    print(" its bytes read from the disk: the save's direct writes leave none in the page cache)")
+    cache = "dropped before each load" if drop_page_cache() else "not dropped (that needs root)"
+    print("(the first save into a fresh store; a load into an existing model, embedded and over HTTP")
+    print(f" reading the same local files in turn, from the disk: page cache {cache})")
     print(" writes: the rounds whose store wrote its shards direct (O_DIRECT), as its probe chose or")
     print(" CKPTSTORE_DIRECT_WRITES said; the others wrote buffered")
     columns = f"{'vs embedded':>13}{'server CPU s':>14}"
