@@ -19,6 +19,7 @@ request under its :class:`client.http.retry.RetryPolicy`.
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import ssl
 import struct
@@ -49,6 +50,22 @@ class BulkResponse:
 
     def close(self) -> None:
         """Nothing to release: the body was read and the connection returned to the pool."""
+
+
+def still_open(sock: socket.socket | None) -> bool:
+    """Whether an idle keep-alive connection's socket may carry another request: it has nothing
+    to read. Between requests a server has nothing to say, so a readable socket holds its close
+    (or bytes no request asked for): either way the connection is done."""
+    if sock is None:
+        return False
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return not poller.poll(0)
+        return not select.select([sock], [], [], 0)[0]
+    except (OSError, ValueError):  # closed here already
+        return False
 
 
 def carries(route: Route) -> bool:
@@ -115,9 +132,21 @@ class BulkHttp:
         self._lock = threading.Lock()
 
     def _connection(self) -> http.client.HTTPConnection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+        """An idle connection the server still holds open, else a new one (connected on first use).
+
+        A server closes a connection left idle past its keep-alive timeout (uvicorn: 5 s), so a
+        training loop that saves every few minutes finds every pooled connection closed: sent on
+        one, a request met "Remote end closed connection without response", a retry warning and
+        a pause before it was sent again.
+        """
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
+                idle = self._idle.pop()
+            if still_open(idle.sock):
+                return idle
+            idle.close()
         host, port = self._peer
         connection: http.client.HTTPConnection
         if self._tls:
