@@ -8,7 +8,10 @@ Prints, in one run:
    of ``--rounds``; and a load into an existing model, the embedded one reading the same files
    as the local-folder server's (see :func:`save_and_load`). Each ratio is the embedded time
    over the HTTP time (1.0x: as fast as embedded).
-2. **Many readers.** ``--readers`` processes (default 8) loading the same version (``--read-size``,
+2. **A loop's next save.** One client saves, waits past the server's keep-alive timeout (a
+   training loop's steps between checkpoints), then saves again with every tensor changed:
+   embedded and over HTTP on a local folder, medians of ``--rounds``.
+3. **Many readers.** ``--readers`` processes (default 8) loading the same version (``--read-size``,
    default 1 GiB) at once through one server: on S3 blobs with signed read URLs (the bytes come
    from S3 directly) and with ``CKPTSTORE_READ_URL_SECONDS=0`` (every byte through the server),
    and on a local folder with downloads sent by the kernel (``sendfile``) and streamed
@@ -44,7 +47,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import boto3
@@ -272,8 +275,46 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
         )
 
 
+#: The loop rows' server closes connections idle this long (seconds; 5 by default), and the loop
+#: waits longer than that between its two saves.
+LOOP_KEEP_ALIVE_SECONDS = 1.0
+LOOP_PAUSE_SECONDS = 1.5
+
+
+def loop_saves(root: Path, size: int, rounds: int) -> None:
+    """Section 2: a training loop's next save. One client saves, sits idle past the server's
+    keep-alive timeout (the loop trains between checkpoints), then saves again with every tensor
+    changed; embedded and over HTTP on a local folder, taking turns at going first."""
+    vocab, hidden = 32000, 1024
+    model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
+    found: dict[str, list[float]] = {"embedded": [], "http, local folder": []}
+    names = list(found)
+    for number in range(rounds):
+        for name in names if number % 2 == 0 else names[::-1]:
+            home = root / f"loop-{name.replace(' ', '_').replace(',', '')}-{number}"
+            with ExitStack() as stack:
+                if name == "embedded":
+                    ckpt = stack.enter_context(Client(home=home))
+                else:
+                    url, _ = stack.enter_context(served(home, None, keep_alive_timeout=str(LOOP_KEEP_ALIVE_SECONDS)))
+                    ckpt = stack.enter_context(Client(url))
+                ckpt.save(RUN, model)
+                time.sleep(LOOP_PAUSE_SECONDS)  # the loop's steps: the server closes the idle connections
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.add_(1.0)
+                found[name].append(timed(lambda ckpt=ckpt: ckpt.save(RUN, model)))
+    base = statistics.median(found["embedded"])
+    print(f"\n## A loop's next save, {size / MIB:.0f} MiB fp32, every tensor changed, medians of {rounds}")
+    print(f"(the same client's second save, {LOOP_PAUSE_SECONDS:.1f} s after its first; the server closes")
+    print(f" connections idle for {LOOP_KEEP_ALIVE_SECONDS:.0f} s)")
+    print(f"{'store':<22}{'save s':>9}{'vs embedded':>13}")
+    for name, times in found.items():
+        print(f"{name:<22}{statistics.median(times):>9.2f}{base / statistics.median(times):>12.2f}x")
+
+
 def many_readers(root: Path, s3: str, size: int, readers: int) -> None:
-    """Section 2: ``readers`` processes loading one version at once, direct and proxied."""
+    """Section 3: ``readers`` processes loading one version at once, direct and proxied."""
     vocab, hidden = 32000, 1024
     model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
     print(f"\n## {readers} readers of one {size / MIB:.0f} MiB version at once, through one server")
@@ -315,6 +356,7 @@ def main() -> None:
     print(f"cores: {os.cpu_count()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="ckptstore-bench-http-") as scratch, s3_stand_in() as s3:
         save_and_load(Path(scratch), s3, args.size * MIB, args.rounds)
+        loop_saves(Path(scratch), args.size * MIB, args.rounds)
         if args.readers > 0:
             many_readers(Path(scratch), s3, args.read_size * MIB, args.readers)
 
