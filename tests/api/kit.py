@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import queue
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,13 @@ def is_json_error(response: Any) -> bool:
         and isinstance(body.get("message"), str)
         and response.headers.get("x-error-code") == body["code"]
     )
+
+
+def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds or ``seconds`` pass; whether it held."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

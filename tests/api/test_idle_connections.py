@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +22,8 @@ from client.http.transport import HttpTransport
 from service.api import create_app
 from service.settings import Settings
 from service.store import Store
+from tests.api.kit import eventually
 from tests.servers import running_server
-
-
-def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    """Poll ``condition`` until it holds or ``seconds`` pass; whether it held."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_a_socket_is_open_until_its_peer_closes_it_or_sends_unasked() -> None:

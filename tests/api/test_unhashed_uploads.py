@@ -13,8 +13,7 @@ import os
 import struct
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from service.format.dtypes import DTYPES, byte_length
 from service.settings import Settings
 from service.shard_writer import UnhashedTensor
 from service.store import Store
-from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, files_under
+from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, eventually, files_under
 from tests.client.models import TinyNet, same_state
 from tests.servers import running_server
 
@@ -234,16 +233,6 @@ sock.sendall(request + body_head + bytes(16 << 20))
 print("sent", flush=True)
 sys.stdin.read()  # killed here, a quarter of the body sent
 """
-
-
-def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    """Poll ``condition`` until it holds or ``seconds`` pass; whether it held."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.mark.parametrize("cut", ["kill", "close"])
