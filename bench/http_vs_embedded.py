@@ -6,8 +6,9 @@ Prints, in one run:
    fresh store, embedded and through ``ckptstore serve`` on a local folder and on S3 (a
    ``moto_server`` process stands in for S3 here; MinIO in docker-compose), alternating, medians
    of ``--rounds``; and a load into an existing model, the embedded one reading the same files
-   as the local-folder server's (see :func:`save_and_load`). Each ratio is the embedded time
-   over the HTTP time (1.0x: as fast as embedded).
+   as the local-folder server's (see :func:`save_and_load`), and a resumed job's load: a new
+   process's first, its client's start included. Each ratio is the embedded time over the HTTP
+   time (1.0x: as fast as embedded).
 2. **A loop's next save.** One client saves, waits past the server's keep-alive timeout (a
    training loop's steps between checkpoints), then saves again with every tensor changed:
    embedded and over HTTP on a local folder, medians of ``--rounds``.
@@ -71,6 +72,35 @@ with Client(sys.argv[1]) as ckpt:
     state = ckpt.load(sys.argv[2]).state_dict
 print(time.perf_counter() - started, sum(t.numel() * t.element_size() for t in state.values()))
 """
+
+
+FIRST_LOAD = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+import torch
+from common import Shape, build_model, layers_for
+from client import Client
+size = int(sys.argv[2])
+target = build_model(Shape(32000, 1024, layers_for(size, 32000, 1024, torch.float32), "fp32", False), "zeros")
+where = sys.argv[1]
+started = time.perf_counter()
+with Client(where) if where.startswith("http") else Client(home=where) as ckpt:
+    ckpt.load(sys.argv[4], model=target)
+print(time.perf_counter() - started)
+"""
+
+
+def first_load(where: str, size: int) -> float:
+    """Seconds a new process takes to open a client of ``where`` (a server's URL or a store's
+    folder) and load the bench's run into a model of ``size`` bytes, from a dropped page cache."""
+    os.sync()
+    drop_page_cache()
+    bench = str(Path(__file__).resolve().parent)
+    command = [sys.executable, "-c", FIRST_LOAD, where, str(size), bench, RUN]
+    answer = subprocess.run(command, capture_output=True, text=True)
+    if answer.returncode != 0:
+        raise RuntimeError(f"the first load from {where} failed: {answer.stderr[-2000:]}")
+    return float(answer.stdout.split()[-1])
 
 
 def _free_port() -> int:
@@ -244,6 +274,10 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
             for name in local if number % 2 == 0 else local[::-1]:
                 with Client(url) if name != "embedded" else Client(home=home) as ckpt:
                     load(name, ckpt, server if name != "embedded" else None)
+        for number in range(rounds):
+            for name in local if number % 2 == 0 else local[::-1]:
+                where = str(home) if name == "embedded" else url
+                times_of(name).setdefault("first load", []).append(first_load(where, size))
     for number in range(rounds):
         name = "http, S3"
         home = home_of(name, number)
@@ -273,6 +307,11 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
             f"{load:>9.2f}{base['load'] / load:>12.2f}x{cpu['load']:>14}"
             f"{modes(times['direct']):>13}"
         )
+    first = {name: statistics.median(times["first load"]) for name, times in found.items() if "first load" in times}
+    print("\nA resumed job's load: a new process's first load of the same files, the client's start")
+    print(f"included, medians of {rounds}")
+    for name, seconds in first.items():
+        print(f"{name:<22}{seconds:>9.2f}{first['embedded'] / seconds:>12.2f}x")
 
 
 #: The loop rows' server closes connections idle this long (seconds; 5 by default), and the loop
