@@ -77,17 +77,21 @@ print(time.perf_counter() - started, sum(t.numel() * t.element_size() for t in s
 FIRST_LOAD = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
-import torch
-from common import Shape, build_model, layers_for
 from client import Client
-size = int(sys.argv[2])
-target = build_model(Shape(32000, 1024, layers_for(size, 32000, 1024, torch.float32), "fp32", False), "zeros")
+from http_vs_embedded import fp32_model
+target = fp32_model(int(sys.argv[2]), "zeros")
 where = sys.argv[1]
 started = time.perf_counter()
 with Client(where) if where.startswith("http") else Client(home=where) as ckpt:
     ckpt.load(sys.argv[4], model=target)
 print(time.perf_counter() - started)
 """
+
+
+def fp32_model(size: int, init: str) -> torch.nn.Module:
+    """The bench's fp32 transformer of about ``size`` bytes, its weights ``init`` ("random", "zeros")."""
+    vocab, hidden = 32000, 1024
+    return build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), init)
 
 
 def first_load(where: str, size: int) -> float:
@@ -232,9 +236,7 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
     - with the S3 stand-in holding the objects of earlier rounds on this machine, the local-folder
       HTTP saves of the later rounds took 0.40-0.47 s.
     """
-    vocab, hidden = 32000, 1024
-    model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
-    target = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "zeros")
+    model, target = fp32_model(size, "random"), fp32_model(size, "zeros")
     found: dict[str, dict[str, list[float]]] = {}
 
     def times_of(name: str) -> dict[str, list[float]]:
@@ -243,17 +245,16 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
     def home_of(name: str, number: int) -> Path:
         return root / f"{name.replace(' ', '_').replace(',', '')}-{number}"
 
-    def save(name: str, ckpt: Client, server: psutil.Process | None) -> None:
+    def measure(name: str, what: str, ckpt: Client, server: psutil.Process | None) -> None:
+        """Time ``what`` ("save" or "load", the latter from a dropped page cache) of store ``name``,
+        and the CPU seconds ``server`` spent on it."""
         before = cpu_seconds(server) if server is not None else 0.0
-        times_of(name)["save"].append(timed(lambda: ckpt.save(RUN, model)))
+        if what == "save":
+            times_of(name)[what].append(timed(lambda: ckpt.save(RUN, model)))
+        else:
+            times_of(name)[what].append(timed(lambda: ckpt.load(RUN, model=target), cold=True))
         if server is not None:
-            times_of(name)["save cpu"].append(cpu_seconds(server) - before)
-
-    def load(name: str, ckpt: Client, server: psutil.Process | None) -> None:
-        before = cpu_seconds(server) if server is not None else 0.0
-        times_of(name)["load"].append(timed(lambda: ckpt.load(RUN, model=target), cold=True))
-        if server is not None:
-            times_of(name)["load cpu"].append(cpu_seconds(server) - before)
+            times_of(name)[f"{what} cpu"].append(cpu_seconds(server) - before)
 
     local = ["embedded", "http, local folder"]
     for number in range(rounds):
@@ -261,10 +262,10 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
             home = home_of(name, number)
             if name == "embedded":
                 with Client(home=home) as ckpt:
-                    save(name, ckpt, None)
+                    measure(name, "save", ckpt, None)
             else:
                 with served(home, None) as (url, server), Client(url) as ckpt:
-                    save(name, ckpt, server)
+                    measure(name, "save", ckpt, server)
             times_of(name)["direct"].append(direct_writes(home))
     home = home_of("http, local folder", 0)
     with served(home, None) as (url, server):
@@ -273,7 +274,7 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
         for number in range(rounds):
             for name in local if number % 2 == 0 else local[::-1]:
                 with Client(url) if name != "embedded" else Client(home=home) as ckpt:
-                    load(name, ckpt, server if name != "embedded" else None)
+                    measure(name, "load", ckpt, server if name != "embedded" else None)
         for number in range(rounds):
             for name in local if number % 2 == 0 else local[::-1]:
                 where = str(home) if name == "embedded" else url
@@ -283,9 +284,9 @@ def save_and_load(root: Path, s3: str, size: int, rounds: int) -> None:
         home = home_of(name, number)
         with served(home, s3) as (url, server):
             with Client(url) as ckpt:
-                save(name, ckpt, server)
+                measure(name, "save", ckpt, server)
             with Client(url) as ckpt:
-                load(name, ckpt, server)
+                measure(name, "load", ckpt, server)
         times_of(name)["direct"].append(direct_writes(home))
     base = {what: statistics.median(found["embedded"][what]) for what in ("save", "load")}
     print(f"\n## Save and load, {size / MIB:.0f} MiB fp32, medians of {rounds}")
@@ -324,8 +325,7 @@ def loop_saves(root: Path, size: int, rounds: int) -> None:
     """Section 2: a training loop's next save. One client saves, sits idle past the server's
     keep-alive timeout (the loop trains between checkpoints), then saves again with every tensor
     changed; embedded and over HTTP on a local folder, taking turns at going first."""
-    vocab, hidden = 32000, 1024
-    model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
+    model = fp32_model(size, "random")
     found: dict[str, list[float]] = {"embedded": [], "http, local folder": []}
     names = list(found)
     for number in range(rounds):
@@ -354,8 +354,7 @@ def loop_saves(root: Path, size: int, rounds: int) -> None:
 
 def many_readers(root: Path, s3: str, size: int, readers: int) -> None:
     """Section 3: ``readers`` processes loading one version at once, direct and proxied."""
-    vocab, hidden = 32000, 1024
-    model = build_model(Shape(vocab, hidden, layers_for(size, vocab, hidden, torch.float32), "fp32", False), "random")
+    model = fp32_model(size, "random")
     print(f"\n## {readers} readers of one {size / MIB:.0f} MiB version at once, through one server")
     print(f"{'reads':<44}{'aggregate MB/s':>16}{'slowest s':>11}{'server CPU s':>14}")
     ways: list[tuple[str, str | None, dict[str, str]]] = [

@@ -20,7 +20,9 @@ class Transport(Protocol):
     Optional capability: a store with ``takes_unhashed`` True also implements
     :meth:`put_tensors`, taking tensors whose digests the caller does not know (the embedded
     store hashes them as it writes them), and :meth:`sizes_held`; a save then sends unhashed
-    the tensors that changed in place and those of a size the store holds no tensor of.
+    the tensors that changed in place and those of a size the store holds no tensor of. A store
+    that learns whether it takes them from its first :meth:`sizes_held` answer (a server) says
+    so with ``may_take_unhashed``: True until that answer says otherwise, asking nothing.
     A store with a ``read_ranges(ranges)`` method (a server) answers many ``(shard_id, offset,
     buffers)`` ranges in one request; a load then batches its reads of many shards. A store
     with ``remote`` True (a server) does its work, such as a garbage collection, elsewhere.
