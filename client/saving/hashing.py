@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -305,6 +306,17 @@ def _mark(tensor: torch.Tensor) -> _Mark | None:
         return None
 
 
+def marks_of(tensors: Iterable[torch.Tensor]) -> dict[int, _Mark]:
+    """What :class:`SaveLedger` keeps of each of ``tensors``, read now: by ``id``, its storage
+    pointer and version counter (none for an inference tensor)."""
+    marks = {}
+    for tensor in tensors:
+        mark = _mark(tensor)
+        if mark is not None:
+            marks[id(tensor)] = mark
+    return marks
+
+
 class SaveLedger:
     """What this client's last save left: which of its tensors changed in place since it began,
     and which digests its version references.
@@ -324,12 +336,7 @@ class SaveLedger:
 
     def snapshot(self, tensors: list[torch.Tensor]) -> dict[int, _Mark]:
         """The marks of ``tensors`` now, to :meth:`keep` once their save is stored."""
-        marks = {}
-        for tensor in tensors:
-            mark = _mark(tensor)
-            if mark is not None:
-                marks[id(tensor)] = mark
-        return marks
+        return marks_of(tensors)
 
     def keep(self, marks: dict[int, _Mark], committed: frozenset[str]) -> None:
         """Make ``marks`` (from :meth:`snapshot`) and the ``committed`` digests the last save's."""

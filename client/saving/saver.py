@@ -72,6 +72,9 @@ class Snapshot:
     device_types: list[str]
     #: Done once the copies from accelerators are complete on the host (None: nothing to wait for).
     copied: torch.cuda.Event | None = None
+    #: The ledger's marks (:func:`client.saving.hashing.marks_of`) of the live tensors copied,
+    #: read as they were copied; None where the save has no live tensors (a save process).
+    marks: dict[int, Any] | None = None
 
 
 class SaveRun:
@@ -177,8 +180,8 @@ class SaveRun:
                 settings.transport, self.tensors, lengths, frozen, holders, settings.shard_bytes
             )
             if settings.transport.takes_unhashed:  # known now: the sizes' answer told
-                marks = settings.ledger.snapshot(self.tensors)
-                changed = settings.ledger.changed(self.tensors, marks)
+                live, marks = self.live_marks()
+                changed = settings.ledger.changed(live, marks)
                 likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
                 self.together = together
         plan = plan_save(
@@ -190,6 +193,20 @@ class SaveRun:
             committed=settings.ledger.committed,
         )
         return plan, marks
+
+    def live_marks(self) -> tuple[list[torch.Tensor], dict[int, Any]]:
+        """The tensors the ledger follows (each record's live tensor) and their marks now.
+
+        A snapshot's copies are the client's staging buffers, rewritten at every save: the
+        ledger follows the live tensors they were copied from, as they were when copied, so
+        a frozen tensor staged at every save is not taken for changed at every save.
+        """
+        snapshot = self.snapshot
+        if snapshot is None or snapshot.marks is None:
+            return self.tensors, self.settings.ledger.snapshot(self.tensors)
+        live = [record.tensor for record in self.records]
+        uncopied = [tensor for tensor, saved in zip(live, self.tensors, strict=True) if tensor is saved]
+        return live, {**self.settings.ledger.snapshot(uncopied), **snapshot.marks}
 
     def write_changed(self, plan: SavePlan, uploader: ShardUploader) -> dict[int, Taken | None]:
         """Hand the plan's changed tensors to the store unhashed; returns what the cache must

@@ -19,11 +19,12 @@ import operator
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from client.results import SaveResult
-from client.saving.hashing import DigestCache, Taken
+from client.saving.hashing import DigestCache, Taken, marks_of
 from client.saving.packed_staging import PackedStaging
 from client.saving.saver import Snapshot
 from client.state import FlatState
@@ -92,12 +93,14 @@ class ToStage:
     devices: list[str]
     #: The tensors to copy, by id, each once (a tied tensor stays tied), with the first key naming it.
     tensors: dict[int, tuple[str, torch.Tensor]]
+    #: The ledger's marks of the tensors to copy, read before they are copied.
+    marks: dict[int, Any]
 
     def snapshot(self, flat: FlatState, copies: dict[int, torch.Tensor], copied: torch.cuda.Event | None) -> Snapshot:
         """The snapshot once ``copies`` (by id of the live tensor) hold the tensors to copy."""
         tensors = [copies.get(id(record.tensor), record.tensor) for record in flat.records]
         staged_bytes = sum(copy.nbytes for copy in copies.values())
-        return Snapshot(tensors, self.known, self.teach, staged_bytes, self.devices, copied)
+        return Snapshot(tensors, self.known, self.teach, staged_bytes, self.devices, copied, self.marks)
 
 
 def to_stage(flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> ToStage:
@@ -121,7 +124,7 @@ def to_stage(flat: FlatState, cache: DigestCache | None, *, host_too: bool = Tru
             teach[index] = (record.tensor, cache.take(record.tensor))
         if host_too or devices[index] != "cpu":
             chosen.setdefault(id(record.tensor), (record.key, record.tensor))
-    return ToStage(known, teach, devices, chosen)
+    return ToStage(known, teach, devices, chosen, marks_of(tensor for _, tensor in chosen.values()))
 
 
 def check_shape(key: str, tensor: torch.Tensor) -> None:

@@ -85,6 +85,36 @@ def test_staging_holds_only_what_the_cache_does_not_know(backend: Backend) -> No
     assert ckpt._background.nbytes == second.staged_bytes  # the buffers the next save reuses
 
 
+def test_a_background_save_stores_only_what_changed_since_the_last(backend: Backend) -> None:
+    # The frozen bias (1 KiB, below the cache's 64 KiB) is staged at every save, into the same
+    # buffer: a copy rewritten at every save must not make it, nor anything else, look changed.
+    ckpt = backend.client
+    model = Adapter()
+    optim = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+
+    def step() -> None:
+        model.head(torch.randn(2, 256)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    assert ckpt.save("adapter", model, optim, blocking=False).result().version == 1
+    step()
+    stepped = ckpt.save("adapter", model, optim, blocking=False).result()
+    unchanged = ckpt.save("adapter", model, optim, blocking=False).result()
+    head = sum(p.numel() * p.element_size() for p in model.head.parameters())
+    moments = sum(s[k].numel() * s[k].element_size() for s in optim.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    step_bytes = 4  # both parameters' steps are one value: stored once
+    # The head and its optimizer state alone, in one shard:
+    assert (stepped.shards, stepped.bytes_new) == (1, head + moments + step_bytes)
+    assert (unchanged.shards, unchanged.bytes_new, unchanged.bytes_stored) == (0, 0, 0)
+    expected = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    fresh = Adapter()
+    fresh.base.bias.data.zero_()
+    ckpt.load("adapter", unchanged.version, model=fresh)
+    assert all(tensors_equal(v, expected[f"model/{k}"]) for k, v in fresh.state_dict().items())
+
+
 def test_closing_the_client_lets_go_of_its_staging_buffers(tmp_path: Path) -> None:
     model = TinyNet()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
