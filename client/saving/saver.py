@@ -180,8 +180,7 @@ class SaveRun:
                 settings.transport, self.tensors, lengths, frozen, holders, settings.shard_bytes
             )
             if settings.transport.takes_unhashed:  # known now: the sizes' answer told
-                live, marks = self.live_marks()
-                changed = settings.ledger.changed(live, marks)
+                changed, marks = self.changed_in_place()
                 likely_new = [moved or new for moved, new in zip(changed, unseen, strict=True)]
                 self.together = together
         plan = plan_save(
@@ -194,19 +193,23 @@ class SaveRun:
         )
         return plan, marks
 
-    def live_marks(self) -> tuple[list[torch.Tensor], dict[int, Any]]:
-        """The tensors the ledger follows (each record's live tensor) and their marks now.
+    def changed_in_place(self) -> tuple[list[bool], dict[int, Any]]:
+        """For each record, whether its tensor changed in place since the last save (the
+        ledger's :meth:`~client.saving.hashing.SaveLedger.changed`), and the marks to keep.
 
         A snapshot's copies are the client's staging buffers, rewritten at every save: the
-        ledger follows the live tensors they were copied from, as they were when copied, so
-        a frozen tensor staged at every save is not taken for changed at every save.
+        ledger follows the live tensors they were copied from, as they were when copied, so a
+        tensor staged at every save (a frozen one below the digest cache's size, or any after
+        a save without a step) is not taken for changed at every save.
         """
-        snapshot = self.snapshot
+        ledger, snapshot = self.settings.ledger, self.snapshot
         if snapshot is None or snapshot.marks is None:
-            return self.tensors, self.settings.ledger.snapshot(self.tensors)
+            marks = ledger.snapshot(self.tensors)
+            return ledger.changed(self.tensors, marks), marks
         live = [record.tensor for record in self.records]
         uncopied = [tensor for tensor, saved in zip(live, self.tensors, strict=True) if tensor is saved]
-        return live, {**self.settings.ledger.snapshot(uncopied), **snapshot.marks}
+        marks = {**ledger.snapshot(uncopied), **snapshot.marks}
+        return ledger.changed(live, marks), marks
 
     def write_changed(self, plan: SavePlan, uploader: ShardUploader) -> dict[int, Taken | None]:
         """Hand the plan's changed tensors to the store unhashed; returns what the cache must
