@@ -333,14 +333,19 @@ class SaveLedger:
         #: need not ask about them (if a deletion and a sweep took them, the commit says so
         #: and the save sends them then).
         self.committed: frozenset[str] = frozenset()
+        #: The byte sizes of those digests' tensors: the store holds a tensor of each size while
+        #: that version exists, so a save need not ask (:func:`client.saving.saver.surely_unstored`;
+        #: one a sweep took is then hashed and asked about, as any tensor that may be stored).
+        self.sizes: frozenset[int] = frozenset()
 
     def snapshot(self, tensors: list[torch.Tensor]) -> dict[int, _Mark]:
         """The marks of ``tensors`` now, to :meth:`keep` once their save is stored."""
         return marks_of(tensors)
 
-    def keep(self, marks: dict[int, _Mark], committed: frozenset[str]) -> None:
-        """Make ``marks`` (from :meth:`snapshot`) and the ``committed`` digests the last save's."""
-        self._marks, self.committed = marks, committed
+    def keep(self, marks: dict[int, _Mark], committed: frozenset[str], sizes: frozenset[int] = frozenset()) -> None:
+        """Make ``marks`` (from :meth:`snapshot`), the ``committed`` digests and their tensors'
+        ``sizes`` the last save's."""
+        self._marks, self.committed, self.sizes = marks, committed, sizes
 
     def loaded(self, digests: frozenset[str], tensors: list[torch.Tensor]) -> None:
         """Take the digests of a version this client just loaded as stored, as a committed
@@ -351,8 +356,9 @@ class SaveLedger:
         self._marks = self.snapshot(tensors)
 
     def forget_committed(self) -> None:
-        """Forget the last version's digests (this client deleted a version: they may go)."""
+        """Forget the last version's digests and sizes (this client deleted a version: they may go)."""
         self.committed = frozenset()
+        self.sizes = frozenset()
 
     def changed(self, tensors: list[torch.Tensor], now: dict[int, _Mark]) -> list[bool]:
         """For each of ``tensors``, whether the last save held it and its version counter has moved

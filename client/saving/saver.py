@@ -120,7 +120,7 @@ class SaveRun:
         """Plan, write the changed tensors, hash-ask-send the rest, commit; returns the result."""
         plan, marks = self.store()
         info = self.commit(plan)
-        self.settings.ledger.keep(marks, frozenset(plan.sizes))
+        self.settings.ledger.keep(marks, frozenset(plan.sizes), frozenset(plan.sizes.values()))
         return SaveResult(
             run_id=self.run_id,
             version=info.version,
@@ -177,7 +177,7 @@ class SaveRun:
         if _may_take_unhashed(settings.transport):
             frozen = [record.trainable is False for record in self.records]
             unseen, together = surely_unstored(
-                settings.transport, self.tensors, lengths, frozen, holders, settings.shard_bytes
+                settings.transport, self.tensors, lengths, frozen, holders, settings.shard_bytes, settings.ledger.sizes
             )
             if settings.transport.takes_unhashed:  # known now: the sizes' answer told
                 changed, marks = self.changed_in_place()
@@ -318,6 +318,7 @@ def surely_unstored(
     frozen: list[bool],
     holders: list[int],
     shard_bytes: int,
+    held: frozenset[int] = frozenset(),
 ) -> tuple[list[bool], set[int]]:
     """For each tensor, whether it cannot be stored yet and is handed to the store unhashed:
     written at once and hashed once, by the store as it writes it, instead of hashed first to
@@ -337,13 +338,16 @@ def surely_unstored(
       shard (at most ``MAX_TENSORS_PER_SHARD``, at most ``shard_bytes`` in all). Otherwise the
       kind's small tensors are all hashed first, as before, so they share one shard still.
 
-    A model of more distinct sizes than the store looks up at once is hashed first too.
+    The store is asked only about sizes not ``held`` (sizes the caller knows it holds: those of
+    the last committed version's tensors). A model of more such sizes than the store looks up at
+    once is hashed first too.
     """
     flags = [False] * len(lengths)
     sizes = {nbytes for nbytes in lengths if nbytes > 0}
-    if not sizes or len(sizes) > MAX_SIZES_PER_QUERY:
+    asked = sizes - held
+    if not sizes or len(asked) > MAX_SIZES_PER_QUERY:
         return flags, set()
-    unseen = sizes - transport.sizes_held(sizes)
+    unseen = asked - transport.sizes_held(asked) if asked else set()
     together = _small_together(lengths, frozen, holders, unseen, shard_bytes)
     for index in together:
         flags[index] = True

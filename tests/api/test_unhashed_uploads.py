@@ -193,7 +193,7 @@ def test_a_save_to_a_server_without_the_route_hashes_its_tensors_first(tmp_path:
     assert same_state(saved.state_dict(), loaded.state_dict())
 
 
-def test_a_first_save_asks_about_sizes_once_and_sends_new_tensors_unhashed(tmp_path: Path) -> None:
+def test_a_first_save_asks_about_sizes_once_the_next_not_at_all_and_both_send_unhashed(tmp_path: Path) -> None:
     store = Store.open_home(tmp_path / "home")
     app = create_app(store, Settings(home=tmp_path / "home", tokens=TOKENS))
     asked: list[str] = []
@@ -211,11 +211,20 @@ def test_a_first_save_asks_about_sizes_once_and_sends_new_tensors_unhashed(tmp_p
         with running_server(counting) as url, Client(url, token=WRITE_TOKEN) as client:  # type: ignore[arg-type]
             client.save("run", saved)
             first = list(asked)
+            with torch.no_grad():
+                for param in saved.parameters():
+                    param.mul_(2)  # every tensor changed in place, each of a size the first version holds
+            asked.clear()
+            client.save("run", saved)
+            second = list(asked)
             client.load("run", model=loaded)
     finally:
         store.close()
     assert first.count("POST /v1/tensors/sizes") == 1, first
     assert "POST /v1/shards" in first and "POST /v1/tensors/missing" not in first, first
+    # The next save knows those sizes are held and its tensors changed: no question, sent unhashed.
+    assert "POST /v1/tensors/sizes" not in second and "POST /v1/tensors/missing" not in second, second
+    assert "POST /v1/shards" in second, second
     assert same_state(saved.state_dict(), loaded.state_dict())
 
 

@@ -187,6 +187,45 @@ def test_tensors_of_sizes_the_store_holds_are_hashed_first_and_not_stored_again(
         assert len(digests) == len(set(digests)) == 2
 
 
+def test_a_client_asks_about_the_sizes_its_last_version_holds_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(ROWS, ROWS), nn.Linear(ROWS, 2 * ROWS))
+    with client.Client(home=tmp_path) as ckpt:
+        ckpt.save("run", model)
+        asked: list[set[int]] = []
+        real = Store.sizes_held
+        monkeypatch.setattr(Store, "sizes_held", lambda store, sizes: asked.append(set(sizes)) or real(store, sizes))
+        spy = Spy(monkeypatch)
+        with torch.no_grad():
+            model[0].weight.add_(1)  # changed in place: written unhashed, as the ledger tells
+        grown = ckpt.save("run", model, extra={"noise": torch.randn(3 * ROWS, ROWS)})
+        assert asked == [{3 * ROWS * ROWS * 4}]  # the new size alone
+        assert spy.unhashed == ["model/0.weight", "extra/noise"]
+        assert sorted(spy.hashed) == ["model/0.bias", "model/1.bias", "model/1.weight"]  # unchanged: asked about
+        assert grown.bytes_new == 4 * ROWS * ROWS * 4
+        fresh = nn.Sequential(nn.Linear(ROWS, ROWS), nn.Linear(ROWS, 2 * ROWS))
+        ckpt.load("run", model=fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_sizes_a_sweep_took_since_the_last_version_are_stored_again(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(ROWS, ROWS))
+    with client.Client(home=tmp_path) as ckpt, client.Client(home=tmp_path) as other:
+        ckpt.save("run", model)
+        other.delete("run", 1)  # another client deletes the version and sweeps its tensors
+        other.gc(grace_seconds=0)
+        assert embedded_store(ckpt).sizes_held([ROWS * ROWS * 4]) == set()
+        replaced = nn.Sequential(nn.Linear(ROWS, ROWS))  # new tensors: the ledger knows nothing of them
+        result = ckpt.save("run", replaced)
+        assert result.bytes_new == sum(t.numel() * 4 for t in replaced.state_dict().values())
+        fresh = nn.Sequential(nn.Linear(ROWS, ROWS))
+        ckpt.load("run", model=fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in replaced.state_dict().items())
+
+
 def test_over_http_a_tensor_of_a_new_size_goes_unhashed_and_the_server_hashes_it(
     http_client: client.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
