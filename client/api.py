@@ -349,8 +349,7 @@ class Client(Connection):
         tags: list[str],
         started: float,
     ) -> SaveHandle:
-        """Snapshot ``flat`` now; check its manifest and save it in the background
-        (:mod:`client.saving.background`).
+        """Snapshot ``flat`` now; save it in the background (:mod:`client.saving.background`).
 
         Step and metrics are checked now; the rest of the manifest is built and checked in the
         background (its cost grows with the tensor count): a bad key fails the handle, as any
@@ -366,10 +365,14 @@ class Client(Connection):
             return run.run()
 
         def elsewhere(helper: SaveProcess, shared: SharedSnapshot) -> SaveResult | None:
-            def request() -> dict[str, Any]:
-                return save_process.message(shared, flat, run_id, step=step, metrics=metrics, tags=tags)
+            ledger = self.ledger  # the client's: it follows the live tensors the snapshot copied
 
-            return save_process.save_elsewhere(helper, shared, request, started=started, cache=self.digest_cache)
+            def request() -> dict[str, Any]:
+                return save_process.message(shared, flat, run_id, step=step, metrics=metrics, tags=tags, ledger=ledger)
+
+            return save_process.save_elsewhere(
+                helper, shared, request, started=started, cache=self.digest_cache, ledger=ledger
+            )
 
         return self._background.start(flat, self.digest_cache, here, elsewhere)
 

@@ -347,6 +347,11 @@ class SaveLedger:
         ``sizes`` the last save's."""
         self._marks, self.committed, self.sizes = marks, committed, sizes
 
+    def follow(self, marks: dict[int, _Mark]) -> None:
+        """Make ``marks`` the last save's, leaving the digests and sizes as they are (a save
+        process committed the version, and keeps those in its own ledger)."""
+        self._marks = marks
+
     def loaded(self, digests: frozenset[str], tensors: list[torch.Tensor]) -> None:
         """Take the digests of a version this client just loaded as stored, as a committed
         version's are, and the ``tensors`` it was loaded into as a save's: a resumed job's first

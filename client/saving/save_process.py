@@ -153,9 +153,15 @@ def message(
     step: int | None,
     metrics: dict[str, float] | None,
     tags: list[str],
+    ledger: SaveLedger,
 ) -> dict[str, Any]:
-    """What the helper needs of a save: each record's place, the state tree, step, metrics, tags."""
+    """What the helper needs of a save: each record's place, the state tree, step, metrics, tags,
+    and which staged tensors changed in place since the client's last save (``ledger``, which
+    follows the live tensors: the helper sees only their copies)."""
     snapshot = shared.snapshot
+    marks = snapshot.marks or {}
+    live = [record.tensor for record in flat.records]
+    moved = [index for index, changed in enumerate(ledger.changed(live, marks)) if changed]
     records = [
         [
             record.key,
@@ -182,16 +188,18 @@ def message(
         "records": records,
         "state": flat.state,
         "digests_of": sorted(snapshot.teach),
+        "moved": moved,
     }
 
 
 def save_elsewhere(
     helper: SaveProcess, shared: SharedSnapshot, request: Callable[[], dict[str, Any]], *, started: float,
-    cache: DigestCache | None,
+    cache: DigestCache | None, ledger: SaveLedger,
 ) -> SaveResult | None:  # fmt: skip
     """Have ``helper`` save ``shared`` (``request`` builds its :func:`message`); None if it cannot
     (the store lacks a tensor only the live model holds: the client saves on its own thread
-    instead). Teaches ``cache`` the digests of the frozen tensors the snapshot staged."""
+    instead). Teaches ``cache`` the digests of the frozen tensors the snapshot staged, and
+    ``ledger`` the marks of the live tensors it copied."""
     snapshot = shared.snapshot
     if snapshot.copied is not None:
         snapshot.copied.synchronize()  # the copies from the device are in the shared file
@@ -203,6 +211,8 @@ def save_elsewhere(
     if cache is not None:
         for index, (live, taken) in snapshot.teach.items():
             cache.put(live, digests[index], taken)
+    if snapshot.marks is not None:
+        ledger.follow(snapshot.marks)
     return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
@@ -305,6 +315,11 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
         known.append(digest)
         devices.append(device)
     flat.state = request["state"]
+    moved = [False] * len(records)
+    for index in request.get("moved", ()):
+        if type(index) is not int or not 0 <= index < len(records):
+            raise CheckpointError(f"the save process was sent a record index it does not have: {index!r}")
+        moved[index] = True
     # Digests the client knew are not staged: ask the store for those the last committed
     # version does not reference (after a first save, none of a LoRA model's frozen weights).
     unasked = [d for d in known if d is not None and d not in settings.ledger.committed]
@@ -318,7 +333,7 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
         metrics=request["metrics"],
         tags=list(request["tags"]),
         started=time.perf_counter(),
-        snapshot=Snapshot(tensors, known, {}, 0, devices, None),
+        snapshot=Snapshot(tensors, known, {}, 0, devices, None, moved=moved),
     )
     result = run.run()
     return {"result": dataclasses.asdict(result), "digests": {i: run.digests[i] for i in request["digests_of"]}}

@@ -75,6 +75,9 @@ class Snapshot:
     #: The ledger's marks (:func:`client.saving.hashing.marks_of`) of the live tensors copied,
     #: read as they were copied; None where the save has no live tensors (a save process).
     marks: dict[int, Any] | None = None
+    #: For each record, whether the client saw its tensor change in place since its last save:
+    #: what a save process is told, since it sees only the copies (None: the ledger tells).
+    moved: list[bool] | None = None
 
 
 class SaveRun:
@@ -203,6 +206,8 @@ class SaveRun:
         a save without a step) is not taken for changed at every save.
         """
         ledger, snapshot = self.settings.ledger, self.snapshot
+        if snapshot is not None and snapshot.moved is not None:
+            return snapshot.moved, {}  # a save process's copies: the client followed the live tensors
         if snapshot is None or snapshot.marks is None:
             marks = ledger.snapshot(self.tensors)
             return ledger.changed(self.tensors, marks), marks

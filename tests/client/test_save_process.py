@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 import client
 from client import SaveHandle
-from client.saving import shared_staging
+from client.saving import save_process, shared_staging
 from tests.client.models import Adapter, TinyNet, same_state, state_copy, tensors_equal, train
 
 
@@ -229,3 +230,47 @@ def test_records_and_state_the_helper_holds_are_not_sent_again_and_a_change_is(t
             ckpt.load("run", version, model=fresh, optim=fresh_optim)
             assert same_state(state_copy(fresh, fresh_optim), state), version
             assert fresh_optim.param_groups[0]["lr"] == lr
+
+
+def _live(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The live tensors of a save, by key."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    live = {f"model/{k}": v for k, v in model.state_dict(keep_vars=True).items()}
+    for param, values in optim.state.items():
+        live |= {f"optim/state/{names[id(param)]}/{k}": v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    return live
+
+
+def test_the_helper_is_told_which_staged_tensors_changed_in_place_and_stores_only_those(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper sees copies only: the client, which follows the live tensors, names those
+    changed in place since its last save, and the helper writes them at once (hashed as they
+    are written). A save with nothing changed names none and stores nothing."""
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    sent: list[dict[str, Any]] = []
+    real = save_process.SaveProcess.save
+
+    def save(helper: save_process.SaveProcess, message: dict[str, Any]) -> dict[str, Any]:
+        sent.append(message)
+        return real(helper, message)
+
+    monkeypatch.setattr(save_process.SaveProcess, "save", save)
+    versions: list[dict[str, int]] = []
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        results = []
+        for steps in (range(2, 3), range(3, 4), range(0)):
+            train(model, optim, steps)
+            versions.append({key: tensor._version for key, tensor in _live(model, optim).items()})
+            handle = ckpt.save("run", model, optim, blocking=False)
+            assert isinstance(handle, SaveHandle)
+            results.append(handle.result())
+        assert same_state(_loaded(ckpt, 3), state_copy(model, optim))
+        keys = [entry.key for entry in ckpt.transport.manifest("run", 1).tensors]
+    moved = sorted(key for key, version in versions[1].items() if versions[0][key] != version)
+    assert moved and "model/body.0.weight" in moved and "optim/state/body.0.weight/exp_avg" in moved
+    assert sent[0]["moved"] == []  # the first: nothing to compare with
+    assert sorted(keys[i] for i in sent[1]["moved"]) == moved
+    assert sent[2]["moved"] == [] and (results[2].shards, results[2].bytes_new) == (0, 0)
