@@ -8,6 +8,8 @@ Every figure comes from the same run, on an embedded store on this machine's dis
 - ``torch.distributed.checkpoint.async_save`` on the CPU (one process), blocked time and total;
 - a resumed job: a new client loads the model, trains the adapters one step and saves,
   against the first full save;
+- a full fine-tune (32 layers of WIDTH x WIDTH and their AdamW state) saved in the background
+  after a step, from the call to the commit, on the client's thread and in a save process;
 - a LoRA Llama of many modules (transformers + peft, r=8 on q_proj and v_proj, 16 layers,
   ~540 modules), saved in the background after every step: the median time the call blocks
   against a plain clone of its trainable and optimizer state after a step, and the CPU time a
@@ -93,6 +95,31 @@ def state_tensors(model: nn.Module, optim: torch.optim.Optimizer, trainable_only
 
 #: A model, its optimizer, one training step of it, and its trainable and optimizer state.
 Loop = tuple[nn.Module, torch.optim.Optimizer, Callable[[], None], Callable[[], list[torch.Tensor]]]
+
+
+def full_finetune_rows(root: Path, repeats: int) -> list[tuple[str, float, str]]:
+    """A full fine-tune's background save after a step (every tensor of the model and its AdamW
+    state changed), from the call to the commit: on the client's thread and in a save process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(32)))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train() -> None:
+        model(torch.randn(8, WIDTH)).sum().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    train()
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim, False))
+    rows = []
+    for where in ("thread", "process"):
+        with Client(home=root / f"full-{where}", background=where) as ckpt:  # type: ignore[arg-type]
+            ckpt.save("full", model, optim)
+            ckpt.save("full", model, optim, blocking=False).result()  # staging, the helper: off the clock
+            seconds = median_time(repeats, lambda: ckpt.save("full", model, optim, blocking=False).result(), train)
+        note = f"{nbytes / MIB:.0f} MiB, 32 layers" if where == "thread" else ""
+        rows.append((f"full fine-tune: background save to commit, {where}", seconds, note))
+    return rows
 
 
 def peft_llama() -> Loop | None:
@@ -335,6 +362,7 @@ def main() -> None:
             ("DCP async_save: caller blocked", statistics.median(blocked_dcp), ""),
             ("DCP async_save: until stored", statistics.median(total_dcp), ""),
         ]
+        rows += full_finetune_rows(root, args.repeats)
         rows += peft_llama_rows(root, args.repeats)
         loop_lines = loop_cost_table(root, steps=16, rounds=max(2, args.repeats // 2))
     finally:
