@@ -227,19 +227,32 @@ class SaveRun:
         }
         total = sum(plan.lengths[i] for i in plan.write_first)
         # Bytes that make one shard per kind anyway all go together, small tensors or not.
-        one_shard = total <= uploader.balance_unhashed(total)
-        for index in plan.write_first:
-            nbytes = plan.lengths[index]
-            uploader.add_unhashed(
-                index,
-                self.records[index].key,
-                self.tensors[index],
-                nbytes,
-                frozen=self.frozen(index),
-                together=one_shard or index in self.together,
-            )
+        if total <= uploader.balance_unhashed(total):
+            for index in plan.write_first:
+                self._add_unhashed(uploader, plan, index, together=True)
+        else:
+            # The small tensors' shard goes first, beside the large ones rather than after them:
+            # sent last, it waited for a free upload slot and then took a round trip of its own
+            # (a 512 MiB save through a server ended 15-35 ms after its large shards).
+            small = [i for i in plan.write_first if i in self.together]
+            for index in small:
+                self._add_unhashed(uploader, plan, index, together=True)
+            uploader.flush_together()
+            for index in plan.write_first:
+                if index not in self.together:
+                    self._add_unhashed(uploader, plan, index, together=False)
         uploader.flush()
         return taken
+
+    def _add_unhashed(self, uploader: ShardUploader, plan: SavePlan, index: int, *, together: bool) -> None:
+        uploader.add_unhashed(
+            index,
+            self.records[index].key,
+            self.tensors[index],
+            plan.lengths[index],
+            frozen=self.frozen(index),
+            together=together,
+        )
 
     def hash_ask_send(
         self, plan: SavePlan, group: list[int], uploader: ShardUploader, on_skipped: Callable[[int], object]

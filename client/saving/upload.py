@@ -4,7 +4,8 @@ Tensors are added in the order the save finds them missing and packed into shard
 :class:`client.saving.plan.SeparatePacker`, frozen tensors never beside trainable ones (so each
 kind's shards are reclaimed with the versions that use them); each closed shard goes to the store on a worker
 thread straight from tensor memory. At most
-``in_flight`` shards are sent at once; adding more waits for the oldest.
+``in_flight`` shards are sent at once; adding more waits for the oldest. The shards of small
+tensors sent together go beside those, on threads of their own.
 
 An embedded store also takes tensors not hashed yet (:meth:`ShardUploader.add_unhashed`): it
 hashes them as it writes them and hands back their digests.
@@ -55,8 +56,10 @@ class ShardUploader:
         self.shards = 0
         #: Digests of the tensors given to :meth:`add_unhashed`, by their ``index``, as their shards are stored.
         self.digests: dict[int, str] = {}
-        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="ckptstore-upload")
+        # Two threads more: the shards of small tensors sent together, one per kind (:meth:`flush_together`).
+        self._pool = ThreadPoolExecutor(in_flight + 2, thread_name_prefix="ckptstore-upload")
         self._sending: deque[Future[ShardReceipt]] = deque()
+        self._beside: list[Future[ShardReceipt]] = []
         self._packer: SeparatePacker[tuple[str, str, torch.Tensor]] = SeparatePacker(shard_bytes)
         self._unhashed: SeparatePacker[tuple[int, str, torch.Tensor, int]] = SeparatePacker(shard_bytes)
         self._together: SeparatePacker[tuple[int, str, torch.Tensor, int]] = SeparatePacker(shard_bytes)
@@ -65,7 +68,7 @@ class ShardUploader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for future in self._sending:
+        for future in [*self._sending, *self._beside]:
             future.cancel()
         self._pool.shutdown(wait=True)
 
@@ -99,6 +102,15 @@ class ShardUploader:
         if closed is not None:
             self._send_unhashed(closed)
 
+    def flush_together(self) -> None:
+        """Start sending the shards of the tensors given ``together`` so far, beside the
+        ``in_flight`` shards rather than in one of their turns, without waiting: a shard of small
+        tensors sent after the large ones waited for a free turn and then took a round trip of
+        its own."""
+        for shard in self._together.flush():
+            self._beside.append(self._pool.submit(self._unhashed_sender(shard)))
+            self.shards += 1
+
     def flush(self) -> None:
         """Start sending the shards being filled, without waiting for them."""
         for last in self._packer.flush():
@@ -111,6 +123,8 @@ class ShardUploader:
         self.flush()
         while self._sending:
             self._collect()
+        while self._beside:
+            self.stored += self._beside.pop(0).result().size
         return self.stored, self.shards
 
     def _send(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
@@ -118,6 +132,10 @@ class ShardUploader:
         self._submit(lambda: self.transport.put_shard(shard.header, shard.pieces, self.on_bytes))
 
     def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor, int]]) -> None:
+        self._submit(self._unhashed_sender(items))
+
+    def _unhashed_sender(self, items: list[tuple[int, str, torch.Tensor, int]]) -> Callable[[], ShardReceipt]:
+        """What sends ``items`` as one shard of unhashed tensors (their bytes gathered now)."""
         store = self.transport  # it took tensors unhashed when the save was planned (a server may stop)
         views = byte_views([(key, tensor, nbytes) for _, key, tensor, nbytes in items])
         tensors = [
@@ -131,7 +149,7 @@ class ShardUploader:
                 self.digests[index] = digest
             return receipt
 
-        self._submit(put)
+        return put
 
     def _submit(self, send: Callable[[], ShardReceipt]) -> None:
         while len(self._sending) >= self.in_flight:

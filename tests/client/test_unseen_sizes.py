@@ -5,6 +5,7 @@ Equal tensors still end up stored once, and tensors of sizes the store holds are
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import client
+import client.api
 from client.saving import saver as saving
 from client.saving import upload as uploading
 from service.errors import InvalidInputError
@@ -366,3 +368,33 @@ def test_later_saves_send_only_what_changed_and_every_version_loads_exactly(
             assert loaded is not None and set(loaded) == set(expected)
             for name, tensor in expected.items():
                 assert torch.equal(loaded[name], tensor), (version, name)
+
+
+def test_the_small_tensors_shard_goes_beside_the_large_ones_not_after_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one upload in flight, a large tensors' shard here waits until the store has taken the
+    small tensors' shard. Sent after the large ones, in a turn of its own, it never would be."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))  # 256 KiB weights, 1 KiB biases
+    small_taken = threading.Event()
+    sent: list[str] = []
+    real_put = Store.put_tensors
+
+    def put_tensors(store: Store, tensors: Any, *args: Any) -> Any:
+        small = all(tensor.data.nbytes < saving.UNSEEN_MIN_BYTES for tensor in tensors)
+        sent.append("small" if small else "large")
+        if not small and not small_taken.wait(timeout=20):
+            raise AssertionError("a large tensors' shard went first and held the only upload turn")
+        answer = real_put(store, tensors, *args)
+        if small:
+            small_taken.set()
+        return answer
+
+    monkeypatch.setattr(Store, "put_tensors", put_tensors)
+    monkeypatch.setattr(client.api, "UPLOADS_IN_FLIGHT", 1)
+    with client.Client(home=tmp_path, shard_bytes=256 << 10) as ckpt:  # a shard for each weight
+        result = ckpt.save("run", model)
+        loaded = ckpt.load("run").state_dict
+    assert sorted(sent) == ["large", "large", "small"] and result.shards == 3
+    assert loaded is not None and all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
