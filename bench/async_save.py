@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -112,8 +112,9 @@ def full_finetune_rows(root: Path, repeats: int) -> list[tuple[str, float, str]]
     train()
     nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optim, False))
     rows = []
-    for where in ("thread", "process"):
-        with Client(home=root / f"full-{where}", background=where) as ckpt:  # type: ignore[arg-type]
+    wheres: tuple[Literal["thread", "process"], ...] = ("thread", "process")
+    for where in wheres:
+        with Client(home=root / f"full-{where}", background=where) as ckpt:
             ckpt.save("full", model, optim)
             ckpt.save("full", model, optim, blocking=False).result()  # staging, the helper: off the clock
             seconds = median_time(repeats, lambda: ckpt.save("full", model, optim, blocking=False).result(), train)

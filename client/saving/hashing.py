@@ -338,12 +338,8 @@ class SaveLedger:
         #: one a sweep took is then hashed and asked about, as any tensor that may be stored).
         self.sizes: frozenset[int] = frozenset()
 
-    def snapshot(self, tensors: list[torch.Tensor]) -> dict[int, _Mark]:
-        """The marks of ``tensors`` now, to :meth:`keep` once their save is stored."""
-        return marks_of(tensors)
-
     def keep(self, marks: dict[int, _Mark], committed: frozenset[str], sizes: frozenset[int] = frozenset()) -> None:
-        """Make ``marks`` (from :meth:`snapshot`), the ``committed`` digests and their tensors'
+        """Make ``marks`` (from :func:`marks_of`), the ``committed`` digests and their tensors'
         ``sizes`` the last save's."""
         self._marks, self.committed, self.sizes = marks, committed, sizes
 
@@ -358,7 +354,7 @@ class SaveLedger:
         save asks only about what changed, and writes what changed in place since (trainable
         weights, optimizer state) without hashing it first."""
         self.committed = self.committed | digests
-        self._marks = self.snapshot(tensors)
+        self._marks = marks_of(tensors)
 
     def forget_committed(self) -> None:
         """Forget the last version's digests and sizes (this client deleted a version: they may go)."""
@@ -368,7 +364,7 @@ class SaveLedger:
     def changed(self, tensors: list[torch.Tensor], now: dict[int, _Mark]) -> list[bool]:
         """For each of ``tensors``, whether the last save held it and its version counter has moved
         since (same storage): changed in place, as trainable weights and optimizer state are by
-        every step, so its bytes are almost surely not stored yet. ``now``: a fresh :meth:`snapshot`."""
+        every step, so its bytes are almost surely not stored yet. ``now``: fresh marks (:func:`marks_of`)."""
         before = self._marks
         flags = []
         for tensor in tensors:

@@ -25,7 +25,7 @@ import torch
 
 from client.progress import byte_bar
 from client.results import SaveResult
-from client.saving.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, samples
+from client.saving.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, marks_of, samples
 from client.saving.plan import SavePlan, plan_save
 from client.saving.upload import ShardUploader
 from client.state import FlatState, TensorRecord
@@ -209,11 +209,11 @@ class SaveRun:
         if snapshot is not None and snapshot.moved is not None:
             return snapshot.moved, {}  # a save process's copies: the client followed the live tensors
         if snapshot is None or snapshot.marks is None:
-            marks = ledger.snapshot(self.tensors)
+            marks = marks_of(self.tensors)
             return ledger.changed(self.tensors, marks), marks
         live = [record.tensor for record in self.records]
         uncopied = [tensor for tensor, saved in zip(live, self.tensors, strict=True) if tensor is saved]
-        marks = {**ledger.snapshot(uncopied), **snapshot.marks}
+        marks = {**marks_of(uncopied), **snapshot.marks}
         return ledger.changed(live, marks), marks
 
     def write_changed(self, plan: SavePlan, uploader: ShardUploader) -> dict[int, Taken | None]:
