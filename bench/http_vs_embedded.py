@@ -29,6 +29,9 @@ throughput.
 Each store measures its own write mode unless ``CKPTSTORE_DIRECT_WRITES`` says which
 (:mod:`service.write_probe`); the ``writes`` column tells how many rounds' stores wrote direct,
 since a store that drew buffered writes saves slower and leaves its shards in the page cache.
+The project's modules are byte-compiled first, as an installed package has them: a server's
+first request imports modules the server had not needed yet, and with ``PYTHONDONTWRITEBYTECODE``
+set (as on the bench's VM) it would compile them from source on the clock.
 
     .venv/bin/python bench/http_vs_embedded.py --quick      # 128 MiB, 256 MiB read by 4 readers, 1 round
     .venv/bin/python bench/http_vs_embedded.py
@@ -59,6 +62,7 @@ from client import Client
 from service.write_probe import CACHE_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_start import compile_bytecode  # noqa: E402
 from common import Shape, build_model, layers_for  # noqa: E402
 
 MIB = 1 << 20
@@ -392,6 +396,7 @@ def main() -> None:
     if args.quick:
         args.size, args.read_size, args.readers, args.rounds = 128, 256, 4, 1
     print(f"cores: {os.cpu_count()}, torch {torch.__version__}")
+    compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="ckptstore-bench-http-") as scratch, s3_stand_in() as s3:
         save_and_load(Path(scratch), s3, args.size * MIB, args.rounds)
         loop_saves(Path(scratch), args.size * MIB, args.rounds)
