@@ -232,7 +232,7 @@ class SaveRun:
                 self._add_unhashed(uploader, plan, index, together=True)
         else:
             # The small tensors' shard goes first, beside the large ones rather than after them:
-            # sent last, it waited for a free upload slot and then took a round trip of its own
+            # sent last, it waited for a free upload turn and then took a round trip of its own
             # (a 512 MiB save through a server ended 15-35 ms after its large shards).
             small = [i for i in plan.write_first if i in self.together]
             for index in small:
