@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import client.api as client_api
 from client import Client
 from client.http.transport import HttpTransport
 from service.api import create_app
@@ -274,3 +276,38 @@ def test_a_sender_gone_mid_upload_leaves_nothing_stored_or_staged(served: tuple[
     finally:
         transport.close()
     assert receipt.created
+
+
+def test_a_save_through_a_server_sends_its_small_tensors_beside_the_large_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one upload in flight, a large tensors' upload here waits until the server has taken
+    the small tensors' shard: it goes on a connection of its own, not after the large ones."""
+    torch.manual_seed(0)
+    saved, loaded = (torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)) for _ in range(2))
+    small_taken = threading.Event()
+    sent: list[str] = []
+    real_put = HttpTransport.put_tensors
+
+    def put_tensors(transport: HttpTransport, tensors: Any, *args: Any) -> Any:
+        small = all(tensor.data.nbytes < 64 << 10 for tensor in tensors)  # the biases
+        sent.append("small" if small else "large")
+        if not small and not small_taken.wait(timeout=20):
+            raise AssertionError("a large tensors' shard went first and held the only upload turn")
+        answer = real_put(transport, tensors, *args)
+        if small:
+            small_taken.set()
+        return answer
+
+    monkeypatch.setattr(HttpTransport, "put_tensors", put_tensors)
+    monkeypatch.setattr(client_api, "HTTP_UPLOADS_IN_FLIGHT", 1)
+    store = Store.open_home(tmp_path / "home")
+    try:
+        app = create_app(store, Settings(home=tmp_path / "home", tokens=TOKENS))
+        with running_server(app) as url, Client(url, token=WRITE_TOKEN, shard_bytes=256 << 10) as ckpt:
+            result = ckpt.save("run", saved)
+            ckpt.load("run", model=loaded)
+    finally:
+        store.close()
+    assert sorted(sent) == ["large", "large", "small"] and result.shards == 3
+    assert same_state(saved.state_dict(), loaded.state_dict())
