@@ -13,7 +13,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from service.shard_writer import UnhashedTensor
 from service.store import Store
 from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, eventually, files_under
 from tests.client.models import TinyNet, same_state
+from tests.client.upload_gate import SmallShardFirst
 from tests.servers import running_server
 
 LIMIT = 64 << 20
@@ -285,21 +285,8 @@ def test_a_save_through_a_server_sends_its_small_tensors_beside_the_large_ones(
     the small tensors' shard: it goes on a connection of its own, not after the large ones."""
     torch.manual_seed(0)
     saved, loaded = (torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)) for _ in range(2))
-    small_taken = threading.Event()
-    sent: list[str] = []
-    real_put = HttpTransport.put_tensors
-
-    def put_tensors(transport: HttpTransport, tensors: Any, *args: Any) -> Any:
-        small = all(tensor.data.nbytes < 64 << 10 for tensor in tensors)  # the biases
-        sent.append("small" if small else "large")
-        if not small and not small_taken.wait(timeout=20):
-            raise AssertionError("a large tensors' shard went first and held the only upload turn")
-        answer = real_put(transport, tensors, *args)
-        if small:
-            small_taken.set()
-        return answer
-
-    monkeypatch.setattr(HttpTransport, "put_tensors", put_tensors)
+    gate = SmallShardFirst(HttpTransport.put_tensors, 64 << 10)  # the biases are small
+    monkeypatch.setattr(HttpTransport, "put_tensors", gate)
     monkeypatch.setattr(client_api, "HTTP_UPLOADS_IN_FLIGHT", 1)
     store = Store.open_home(tmp_path / "home")
     try:
@@ -309,5 +296,5 @@ def test_a_save_through_a_server_sends_its_small_tensors_beside_the_large_ones(
             ckpt.load("run", model=loaded)
     finally:
         store.close()
-    assert sorted(sent) == ["large", "large", "small"] and result.shards == 3
+    assert sorted(gate.sent) == ["large", "large", "small"] and result.shards == 3
     assert same_state(saved.state_dict(), loaded.state_dict())

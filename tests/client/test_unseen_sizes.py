@@ -5,7 +5,6 @@ Equal tensors still end up stored once, and tensors of sizes the store holds are
 from __future__ import annotations
 
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
 from service.format.digest import tensor_digest
 from service.store import Store
 from tests.client.shard_files import stored_digests
+from tests.client.upload_gate import SmallShardFirst
 
 ROWS = 128  # a 128 x 128 fp32 tensor is 64 KiB: the smallest that may go unhashed
 
@@ -377,24 +377,11 @@ def test_the_small_tensors_shard_goes_beside_the_large_ones_not_after_them(
     small tensors' shard. Sent after the large ones, in a turn of its own, it never would be."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))  # 256 KiB weights, 1 KiB biases
-    small_taken = threading.Event()
-    sent: list[str] = []
-    real_put = Store.put_tensors
-
-    def put_tensors(store: Store, tensors: Any, *args: Any) -> Any:
-        small = all(tensor.data.nbytes < saving.UNSEEN_MIN_BYTES for tensor in tensors)
-        sent.append("small" if small else "large")
-        if not small and not small_taken.wait(timeout=20):
-            raise AssertionError("a large tensors' shard went first and held the only upload turn")
-        answer = real_put(store, tensors, *args)
-        if small:
-            small_taken.set()
-        return answer
-
-    monkeypatch.setattr(Store, "put_tensors", put_tensors)
+    gate = SmallShardFirst(Store.put_tensors, saving.UNSEEN_MIN_BYTES)
+    monkeypatch.setattr(Store, "put_tensors", gate)
     monkeypatch.setattr(client.api, "UPLOADS_IN_FLIGHT", 1)
     with client.Client(home=tmp_path, shard_bytes=256 << 10) as ckpt:  # a shard for each weight
         result = ckpt.save("run", model)
         loaded = ckpt.load("run").state_dict
-    assert sorted(sent) == ["large", "large", "small"] and result.shards == 3
+    assert sorted(gate.sent) == ["large", "large", "small"] and result.shards == 3
     assert loaded is not None and all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
