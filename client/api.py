@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,7 +14,6 @@ import torch
 from client import keys
 from client.connection import Connection
 from client.gc_pause import paused_collection
-from client.http.transport import HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT, HttpTransport
 from client.loading import restore, selection
 from client.loading.readahead import local_reads
 from client.loading.reader import TensorReader
@@ -390,8 +390,8 @@ class Client(Connection):
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers;
         a local store reads on one thread per four cores, up to four (see :func:`local_reads`)."""
-        if isinstance(self.transport, HttpTransport):
-            return HTTP_READS_IN_PARALLEL, HTTP_UPLOADS_IN_FLIGHT
+        if (http := sys.modules.get("client.http.transport")) and isinstance(self.transport, http.HttpTransport):
+            return http.HTTP_READS_IN_PARALLEL, http.HTTP_UPLOADS_IN_FLIGHT  # an embedded client never imports httpx
         return local_reads(os.cpu_count() or 1), UPLOADS_IN_FLIGHT
 
     # -- load ----------------------------------------------------------------------------

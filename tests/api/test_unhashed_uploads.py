@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import client.api as client_api
+import client.http.transport as http_transport
 from client import Client
 from client.http.transport import HttpTransport
 from service.api import create_app
@@ -287,7 +287,7 @@ def test_a_save_through_a_server_sends_its_small_tensors_beside_the_large_ones(
     saved, loaded = (torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)) for _ in range(2))
     gate = SmallShardFirst(HttpTransport.put_tensors, 64 << 10)  # the biases are small
     monkeypatch.setattr(HttpTransport, "put_tensors", gate)
-    monkeypatch.setattr(client_api, "HTTP_UPLOADS_IN_FLIGHT", 1)
+    monkeypatch.setattr(http_transport, "HTTP_UPLOADS_IN_FLIGHT", 1)
     store = Store.open_home(tmp_path / "home")
     try:
         app = create_app(store, Settings(home=tmp_path / "home", tokens=TOKENS))
