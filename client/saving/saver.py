@@ -230,13 +230,10 @@ class SaveRun:
         if total <= uploader.balance_unhashed(total):
             for index in plan.write_first:
                 self._add_unhashed(uploader, plan, index, together=True)
-        else:
-            # The small tensors' shard goes first, beside the large ones rather than after them:
-            # sent last, it waited for a free upload turn and then took a round trip of its own
-            # (a 512 MiB save through a server ended 15-35 ms after its large shards).
-            small = [i for i in plan.write_first if i in self.together]
-            for index in small:
-                self._add_unhashed(uploader, plan, index, together=True)
+        else:  # the small tensors' shard first, beside the large ones (see ShardUploader.flush_together)
+            for index in plan.write_first:
+                if index in self.together:
+                    self._add_unhashed(uploader, plan, index, together=True)
             uploader.flush_together()
             for index in plan.write_first:
                 if index not in self.together:
