@@ -24,6 +24,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +35,13 @@ import httpx
 
 from client.http.route import Route
 from service.errors import IntegrityError
+
+#: A pooled connection idle for longer is closed, not reused. A server closes a connection left
+#: idle past its keep-alive timeout (uvicorn's and ``ckptstore serve``'s default: 5 s), and a
+#: request sent just as it does is lost unanswered; a commit is then not retried (its outcome is
+#: unknown), and the save fails. Dropping connections well before any server's timeout leaves no
+#: such moment. Read when a pool is created (the httpx pool of :mod:`client.http.session` too).
+IDLE_REUSE_SECONDS = 2.0
 
 if TYPE_CHECKING:
     from client.http.retry import Reply
@@ -128,11 +136,14 @@ class BulkHttp:
             else:
                 self._tls, self._absolute = proxy_tls, True
                 self._headers.update(proxy_headers)
-        self._idle: list[http.client.HTTPConnection] = []
+        #: Idle connections, each with the monotonic time it last answered.
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._idle_seconds = IDLE_REUSE_SECONDS
         self._lock = threading.Lock()
 
     def _connection(self) -> http.client.HTTPConnection:
-        """An idle connection the server still holds open, else a new one (connected on first use).
+        """A connection idle for at most :data:`IDLE_REUSE_SECONDS` that the server still holds
+        open, else a new one (connected on first use).
 
         A server closes a connection left idle past its keep-alive timeout (uvicorn: 5 s), so a
         training loop that saves every few minutes finds every pooled connection closed: sent on
@@ -143,8 +154,8 @@ class BulkHttp:
             with self._lock:
                 if not self._idle:
                     break
-                idle = self._idle.pop()
-            if still_open(idle.sock):
+                idle, since = self._idle.pop()
+            if time.monotonic() - since <= self._idle_seconds and still_open(idle.sock):
                 return idle
             idle.close()
         host, port = self._peer
@@ -162,7 +173,7 @@ class BulkHttp:
             connection.close()
             return
         with self._lock:
-            self._idle.append(connection)
+            self._idle.append((connection, time.monotonic()))
 
     def _target(self, path: str) -> str:
         """The request target: the path, or the whole URL when a proxy forwards the request."""
@@ -245,7 +256,7 @@ class BulkHttp:
         """Close every idle connection."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for connection in idle:
+        for connection, _ in idle:
             connection.close()
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from client.http import bulk as bulk_wire
 from client.http.bulk import BulkHttp, BulkWire, HttpxBulk, carries
 from client.http.errors import raise_for_error
 from client.http.retry import Reply, RetryPolicy
@@ -59,7 +60,9 @@ class HttpSession:
             base_url=self.route.url,
             headers=headers,
             timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_SECONDS),
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=16),
+            limits=httpx.Limits(
+                max_connections=16, max_keepalive_connections=16, keepalive_expiry=bulk_wire.IDLE_REUSE_SECONDS
+            ),
             # The route already holds what the environment says (proxy, CA bundle): httpx is
             # told it rather than reading the environment again.
             verify=self.route.tls or False,

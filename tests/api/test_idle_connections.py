@@ -4,6 +4,8 @@ A training loop saves every few minutes; uvicorn closes a connection left idle f
 bulk connections (shard bytes) are checked before reuse, so the next save neither sends into a
 closed connection nor waits out a retry: a real server with a short keep-alive timeout, a
 client that saves, waits until the server has closed its idle connections, and saves again.
+And neither pool reuses a connection idle past ``IDLE_REUSE_SECONDS`` (well under the server's
+timeout), so no request (a commit is not retried) is sent just as the server closes it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from client import Client
+from client.http import bulk as bulk_wire
 from client.http.bulk import BulkHttp, still_open
 from client.http.transport import HttpTransport
 from service.api import create_app
@@ -52,6 +55,13 @@ def bulk_of(client: Client) -> BulkHttp:
     return bulk
 
 
+def json_connections(client: Client) -> list[Any]:
+    """The connections of the client's httpx pool (JSON calls), as httpcore holds them."""
+    transport = client.transport
+    assert isinstance(transport, HttpTransport)
+    return list(transport.session._http._transport._pool.connections)  # type: ignore[attr-defined]
+
+
 def test_a_save_after_the_server_closed_the_idle_connections_goes_on_new_ones(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -71,10 +81,12 @@ def test_a_save_after_the_server_closed_the_idle_connections_goes_on_new_ones(
     try:
         with running_server(counting, settings) as url, Client(url) as client:  # type: ignore[arg-type]
             client.save("run", model)
-            idle = list(bulk_of(client)._idle)
+            idle = [connection for connection, _ in bulk_of(client)._idle]
             assert idle, "the save's upload left its connection in the pool"
-            # The server closes them once they have been idle for its keep-alive timeout.
+            # The server closes them once they have been idle for its keep-alive timeout: the
+            # bulk ones, and the JSON calls' (which the pool drops once they read as closed).
             assert eventually(lambda: not any(still_open(connection.sock) for connection in idle))
+            assert eventually(lambda: all(connection.has_expired() for connection in json_connections(client)))
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.add_(1.0)
@@ -88,3 +100,43 @@ def test_a_save_after_the_server_closed_the_idle_connections_goes_on_new_ones(
     finally:
         store.close()
     assert all(map(torch.equal, model.state_dict().values(), loaded.state_dict().values()))
+
+
+def client_ports(scopes: list[dict[str, Any]]) -> list[int]:
+    return [scope["client"][1] for scope in scopes]
+
+
+@pytest.mark.parametrize("idle_reuse_seconds", [0.0, 60.0])
+def test_a_connection_idle_past_the_reuse_limit_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_reuse_seconds: float
+) -> None:
+    """Every request a client sends, on the port its connection came from: with no idle time
+    allowed, no two requests share a connection; with a minute, the second save reuses them."""
+    monkeypatch.setattr(bulk_wire, "IDLE_REUSE_SECONDS", idle_reuse_seconds)
+    home = tmp_path / "home"
+    store = Store.open_home(home)
+    settings = Settings(home=home)
+    app = create_app(store, settings)
+    requests: list[list[dict[str, Any]]] = []  # each save's
+
+    async def recording(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and requests:
+            requests[-1].append(scope)
+        await app(scope, receive, send)
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 300))
+    try:
+        with running_server(recording, settings) as url, Client(url) as client:  # type: ignore[arg-type]
+            for _ in range(2):
+                requests.append([])
+                client.save("run", model)
+                with torch.no_grad():
+                    model[0].bias.add_(1.0)
+    finally:
+        store.close()
+    first, second = map(client_ports, requests)
+    assert any(scope["method"] == "POST" and scope["path"].endswith("/versions") for scope in requests[1])
+    if idle_reuse_seconds == 0:
+        assert len(set(first + second)) == len(first) + len(second)  # a new connection for every request
+    else:
+        assert set(second) <= set(first)  # every request of the second save on a connection of the first
