@@ -14,13 +14,14 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import bindparam, select
 
 from service.blobs import BlobStore
 from service.db import Database
 from service.db.models import Shard, Tensor
-from service.db.session import insert_missing, insert_new
+from service.db.session import insert_columns, insert_new
 from service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
 from service.format.digest import TensorHasher
 from service.format.dtypes import DTYPES, byte_length
@@ -250,22 +251,22 @@ def record_shard(*, db: Database, blobs: BlobStore, header: ShardHeader) -> bool
     first stored, and this shard's bytes were verified when it was first stored.
     """
     shard_id = header.shard_id
-    tensors = {
-        entry.digest: {
-            "digest": entry.digest,
-            "shard_id": shard_id,
-            "dtype": entry.dtype,
-            "shape": list(entry.shape),
-            "offset": header.data_start + entry.begin,
-            "nbytes": entry.nbytes,
-        }
-        for entry in header.entries
+    by_digest = {entry.digest: entry for entry in header.entries}
+    entries = [by_digest[digest] for digest in sorted(by_digest)]
+    start = header.data_start
+    columns: dict[str, Sequence[Any]] = {
+        "digest": [entry.digest for entry in entries],
+        "shard_id": [shard_id] * len(entries),
+        "dtype": [entry.dtype for entry in entries],
+        "shape": [entry.shape for entry in entries],
+        "offset": [start + entry.begin for entry in entries],
+        "nbytes": [entry.end - entry.begin for entry in entries],
     }
     try:
         with db.transaction() as session:
             hold_shared(session)
             created = insert_new(session, Shard, {"id": shard_id, "size": header.file_size})
-            insert_missing(session, Tensor, [tensors[digest] for digest in sorted(tensors)])
+            insert_columns(session, Tensor, columns)
             if blobs.size(shard_id) is None:
                 raise _BlobSwept
             return created

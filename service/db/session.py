@@ -60,28 +60,42 @@ def insert_new(session: Session, model: type[Base], row: dict[str, Any]) -> bool
 
 
 def insert_missing(session: Session, model: type[Base], rows: Sequence[dict[str, Any]]) -> None:
-    """:func:`insert_new` for many rows when the count does not matter.
+    """:func:`insert_new` for many rows when the count does not matter (see :func:`insert_columns`)."""
+    if rows:
+        insert_columns(session, model, {key: [row[key] for row in rows] for key in rows[0]})
+
+
+def insert_columns(session: Session, model: type[Base], columns: dict[str, Sequence[Any]]) -> None:
+    """:func:`insert_missing` of rows given column by column: each column's values, in row order.
 
     One single-row statement run for every row (``executemany``): it is compiled once and
     cached, where a multi-row VALUES list is compiled anew for each size, which for a shard
     of a few hundred small tensors cost more than storing its bytes. It runs on the session's
-    connection as a Core statement.
+    connection as a Core statement. A shard's 32,768 tensors, given as columns, skip building a
+    dict for each row only to take it apart again.
     """
-    if not rows:
+    keys = tuple(columns)
+    count = len(columns[keys[0]]) if keys else 0
+    if not count:
         return
     connection = session.connection()
     if connection.dialect.name == "sqlite":
-        keys = tuple(rows[0])
         driver = _sqlite_insert(table(model), keys)
         if driver is not None:
             sql, processors = driver
-            for start in range(0, len(rows), INSERT_BATCH):
-                connection.exec_driver_sql(sql, _driver_rows(rows[start : start + INSERT_BATCH], keys, processors))
+            processed = [
+                values if process is None else _processed(values, process)
+                for values, process in zip(columns.values(), processors, strict=True)
+            ]
+            rows = list(zip(*processed, strict=True))
+            for start in range(0, count, INSERT_BATCH):
+                connection.exec_driver_sql(sql, rows[start : start + INSERT_BATCH])
             return
     # On the table, not the mapped class: the ORM's bulk path handles every row in Python first.
     statement = _statement_for(session, model)
-    for start in range(0, len(rows), INSERT_BATCH):
-        connection.execute(statement, list(rows[start : start + INSERT_BATCH]))
+    for start in range(0, count, INSERT_BATCH):
+        batch = (values[start : start + INSERT_BATCH] for values in columns.values())
+        connection.execute(statement, [dict(zip(keys, row, strict=True)) for row in zip(*batch, strict=True)])
 
 
 def driver_rows(connection: Connection, sql: str, parameters: Sequence[Any]) -> Sequence[Any]:
@@ -153,29 +167,22 @@ def _sqlite_insert(table: Table, keys: tuple[str, ...]) -> tuple[str, tuple[Any,
     return sql, tuple(table.c[key].type.bind_processor(dialect) for key in keys)
 
 
-def _driver_rows(
-    rows: Sequence[dict[str, Any]], keys: tuple[str, ...], processors: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
-    """``rows`` as the driver takes them: tuples in ``keys`` order, each value processed."""
-    columns = [
-        [row[key] for row in rows] if process is None else _processed([row[key] for row in rows], process)
-        for key, process in zip(keys, processors, strict=True)
-    ]
-    return list(zip(*columns, strict=True))
-
-
-def _processed(values: list[Any], process: Any) -> list[Any]:
-    """``process`` of each value, worked out once per distinct value where the values are lists
-    (JSON columns such as tensor shapes: a model's tensors share a few), told apart by ``repr``."""
-    if not all(type(value) is list for value in values):
+def _processed(values: Sequence[Any], process: Any) -> list[Any]:
+    """``process`` of each value, worked out once per distinct value where the values are
+    shapes (tuples, or lists told apart by ``repr``) bound for a JSON column: a model's tensors
+    share a few."""
+    if all(type(value) is tuple for value in values):
+        keys: Sequence[Any] = values  # tuples of whole numbers: their own keys
+    elif all(type(value) is list for value in values):
+        keys = [repr(value) for value in values]
+    else:
         return [process(value) for value in values]
-    done: dict[str, Any] = {}
+    done: dict[Any, Any] = {}
     result = []
-    for value in values:
-        key = repr(value)
+    for key, value in zip(keys, values, strict=True):
         text = done.get(key)
         if text is None:
-            text = done[key] = process(value)
+            text = done[key] = process(list(value))
         result.append(text)
     return result
 

@@ -1,8 +1,10 @@
 """Rows of a statement with an IN list, run by SQLite's driver where it can: the same rows as
-SQLAlchemy gives, whatever the list's length, with the statement's other parameters bound."""
+SQLAlchemy gives, whatever the list's length, with the statement's other parameters bound. And
+rows inserted column by column, as a shard's tensors are: read back as given."""
 
 from __future__ import annotations
 
+import itertools
 from datetime import UTC, datetime
 
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from sqlalchemy import bindparam, select
 
 from service.db.models import Shard, Tensor, Version, table
-from service.db.session import _sqlite_expanded, insert_missing, insert_new, rows_in
+from service.db.session import _sqlite_expanded, insert_columns, insert_missing, insert_new, rows_in
 from service.store import Store
 
 _TENSORS = table(Tensor)
@@ -64,3 +66,38 @@ def test_a_statement_whose_parameters_need_processing_goes_through_sqlalchemy(st
 def test_a_name_the_statement_does_not_expand_is_refused() -> None:
     with pytest.raises(ValueError, match="does not expand 'least'"):
         _sqlite_expanded(_SOME, "least", 2)
+
+
+_NUMBERS = itertools.count(1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 2**40), max_size=4), min_size=1, max_size=60),
+    as_tuples=st.booleans(),
+)
+def test_tensors_inserted_as_columns_read_back_as_given(store: Store, shapes: list[list[int]], as_tuples: bool) -> None:
+    # Each example's own digests and shard (the store outlives the examples).
+    shard = f"{next(_NUMBERS):064x}"
+    digests = [f"{next(_NUMBERS):064x}" for _ in shapes]
+    columns = {
+        "digest": digests,
+        "shard_id": [shard] * len(shapes),
+        "dtype": ["U8"] * len(shapes),
+        "shape": [tuple(shape) if as_tuples else list(shape) for shape in shapes],
+        "offset": list(range(len(shapes))),
+        "nbytes": [7] * len(shapes),
+    }
+    with store.db.transaction() as session:
+        insert_new(session, Shard, {"id": shard, "size": 1000})
+        insert_columns(session, Tensor, columns)
+        # Inserted again with other shapes and offsets: the rows already there are kept.
+        insert_columns(session, Tensor, {**columns, "shape": [(1, 2)] * len(shapes), "offset": [99] * len(shapes)})
+    with store.db.transaction() as session:
+        rows = session.connection().execute(
+            select(_TENSORS.c.digest, _TENSORS.c.shape, _TENSORS.c.offset).where(_TENSORS.c.shard_id == shard)
+        )
+        found = {digest: (list(shape), offset) for digest, shape, offset in rows}
+    assert found == {
+        digest: (list(shape), index) for index, (digest, shape) in enumerate(zip(digests, shapes, strict=True))
+    }
