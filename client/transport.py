@@ -53,8 +53,10 @@ class Transport(Protocol):
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
         """Those of ``sizes`` (byte lengths) some stored tensor has (only where ``takes_unhashed``)."""
 
-    def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
-        """Commit a version."""
+    def commit(
+        self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
+    ) -> VersionInfo:
+        """Commit a version; sent again with the same ``commit_key``, answers with the version it made."""
 
     def resolve(self, run_id: str, ref: int | str = "latest") -> int:
         """The version number a reference names."""

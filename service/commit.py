@@ -10,6 +10,7 @@ from sqlalchemy import Text, bindparam, insert, select, type_coerce, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import ColumnElement, Exists
 
+from service.db import Database
 from service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
 from service.db.session import insert_new, rows_in
 from service.db.shapes import ShapeCache
@@ -17,8 +18,10 @@ from service.errors import ConflictError, InvalidManifestError, MissingTensorsEr
 from service.format.bounds import INT64_MAX, MAX_VERSION
 from service.format.digest import tensor_digest
 from service.format.manifest import ManifestBody, TensorEntry, stamp
+from service.format.names import validate_commit_key, validate_run_id, validate_tag
 from service.format.parts import head_json, split
 from service.gc import hold_shared
+from service.listings import SUMMARY_COLUMNS
 from service.manifest_parts import count_versions, known_parts, store_parts
 from service.records import VersionInfo
 from service.retention import apply_policy
@@ -31,6 +34,7 @@ _VERSIONS = table(Version)
 _TENSORS = table(Tensor)
 _REFS = table(PartRef)
 _PARTS = table(ManifestPart)
+_TAGS = table(Tag)
 
 # Core statements on the session's connection, built once: the ORM's statements, objects and
 # flushes took ~3 ms of a commit that adds one run update and one version row.
@@ -47,6 +51,14 @@ _NUMBER_RUN = (
     .values(version_counter=bindparam("number"), updated_at=bindparam("now"))
 )
 _ADD_VERSION = insert(_VERSIONS)
+_KEYED = select(*SUMMARY_COLUMNS).where(
+    _VERSIONS.c.run_id == bindparam("run_id"), _VERSIONS.c.commit_key == bindparam("commit_key")
+)
+_TAGS_OF = (
+    select(_TAGS.c.name)
+    .where(_TAGS.c.run_id == bindparam("run_id"), _TAGS.c.version == bindparam("version"))
+    .order_by(_TAGS.c.name)
+)
 
 
 def _lock_run(session: Session, run_id: str) -> int:
@@ -171,11 +183,37 @@ def check_references(session: Session, entries: Iterable[TensorEntry]) -> tuple[
     return sizes, seen
 
 
-def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequence[str]) -> VersionInfo:
+def commit(
+    db: Database, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
+) -> VersionInfo:
+    """Commit ``body`` as the next version of ``run_id`` (created if new), in a transaction of its own.
+
+    ``commit_key`` names this commit (a client's random token): sent again with the same key,
+    as after a lost answer, the commit answers with the version it made the first time.
+
+    Raises:
+        MissingTensorsError: the body references digests the store lacks (listed).
+        InvalidManifestError: a digest's dtype or shape disagrees with the stored tensor.
+        InvalidNameError: a run id, tag or commit key not of its pattern.
+    """
+    validate_run_id(run_id)
+    tags = [validate_tag(t) for t in tags]
+    if commit_key is not None:
+        validate_commit_key(commit_key)
+    with db.transaction() as session:
+        return commit_version(session, run_id, body, tags, commit_key)
+
+
+def commit_version(
+    session: Session, run_id: str, body: ManifestBody, tags: Sequence[str], commit_key: str | None = None
+) -> VersionInfo:
     """Commit ``body`` as the next version of ``run_id`` within ``session``'s transaction.
 
     The run's retention policy is applied last, in the same transaction: versions it does not
-    keep are removed as this version becomes visible (see :mod:`service.retention`).
+    keep are removed as this version becomes visible (see :mod:`service.retention`). A
+    ``commit_key`` a version of the run was committed with already answers with that version,
+    and commits nothing: the client sent the same commit again (its answer was lost). That
+    version is answered as it is now (with the tags it holds now).
     """
     # Before the reference check: a sweep either finished (the check sees what it removed) or
     # waits for this commit to end (and then sees its references).
@@ -183,6 +221,13 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     # The run is locked first: the references this commit finds already there are then those
     # every earlier commit to the run left, so its figures count what it alone adds.
     counter = _lock_run(session, run_id)
+    if commit_key is not None:
+        # After the lock: a repeat sent while the first is still committing waits for it, then sees it.
+        connection = session.connection()
+        done = connection.execute(_KEYED, {"run_id": run_id, "commit_key": commit_key}).first()
+        if done is not None:
+            held = connection.execute(_TAGS_OF, {"run_id": run_id, "version": done.version}).scalars()
+            return VersionInfo.from_summary(done, list(held))
     if counter >= MAX_VERSION:
         raise ConflictError(f"run {run_id!r} has used every version number up to {MAX_VERSION}; save to a new run")
     # Parts some version lists were checked when first committed, and their tensors stay while
@@ -225,7 +270,9 @@ def commit_version(session: Session, run_id: str, body: ManifestBody, tags: Sequ
     }
     part_ids = store_parts(session, parts, known)
     count_versions(session, Counter(part_ids))
-    connection.execute(_ADD_VERSION, {**row, "manifest": head_json(manifest), "parts": part_ids})
+    connection.execute(
+        _ADD_VERSION, {**row, "manifest": head_json(manifest), "parts": part_ids, "commit_key": commit_key}
+    )
     for name in dict.fromkeys(tags):
         existing = session.get(Tag, (run_id, name))
         if existing is None:

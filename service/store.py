@@ -26,7 +26,7 @@ from service.db import Database
 from service.encoded_reads import read_tensor
 from service.errors import InvalidInputError, NotFoundError
 from service.format.digest import is_digest
-from service.format.names import LATEST, validate_run_id, validate_tag
+from service.format.names import LATEST, validate_run_id
 from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
 from service.gc import DEFAULT_GRACE_SECONDS, collect
 from service.listings import list_runs, list_versions, overview, version_summary
@@ -223,19 +223,14 @@ class Store:
         stored: :meth:`~service.direct_uploads.StagedUploads.start`, ``complete``, ``abort``."""
         return direct_uploads.StagedUploads(self.db, self.blobs, self.max_header_bytes)
 
-    def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
-        """Commit ``body`` as the next version of ``run_id`` (created if new).
+    def commit(
+        self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
+    ) -> VersionInfo:
+        """Commit ``body`` as the next version of ``run_id`` (created if new), once for each
+        ``commit_key``: :func:`service.commit.commit` (which lists what it raises)."""
+        from service.commit import commit
 
-        Raises:
-            MissingTensorsError: the body references digests the store lacks (listed).
-            InvalidManifestError: a digest's dtype or shape disagrees with the stored tensor.
-        """
-        validate_run_id(run_id)
-        tags = [validate_tag(t) for t in tags]
-        from service.commit import commit_version
-
-        with self.db.transaction() as session:
-            return commit_version(session, run_id, body, tags)
+        return commit(self.db, run_id, body, tags=tags, commit_key=commit_key)
 
     # -- garbage collection --------------------------------------------------------------
 

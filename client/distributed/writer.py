@@ -210,7 +210,8 @@ class StoreWriter(StorageWriter):
                 "library": library_versions(),
             }
         )
-        info = self.client.transport.commit(self.run_id, body, tags=self.tags)
+        # A key of its own: the commit is retried after a lost answer, and commits once.
+        info = self.client.transport.commit(self.run_id, body, tags=self.tags, commit_key=uuid.uuid4().hex)
         sent = {c.digest: _nbytes(d, s) for _, d, chunks in tensors for _, s, c in chunks if c.sent}
         every = [c for _, _, chunks in tensors for _, _, c in chunks]
         self.result = SaveResult(

@@ -38,9 +38,10 @@ from service.errors import IntegrityError
 
 #: A pooled connection idle for longer is closed, not reused. A server closes a connection left
 #: idle past its keep-alive timeout (uvicorn's and ``ckptstore serve``'s default: 5 s), and a
-#: request sent just as it does is lost unanswered; a commit is then not retried (its outcome is
-#: unknown), and the save fails. Dropping connections well before any server's timeout leaves no
-#: such moment. Read when a pool is created (the httpx pool of :mod:`client.http.session` too).
+#: request sent just as it does is lost unanswered: it must be sent again (a retry warning and a
+#: pause), and a commit without an ``Idempotency-Key`` cannot be (its outcome is unknown).
+#: Dropping connections well before any server's timeout leaves no such moment. Read when a
+#: pool is created (the httpx pool of :mod:`client.http.session` too).
 IDLE_REUSE_SECONDS = 2.0
 
 if TYPE_CHECKING:

@@ -4,9 +4,11 @@ Connection errors and 429/5xx answers are retried with exponential backoff and j
 :data:`MAX_PAUSE_SECONDS` a pause, longer when the server's ``Retry-After`` asks) for up to the
 retry budget (``retry_seconds``, ``CKPTSTORE_RETRY_SECONDS``, default
 :data:`DEFAULT_RETRY_SECONDS`: long enough to ride out a server restart), but only for requests
-that are safe to repeat: every request but a commit. A commit is sent again only when its
-connection was refused or never opened (the server cannot have seen it); after any other
-failure its outcome is unknown, so it is not retried.
+that are safe to repeat: every request but a commit without a key. A save commits with an
+``Idempotency-Key`` (a random token of its own), so its commit is retried like the rest: the
+server answers a repeat with the version the key made. A commit without a key is sent again
+only when its connection was refused or never opened (the server cannot have seen it); after
+any other failure its outcome is unknown, so it is not retried.
 
 The same :class:`RetryPolicy` runs JSON calls (httpx) and shard bytes (:mod:`client.http.bulk`);
 the network errors of both are listed in :data:`NETWORK_ERRORS`.
@@ -115,9 +117,10 @@ class RetryPolicy:
 
     @staticmethod
     def safe_to_repeat(method: str, path: str) -> bool:
-        """Whether a request may be sent again after a failure that leaves its outcome unknown:
-        every request but a commit (reads, uploads named by their content, PUTs, DELETEs and
-        POSTs that ask or sweep are idempotent)."""
+        """Whether a request may be sent again after a failure that leaves its outcome unknown,
+        judged by its method and path: every request but a commit (reads, uploads named by their
+        content, PUTs, DELETEs and POSTs that ask or sweep are idempotent). A commit with an
+        ``Idempotency-Key`` is too: its sender says so (``run``'s ``repeatable``)."""
         return not (method.upper() == "POST" and COMMIT_PATH.fullmatch(path.partition("?")[0]))
 
     def pause(self, attempt: int, left: float, retry_after: str | None = None) -> float:
@@ -128,16 +131,26 @@ class RetryPolicy:
             delay = max(delay, min(float(retry_after), MAX_RETRY_AFTER_SECONDS))
         return min(delay, left)
 
-    def run(self, route: Route, method: str, path: str, send: Callable[[], R], doing: str = "") -> R:
+    def run(
+        self,
+        route: Route,
+        method: str,
+        path: str,
+        send: Callable[[], R],
+        doing: str = "",
+        *,
+        repeatable: bool | None = None,
+    ) -> R:
         """Call ``send`` (one try of ``method path`` to ``route``'s server) until it answers
         something other than a retryable status, the request is not safe to repeat, or the
-        budget is spent; returns the last answer.
+        budget is spent; returns the last answer. ``repeatable`` overrides
+        :meth:`safe_to_repeat` (a commit sent with an ``Idempotency-Key`` is safe to repeat).
 
         Raises:
             StorageError: the server could not be reached (naming it, why, and what to check;
                 prefixed with ``doing`` when given).
         """
-        idempotent = self.safe_to_repeat(method, path)
+        idempotent = self.safe_to_repeat(method, path) if repeatable is None else repeatable
         started, attempt = time.monotonic(), 0
         while True:
             try:
@@ -147,7 +160,7 @@ class RetryPolicy:
                 if safe and self._wait(route, attempt, started, exc):
                     attempt += 1
                     continue
-                what = "" if safe else " (a commit is not retried: list the versions to see if it landed)"
+                what = "" if safe else " (a commit without a key is not retried: list the versions to see if it landed)"
                 prefix = f"{doing} failed: " if doing else ""
                 raise StorageError(prefix + self._unreachable(route, exc, attempt, started) + what) from exc
             if idempotent and reply.status_code in RETRY_STATUSES:

@@ -98,11 +98,15 @@ class HttpSession:
         self._metadata_timeout = httpx.Timeout(answer_seconds, connect=connect)
         self._http.timeout = httpx.Timeout(self._timeout_seconds, connect=connect)
 
-    def request(self, method: str, path: str, *, metadata: bool = False, **kwargs: Any) -> httpx.Response:
+    def request(
+        self, method: str, path: str, *, metadata: bool = False, repeatable: bool | None = None, **kwargs: Any
+    ) -> httpx.Response:
         """Send a request through httpx (``kwargs`` as ``httpx.Client.request`` takes them); returns its answer.
 
         ``metadata`` marks a small call the server answers at once (a listing, a manifest, a
-        tag): after :meth:`limit_waiting` it waits only that long for its answer.
+        tag): after :meth:`limit_waiting` it waits only that long for its answer. ``repeatable``
+        says whether the request is safe to send again (None: as the policy judges its path;
+        a commit with an ``Idempotency-Key`` is).
 
         Raises:
             CheckpointError: the class an error answer stands for; StorageError when the server
@@ -110,7 +114,11 @@ class HttpSession:
         """
         if metadata:
             kwargs["timeout"] = self._metadata_timeout
-        return self._run(method, path, lambda: self._http.request(method, path, **kwargs), metadata=metadata)
+
+        def send() -> httpx.Response:
+            return self._http.request(method, path, **kwargs)
+
+        return self._run(method, path, send, metadata=metadata, repeatable=repeatable)
 
     def put_bytes(
         self, path: str, pieces: Sequence[bytes | memoryview], headers: dict[str, str], doing: str, method: str = "PUT"
@@ -143,7 +151,16 @@ class HttpSession:
         """
         return self._run("POST", path, lambda: self.bulk.post_into(path, body, headers, buffers), doing)
 
-    def _run(self, method: str, path: str, send: Callable[[], R], doing: str = "", *, metadata: bool = False) -> R:
+    def _run(
+        self,
+        method: str,
+        path: str,
+        send: Callable[[], R],
+        doing: str = "",
+        *,
+        metadata: bool = False,
+        repeatable: bool | None = None,
+    ) -> R:
         """One request under the policy (the reaching one until the server first answers); an error
         answer raised as its CheckpointError."""
         reaching = None if self._reached else self._reaching
@@ -155,7 +172,7 @@ class HttpSession:
 
             reaching.run(self.route, "GET", HEALTH_PATH, probe, doing).close()
             self._reached, reaching = True, None
-        reply = (reaching or self.policy).run(self.route, method, path, send, doing)
+        reply = (reaching or self.policy).run(self.route, method, path, send, doing, repeatable=repeatable)
         self._reached = True
         raise_for_error(reply)
         return reply

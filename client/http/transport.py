@@ -33,7 +33,7 @@ from service import __version__
 from service.errors import CheckpointError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from service.format.digest import shard_id as digest_shard_id
 from service.format.manifest import Manifest, ManifestBody, manifest_from_json
-from service.format.names import validate_run_id
+from service.format.names import validate_commit_key, validate_run_id
 from service.format.sharding import MAX_SIZES_PER_REQUEST
 from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
 from service.secrets_mask import mask_url
@@ -286,14 +286,22 @@ class HttpTransport:
             on_bytes(sum(piece.nbytes for piece in pieces))
         return receipt
 
-    def commit(self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = ()) -> VersionInfo:
-        """Commit a version (never retried: its outcome would be ambiguous)."""
+    def commit(
+        self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
+    ) -> VersionInfo:
+        """Commit a version. With a ``commit_key`` (sent as ``Idempotency-Key``) a failed try is
+        retried like any other request: the server answers a repeat with the version the key
+        made. Without one, only a try that never reached the server is (its outcome is known)."""
         payload = '{"manifest":' + body.model_dump_json() + ',"tags":' + json.dumps(list(tags)) + "}"
+        headers = {"Content-Type": "application/json"}
+        if commit_key is not None:
+            headers["Idempotency-Key"] = validate_commit_key(commit_key)
         data = self._json(
             "POST",
             f"/v1/runs/{quote(validate_run_id(run_id))}/versions",
             content=payload.encode(),
-            headers={"Content-Type": "application/json"},
+            headers=headers,
+            repeatable=commit_key is not None,
         )
         return VersionInfo.model_validate(data)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import platform
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -295,12 +296,15 @@ class SaveRun:
         If garbage collection swept tensors this save was told are stored (its grace period was
         shorter than the save took, or the version holding them was deleted and collected
         meanwhile), the commit changes nothing: send what is missing now, and commit once more.
+        Both tries carry the save's own key, so a commit sent again after a lost answer
+        commits once.
         """
         transport = self.settings.transport
         assert self.body is not None, "a save built without its manifest does not commit"
         body = with_digests(self.body, self.digests)
+        commit_key = uuid.uuid4().hex
         try:
-            return transport.commit(self.run_id, body, tags=self.tags)
+            return transport.commit(self.run_id, body, tags=self.tags, commit_key=commit_key)
         except MissingTensorsError as missing:
             again = set(transport.missing(list(plan.sizes)))
             if any(self.tensors[i].is_meta for i, digest in enumerate(self.digests) if digest in again):
@@ -316,7 +320,7 @@ class SaveRun:
             self.stored_bytes += stored
             self.shards += shards
             plan.sent |= again
-            return transport.commit(self.run_id, body, tags=self.tags)
+            return transport.commit(self.run_id, body, tags=self.tags, commit_key=commit_key)
 
 
 #: Tensors below this size are told apart by the store, not by samples taken here: a save's

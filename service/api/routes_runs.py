@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Header, Path
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -18,6 +18,15 @@ router = APIRouter(prefix="/v1/runs", route_class=StrictJSONRoute, tags=["runs"]
 RunId = Annotated[str, Path(max_length=128, description="A run id.")]
 Ref = Annotated[str, Path(max_length=64, description="A version number, 'latest' or a tag.")]
 TagPath = Annotated[str, Path(max_length=64, description="A tag name.")]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        max_length=64,
+        description="Names this commit (16-64 characters from A-Z a-z 0-9 _ -, such as a UUID's hex): "
+        "sent again with the same key, the commit answers with the version it made the first time.",
+    ),
+]
 
 
 @router.get("", dependencies=[CanRead])
@@ -33,9 +42,16 @@ async def list_versions(run_id: RunId, store: StoreDep) -> list[VersionInfo]:
 
 
 @router.post("/{run_id}/versions", dependencies=[CanWrite], status_code=201)
-async def commit_version(run_id: RunId, body: CommitRequest, store: StoreDep) -> VersionInfo:
-    """Commit a version whose tensors are all stored; 409 lists any that are missing."""
-    return await run_in_threadpool(lambda: store.commit(run_id, body.manifest, tags=body.tags))
+async def commit_version(
+    run_id: RunId, body: CommitRequest, store: StoreDep, idempotency_key: IdempotencyKey = None
+) -> VersionInfo:
+    """Commit a version whose tensors are all stored; 409 lists any that are missing.
+
+    With an ``Idempotency-Key``, a commit sent again (its answer was lost) answers with the
+    version the key committed, and commits nothing more."""
+    return await run_in_threadpool(
+        lambda: store.commit(run_id, body.manifest, tags=body.tags, commit_key=idempotency_key)
+    )
 
 
 @router.get(

@@ -134,6 +134,11 @@ class Version(Base):
     parts: Mapped[list[int]] = mapped_column(JSON)
     #: Set once ``gc --compress`` has considered the tensors this version added.
     compressed: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false(), index=True)
+    #: The key the client named its commit by (``Idempotency-Key``): a commit sent again with
+    #: the same key answers with this version instead of committing another.
+    commit_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+    __table_args__ = (Index("ix_versions_commit_key", "run_id", "commit_key", unique=True),)
 
 
 #: A part's id: SQLite hands out ids only to an INTEGER PRIMARY KEY (its rowid).

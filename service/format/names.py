@@ -18,6 +18,8 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: Tags start with a letter so they can never be read as a version number.
 TAG_PATTERN = r"^[A-Za-z][A-Za-z0-9._-]{0,63}$"
 METRIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_./:-]{0,127}$"
+#: A commit's key (``Idempotency-Key``): a client's random token, such as a UUID.
+COMMIT_KEY_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
 LATEST = "latest"
 
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
@@ -26,6 +28,7 @@ MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
 
 _RUN_ID_RE = re.compile(RUN_ID_PATTERN)
 _TAG_RE = re.compile(TAG_PATTERN)
+_COMMIT_KEY_RE = re.compile(COMMIT_KEY_PATTERN)
 #: A version number as text: no sign, no leading zero (its value is checked against MAX_VERSION).
 _VERSION_RE = re.compile(r"^[1-9][0-9]*$")
 
@@ -43,6 +46,15 @@ def validate_run_id(run_id: object) -> str:
             "starting with a letter or digit, with no '..'"
         )
     return run_id
+
+
+def validate_commit_key(key: object) -> str:
+    """Return ``key`` if it may name a commit, else raise InvalidNameError naming it."""
+    if not isinstance(key, str) or not _COMMIT_KEY_RE.fullmatch(key):
+        raise InvalidNameError(
+            f"invalid commit key {_shown(key)}: use 16-64 characters from A-Z a-z 0-9 _ - (a UUID's hex will do)"
+        )
+    return key
 
 
 def validate_tag(tag: object, *, allow_reserved: bool = False) -> str:

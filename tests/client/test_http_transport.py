@@ -19,6 +19,7 @@ from client.http.transport import HttpTransport
 from service.api import create_app
 from service.db import Database
 from service.factory import open_store
+from service.format.manifest import ManifestBody
 from service.settings import Settings
 from tests.backends import empty_tables
 from tests.client.models import TinyNet
@@ -77,19 +78,26 @@ def test_idempotent_requests_are_retried_through_503s(tmp_path: Path) -> None:
     assert flaky.seen[("GET", "v1/shards")] + flaky.seen[("POST", "v1/shards")] >= 3
 
 
-def test_a_commit_is_never_retried(tmp_path: Path) -> None:
+def test_a_save_commit_is_retried_under_its_key_and_a_commit_without_one_is_not(tmp_path: Path) -> None:
     app, flaky = flaky_client(tmp_path, failures=0)
     with running_server(app) as url:  # type: ignore[arg-type]
         with client.Client(url) as ckpt:
             ckpt.transport = HttpTransport(url, backoff_seconds=0.001)
             flaky.failures = 1
-            with pytest.raises(client.StorageError):
-                ckpt.save("run", TinyNet())
-            assert flaky.seen[("POST", "runs/versions")] == 1, "a commit must not be sent twice"
+            # The save's commit carries an Idempotency-Key: answered 503 once, it is sent again.
+            assert ckpt.save("run", TinyNet()).version == 1
+            assert flaky.seen[("POST", "runs/versions")] == 2
             # Two shards (the buffers saved with trainable False apart), the first sent twice.
             assert flaky.seen[("PUT", "v1/shards")] == 3, "a shard upload is idempotent and retried"
-            flaky.failures = 0
-            assert ckpt.save("run", TinyNet()).version == 1
+            # A commit without a key is not: its outcome after a 503 would be unknown.
+            stored = ckpt.transport.manifest("run", 1)
+            body = ManifestBody.model_validate(stored.model_dump(include=set(ManifestBody.model_fields)))
+            flaky.seen.clear()
+            with pytest.raises(client.StorageError):
+                ckpt.transport.commit("run", body)
+            assert flaky.seen[("POST", "runs/versions")] == 1, "a commit without a key must not be sent twice"
+            assert [v.version for v in ckpt.versions("run")] == [1]
+            assert ckpt.transport.commit("run", body).version == 2
 
 
 def test_an_unreachable_server_is_a_storage_error_naming_it() -> None:

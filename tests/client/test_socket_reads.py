@@ -146,7 +146,7 @@ def test_the_socket_is_left_as_it_was_found_for_the_next_request() -> None:
     with scripted_server([body_answer(b"d" * 70_000, [3, 40_000]), body_answer(b"e" * 10, [])]) as (url, _):
         wire = bulk(url, timeout=7.0)
         wire.get_into("/x", {}, [memoryview(bytearray(70_000))])
-        connection = wire._idle[0]
+        connection, _ = wire._idle[0]
         assert connection.sock is not None
         seen.append(connection.sock.gettimeout())
         assert connection.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)
