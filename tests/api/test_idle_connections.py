@@ -5,7 +5,7 @@ bulk connections (shard bytes) are checked before reuse, so the next save neithe
 closed connection nor waits out a retry: a real server with a short keep-alive timeout, a
 client that saves, waits until the server has closed its idle connections, and saves again.
 And neither pool reuses a connection idle past ``IDLE_REUSE_SECONDS`` (well under the server's
-timeout), so no request (a commit is not retried) is sent just as the server closes it.
+timeout), so no request is sent just as the server closes it (and sent again after a pause).
 """
 
 from __future__ import annotations
