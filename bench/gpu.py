@@ -16,8 +16,9 @@ One run prints two tables, every figure from the same process:
    saving (the loop without saves runs first and last; the faster is the base; each step ends
    with a device synchronize), the time the save call blocks the loop (median, mean, max) and
    each save's time from the call to its commit (a save slower than a step makes a later call
-   wait); then again with ``Client(background="process")`` (the save's Python in a helper
-   process, not the training loop's interpreter).
+   wait), on the client's thread (``Client(background="thread")``); then again with
+   ``Client(background="process")`` (the save's Python in a helper process, not the training
+   loop's interpreter): what the default, ``"auto"``, does for a loop that saves often.
 
 Times against safetensors' are printed as in bench/compare.py (seconds / safetensors' seconds:
 below 1.00x is faster). A method that fails gets a note in its row and the run goes on.
@@ -478,7 +479,7 @@ class Loop:
     every: int
     step_s: float
     blocked: list[float]
-    #: Where the background saves ran, if not on the client's thread.
+    #: Where the background saves ran.
     where: str = ""
     latency: list[float] = field(default_factory=list)
 
@@ -518,7 +519,10 @@ def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, roo
         train_step(model, optim, tokens)
         warm.append(time.perf_counter() - started)
     step_s = statistics.median(warm[1:])
-    with Client(home=root / "lora") as ckpt, Client(home=root / "lora-p", background="process") as helped:
+    with (
+        Client(home=root / "lora", background="thread") as ckpt,
+        Client(home=root / "lora-p", background="process") as helped,
+    ):
         # Off the clock: the first save writes the frozen base; the first background one allocates
         # the staging buffers (and starts the save process). From then on a save stages the
         # trainable state alone.
@@ -528,8 +532,10 @@ def lora_table(args: argparse.Namespace, sizes: Sizes, device: torch.device, roo
         helped.save("lora", model, optim, blocking=False).result()
         left = deadline - time.perf_counter()
         steps = max(16, min(sizes.steps, int(left / (8 * 1.3 * step_s)) // 16 * 16))
-        loops = [run_loop(model, optim, tokens, ckpt, steps, every) for every in (0, 1, 4, 16)]
-        loops += [run_loop(model, optim, tokens, helped, steps, every, "save process") for every in (1, 4, 16)]
+        loops = [
+            run_loop(model, optim, tokens, ckpt, steps, every, "thread" if every else "") for every in (0, 1, 4, 16)
+        ]
+        loops += [run_loop(model, optim, tokens, helped, steps, every, "save process (auto)") for every in (1, 4, 16)]
         loops.append(run_loop(model, optim, tokens, ckpt, steps, 0))  # the loop alone again, last
     total = sum(p.numel() for p in model.parameters())
     state = tensor_bytes(trainable) + tensor_bytes(

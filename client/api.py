@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from client.progress import byte_bar
 from client.results import LoadResult, SaveResult
 from client.saving import save_process
 from client.saving.background import BackgroundSaves
+from client.saving.cadence import Background, background_mode
 from client.saving.hashing import DigestCache, SaveLedger
 from client.saving.save_process import SaveProcess
 from client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
@@ -76,11 +78,11 @@ class Client(Connection):
         shard_bytes: target size of each shard written.
         hash_cache: reuse digests of frozen tensors that did not change since this client
             last hashed them.
-        background: where ``save(..., blocking=False)`` hashes, writes and commits: on a
-            ``"thread"`` of this process (the default), or in a ``"process"`` this client starts
-            on its first background save (a store opened in this process only, not a server):
-            then the training loop's interpreter is not shared with the save
-            (:mod:`client.saving.save_process`).
+        background: where ``save(..., blocking=False)`` hashes, writes and commits: ``"thread"``
+            (one of this process), ``"process"`` (a helper this client starts, so the loop's
+            interpreter is not shared: :mod:`client.saving.save_process`; a store opened in this
+            process only), or ``"auto"`` (the default, unless ``$CKPTSTORE_BACKGROUND`` says
+            otherwise): the thread until saves come often, then a process (:mod:`client.saving.cadence`).
     """
 
     def __init__(
@@ -93,11 +95,10 @@ class Client(Connection):
         hash_cache: bool = True,
         retry_seconds: float | None = None,
         create: bool = True,
-        background: Literal["thread", "process"] = "thread",
+        background: Background | None = None,
     ) -> None:
-        if background not in ("thread", "process"):
-            raise InvalidInputError(f"background must be 'thread' or 'process', not {background!r}")
-        if background == "process" and url:
+        mode = background_mode(background)
+        if mode == "process" and url:
             raise InvalidInputError("background='process' saves into a store opened in this process, not a server")
         super().__init__(url, home=home, token=token, retry_seconds=retry_seconds, create=create)
         prepare_writes = getattr(self.transport, "prepare_writes", None)
@@ -107,10 +108,8 @@ class Client(Connection):
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
         self._flattened = FlattenCache()  # with the names of the models it saves
-        helper = None
-        if background == "process":
-            helper = SaveProcess(str(home) if home is not None else None, shard_bytes, UPLOADS_IN_FLIGHT)
-        self._background = BackgroundSaves(helper)
+        make = functools.partial(SaveProcess, str(home) if home is not None else None, shard_bytes, UPLOADS_IN_FLIGHT)
+        self._background = BackgroundSaves.of_mode(mode, make, remote=getattr(self.transport, "remote", False))
 
     def close(self) -> None:
         """Wait for a background save, then release the store's resources and the staging buffers."""

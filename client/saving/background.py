@@ -11,21 +11,28 @@ into a second set of staging buffers, when the snapshots are small (:data:`OVERL
 loop that saves every step then waits for its snapshot alone as long as saves keep pace with
 steps on average. The saves still run one after another, in order. A larger snapshot waits for
 the save before it, so staging never holds two copies of a large state.
+
+With ``background="auto"`` the saves start on the thread, and a save process is started once the
+saves come often (:mod:`client.saving.cadence`); a process that cannot start (it ends before it
+ever answered) is given up, with a warning, and the saves go on on the thread.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from client.results import SaveResult
+from client.saving.cadence import Background, SaveCadence
 from client.saving.hashing import DigestCache
 from client.saving.save_process import SaveProcess
 from client.saving.saver import Snapshot
 from client.saving.shared_staging import DoesNotFit, SharedSnapshot, SharedStaging
 from client.saving.snapshot import SaveHandle, Staging
 from client.state import FlatState
+from service.errors import StorageError
 
 #: Snapshots of at most this many staged bytes may be taken while the save before them runs.
 OVERLAP_BYTES = 256 * 2**20
@@ -56,13 +63,27 @@ class _Slot:
 class BackgroundSaves:
     """One client's staging buffers, background thread, save process (if any) and running saves."""
 
-    def __init__(self, process: SaveProcess | None = None) -> None:
+    def __init__(self, process: SaveProcess | None = None, *, starter: Callable[[], SaveProcess] | None = None) -> None:
+        """``process``: the save process saves go to; ``starter`` (``auto``): makes one once the
+        saves come often (:class:`SaveCadence`)."""
         self.process = process
+        self._starter = starter
+        self._cadence = SaveCadence()
+        #: Set by the background thread when a process ``auto`` started could not start.
+        self._failed_start: BaseException | None = None
         self._slots = [self._slot()]
         self._worker: ThreadPoolExecutor | None = None
         self._pending: list[SaveHandle] = []  # started, not yet retired, in order
         self._failed: list[SaveHandle] = []  # finished with an error nobody has seen yet
         self._last_staged = 0
+
+    @classmethod
+    def of_mode(cls, mode: Background, make: Callable[[], SaveProcess], *, remote: bool) -> BackgroundSaves:
+        """A client's background saves in ``mode`` (:func:`client.saving.cadence.background_mode`):
+        ``make`` makes its save process; ``auto`` saves of a ``remote`` store stay on the thread."""
+        if mode == "process":
+            return cls(make())
+        return cls(starter=make if mode == "auto" and not remote else None)
 
     @property
     def staging(self) -> Staging:
@@ -90,19 +111,27 @@ class BackgroundSaves:
         """Snapshot ``flat`` now, then save it in the background once the saves before it are
         done: ``elsewhere`` (by the save process) where there is one and it can, else ``here``
         (on the background thread). Call :meth:`wait` first: it leaves a slot free."""
+        self._follow_cadence()
         slot = self._free_slot()
         shared = None
-        if slot.shared is not None:
+        if slot.shared is not None and self.process is not None:
             try:
                 shared = slot.shared.snapshot(flat, cache)
             except DoesNotFit:  # accelerator tensors on several devices or too many of them, or no room
                 slot.shared.release()
         snapshot = shared.snapshot if shared is not None else slot.staging.snapshot(flat, cache)
         process = self.process
+        started_here = self._starter is not None  # auto: a process that never answered is given up
 
         def save() -> SaveResult:
-            if shared is not None and process is not None:
-                done = elsewhere(process, shared)
+            if shared is not None and process is not None and self.process is process:
+                try:
+                    done = elsewhere(process, shared)
+                except (OSError, StorageError) as exc:
+                    if not started_here or process.answered:
+                        raise
+                    self._failed_start = exc  # it never answered: this save, and the next ones, run here
+                    done = None
                 if done is not None:
                     return done
             return here(snapshot)
@@ -144,6 +173,30 @@ class BackgroundSaves:
         for slot in self._slots:
             slot.release()
         del self._slots[1:]
+
+    def _follow_cadence(self) -> None:
+        """With ``auto``: start the save process once saves come often; give it up (back to the
+        thread, with a warning) if it could not start."""
+        if self._starter is None:
+            return
+        if self._failed_start is not None and self.process is not None:
+            process, self.process, self._starter = self.process, None, None
+            process.close()
+            warnings.warn(
+                f"the save process did not start ({self._failed_start}); background saves run on this thread",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            for slot in self._slots:
+                if slot.free and slot.shared is not None:
+                    slot.shared.release()
+                    slot.shared = None
+            return
+        if self._cadence.often() and self.process is None:
+            self.process = self._starter()
+            for slot in self._slots:
+                if slot.shared is None:
+                    slot.shared = SharedStaging()
 
     def _retire(self, handle: SaveHandle) -> None:
         if handle.error() is not None and not handle.observed:

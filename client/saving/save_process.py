@@ -67,6 +67,8 @@ class SaveProcess:
         self._lock = threading.Lock()
         #: The :data:`REPEATED` fields of the last request the running helper was sent.
         self._sent: dict[str, Any] = {}
+        #: Whether a helper has answered a save (one that never did may not be able to start).
+        self.answered = False
 
     @property
     def pid(self) -> int | None:
@@ -97,6 +99,7 @@ class SaveProcess:
                     f"the save process ended (exit status {code}) before it answered; the version may not exist"
                 )
             answer: dict[str, Any] = json.loads(line)
+            self.answered = True
             return answer
 
     def close(self) -> None:

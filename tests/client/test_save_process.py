@@ -41,7 +41,7 @@ def test_a_save_process_stores_what_a_save_on_the_thread_stores(tmp_path: Path) 
     train(model, optim, range(2))
     before = _files()
     with (
-        client.Client(home=tmp_path / "thread") as plain,
+        client.Client(home=tmp_path / "thread", background="thread") as plain,
         client.Client(home=tmp_path / "process", background="process") as helped,
     ):
         expected = []

@@ -1,0 +1,188 @@
+"""``background="auto"``, the default: background saves start on the client's thread and move to a
+save process once they come often; a server's client stays on the thread; a save process that
+cannot start is given up with a warning and the saves go on, on the thread, losing nothing."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import client
+from client import SaveHandle
+from client.saving import cadence
+from client.saving.cadence import SaveCadence, background_mode
+from service.api import create_app
+from service.settings import Settings
+from service.store import Store
+from tests.client.models import TinyNet, same_state, state_copy, train
+from tests.servers import running_server
+
+
+class _Clock:
+    """A clock a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@given(gaps=st.lists(st.floats(min_value=0.0, max_value=3 * cadence.CLOSE_SECONDS), max_size=40))
+def test_a_process_is_wanted_from_the_run_length_th_close_save_in_a_row(gaps: list[float]) -> None:
+    clock = _Clock()
+    saves = SaveCadence(clock)
+    answers = [saves.often()]
+    for gap in gaps:
+        clock.now += gap
+        answers.append(saves.often())
+    run, expected = 1, [cadence.RUN_LENGTH <= 1]
+    for gap in gaps:  # the rule, written out: the length of the run of close saves ending here
+        run = run + 1 if gap <= cadence.CLOSE_SECONDS else 1
+        expected.append(run >= cadence.RUN_LENGTH)
+    assert answers == expected
+
+
+@given(
+    value=st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=20) | st.sampled_from(cadence.MODES)
+)
+def test_the_mode_comes_from_the_argument_else_the_variable_else_auto(value: str) -> None:
+    for mode in cadence.MODES:
+        assert background_mode(mode) == mode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(cadence.VARIABLE, raising=False)
+        assert background_mode(None) == "auto"
+        patch.setenv(cadence.VARIABLE, value)
+        wanted = value.strip().lower() or "auto"
+        if wanted in cadence.MODES:
+            assert background_mode(None) == wanted
+            assert background_mode("thread") == "thread"  # the argument wins
+        else:
+            with pytest.raises(client.InvalidInputError, match=r"\$CKPTSTORE_BACKGROUND must be"):
+                background_mode(None)
+    if value not in cadence.MODES:
+        with pytest.raises(client.InvalidInputError, match="background must be"):
+            background_mode(value)
+
+
+def _save_often(
+    ckpt: client.Client, model: TinyNet, optim: torch.optim.Optimizer, saves: int, done: int = 0
+) -> list[dict]:
+    """``saves`` background saves after ``done`` earlier ones, a training step after each call;
+    the state each one holds."""
+    expected = []
+    for step in range(done, done + saves):
+        expected.append(state_copy(model, optim))
+        handle = ckpt.save("run", model, optim, step=step, blocking=False)
+        train(model, optim, range(step + 2, step + 3))  # at once: the version holds the state before
+        assert isinstance(handle, SaveHandle) and handle.result().version == step + 1
+    return expected
+
+
+def _loaded(ckpt: client.Client, version: int) -> dict:
+    model = TinyNet(seed=7)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.load("run", version, model=model, optim=optim)
+    return state_copy(model, optim)
+
+
+@pytest.fixture
+def trained() -> tuple[TinyNet, torch.optim.Optimizer]:
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    return model, optim
+
+
+def test_saves_that_come_often_move_to_a_save_process(
+    tmp_path: Path, trained: tuple[TinyNet, torch.optim.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    model, optim = trained
+    with client.Client(home=tmp_path) as ckpt:
+        background = ckpt._background
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH - 1)
+        assert background.process is None  # not yet: the thread saved them
+        expected += _save_often(ckpt, model, optim, 3, len(expected))
+        process = background.process
+        assert process is not None and process.pid is not None and process.answered
+        for version, state in enumerate(expected, start=1):
+            assert same_state(_loaded(ckpt, version), state)
+    assert process.pid is None  # closing the client ends it
+
+
+@pytest.mark.parametrize("how", ["variable", "argument", "saves far apart"])
+def test_saves_stay_on_the_thread(
+    how: str, tmp_path: Path, trained: tuple[TinyNet, torch.optim.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    background = None
+    if how == "variable":
+        monkeypatch.setenv(cadence.VARIABLE, "thread")
+    elif how == "argument":
+        background = "thread"
+    else:
+        monkeypatch.setattr(cadence, "CLOSE_SECONDS", -1.0)  # no two saves are this close
+    model, optim = trained
+    with client.Client(home=tmp_path, background=background) as ckpt:  # type: ignore[arg-type]
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 2)
+        assert ckpt._background.process is None
+        assert same_state(_loaded(ckpt, len(expected)), expected[-1])
+
+
+@pytest.fixture
+def server_url(tmp_path: Path) -> Iterator[str]:
+    store = Store.open_home(tmp_path / "server")
+    try:
+        with running_server(create_app(store, Settings(home=tmp_path / "server"))) as url:
+            yield url
+    finally:
+        store.close()
+
+
+def test_a_servers_client_saves_on_its_thread(
+    server_url: str, trained: tuple[TinyNet, torch.optim.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    model, optim = trained
+    with client.Client(server_url) as ckpt:
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 2)
+        assert ckpt._background.process is None
+        assert same_state(_loaded(ckpt, len(expected)), expected[-1])
+    monkeypatch.setenv(cadence.VARIABLE, "process")
+    with pytest.raises(client.InvalidInputError, match="store opened in this process"):
+        client.Client(server_url)
+
+
+@pytest.mark.parametrize("executable", ["/nonexistent/python", "/bin/false"])
+def test_a_save_process_that_cannot_start_is_given_up_and_no_save_is_lost(
+    executable: str,
+    tmp_path: Path,
+    trained: tuple[TinyNet, torch.optim.Optimizer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The helper cannot be run (no such program), or ends at once without answering: each save
+    it was given runs on the thread instead, the next save warns once and stops trying."""
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    monkeypatch.setattr(sys, "executable", executable)
+    model, optim = trained
+    with client.Client(home=tmp_path) as ckpt:
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH)  # the last went to the process
+        assert ckpt._background.process is not None and not ckpt._background.process.answered
+        with pytest.warns(RuntimeWarning, match="the save process did not start"):
+            expected += _save_often(ckpt, model, optim, 1, len(expected))
+        assert ckpt._background.process is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # given up once: no more tries, no more warnings
+            expected += _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 1, len(expected))
+        assert ckpt._background.process is None
+        assert [v.version for v in ckpt.versions("run")] == list(range(1, len(expected) + 1))
+        for version, state in enumerate(expected, start=1):
+            assert same_state(_loaded(ckpt, version), state)
