@@ -4,7 +4,8 @@ Each operation is one request through :class:`client.http.session.HttpSession`: 
 through httpx, shard uploads straight from memory and ranged shard reads straight into it,
 all on the route the proxy variables name and under one
 :class:`client.http.retry.RetryPolicy` (a time budget, ``retry_seconds`` /
-``CKPTSTORE_RETRY_SECONDS``; a commit is never sent twice). Error answers become the same
+``CKPTSTORE_RETRY_SECONDS``; a save's commit is sent again only under its ``Idempotency-Key``,
+which commits it once). Error answers become the same
 exception classes the embedded store raises (:func:`client.http.errors.raise_for_error`).
 """
 
