@@ -2,7 +2,8 @@
 
 - :mod:`.plan`: which tensors go in which shard (torch-free, on plain sizes);
 - :mod:`.background`: background saves (``blocking=False``), one at a time, on the client's
-  thread or in a save process (:mod:`.save_process`, staging into :mod:`.shared_staging`);
+  thread or in a save process (:mod:`.save_process`, staging into :mod:`.shared_staging`), which
+  ``auto`` starts once the saves come often (:mod:`.cadence`);
 - :mod:`.snapshot`, :mod:`.packed_staging`: the state copied into staging buffers, accelerator
   tensors gathered on their device and moved in one transfer;
 - :mod:`.hashing`: digests, the frozen-tensor cache and the ledger of what a save may skip;
