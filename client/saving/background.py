@@ -13,8 +13,10 @@ steps on average. The saves still run one after another, in order. A larger snap
 the save before it, so staging never holds two copies of a large state.
 
 With ``background="auto"`` the saves start on the thread, and a save process is started once the
-saves come often (:mod:`client.saving.cadence`); a process that cannot start (it ends before it
-ever answered) is given up, with a warning, and the saves go on on the thread.
+saves come often (:mod:`client.saving.cadence`): on a thread of its own, while the saves go on on
+the client's thread until it has opened the store (a few seconds: it imports torch), so that the
+loop never waits for its start. A process that cannot start (or ends before it ever answered) is
+given up, with a warning, and the saves go on on the thread.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ class BackgroundSaves:
         self.process = process
         self._starter = starter
         self._cadence = SaveCadence()
-        #: Set by the background thread when a process ``auto`` started could not start.
+        #: The save process ``auto`` is starting, until it is ready (or could not start).
+        self._starting: SaveProcess | None = None
+        #: Set by the background thread when the process ``auto`` started ended before it answered.
         self._failed_start: BaseException | None = None
         self._slots = [self._slot()]
         self._worker: ThreadPoolExecutor | None = None
@@ -168,35 +172,46 @@ class BackgroundSaves:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        if self.process is not None:
-            self.process.close()
+        for process in (self.process, self._starting):
+            if process is not None:
+                process.close()
         for slot in self._slots:
             slot.release()
         del self._slots[1:]
 
     def _follow_cadence(self) -> None:
-        """With ``auto``: start the save process once saves come often; give it up (back to the
-        thread, with a warning) if it could not start."""
+        """With ``auto``: start a save process once saves come often, and send saves to it once it
+        is ready; give it up (back to the thread, with a warning) if it could not start."""
         if self._starter is None:
             return
-        if self._failed_start is not None and self.process is not None:
-            process, self.process, self._starter = self.process, None, None
-            process.close()
-            warnings.warn(
-                f"the save process did not start ({self._failed_start}); background saves run on this thread",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            for slot in self._slots:
-                if slot.free and slot.shared is not None:
-                    slot.shared.release()
-                    slot.shared = None
-            return
-        if self._cadence.often() and self.process is None:
-            self.process = self._starter()
+        often = self._cadence.often()
+        starting = self._starting
+        if starting is not None and starting.started.is_set():
+            self._starting = None
+            if starting.start_error is not None:
+                self._give_up(starting, starting.start_error)
+                return
+            self.process = starting
             for slot in self._slots:
                 if slot.shared is None:
                     slot.shared = SharedStaging()
+        elif self._failed_start is not None and self.process is not None:
+            self._give_up(self.process, self._failed_start)
+        elif often and self.process is None and starting is None:
+            self._starting = self._starter()
+            self._starting.start()
+
+    def _give_up(self, process: SaveProcess, why: BaseException) -> None:
+        """Stop using (and end) the save process ``auto`` started: the saves stay on the thread."""
+        self.process, self._starter = None, None
+        process.close()
+        warnings.warn(
+            f"the save process did not start ({why}); background saves run on this thread", RuntimeWarning, stacklevel=3
+        )
+        for slot in self._slots:
+            if slot.free and slot.shared is not None:
+                slot.shared.release()
+                slot.shared = None
 
     def _retire(self, handle: SaveHandle) -> None:
         if handle.error() is not None and not handle.observed:

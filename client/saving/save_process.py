@@ -10,14 +10,16 @@ it opens the same embedded store (the same ``home`` and environment) and runs th
 only sends the save's records and reads the answer.
 
 The two processes talk in JSON lines over the helper's stdin and a private copy of its stdout
-(no pickling): the helper's own output goes to stderr. The helper keeps the last request's
-records (each tensor's key, placement, dtype, shape and place in the file) and state (the JSON
-naming them), which a training loop's saves repeat: the client sends them again only when they
-change, and asks back only for the digests its cache must learn. A tensor whose digest the client's cache
-knew was not staged; if the store lacks it (another process deleted its versions), the helper
-says so and the client saves from its own thread, which can read the live tensor. If the helper
-dies, the save fails with a StorageError (the version may or may not exist, as for a process
-killed while it commits) and the next background save starts a new one.
+(no pickling): the helper's own output goes to stderr. It answers the opening line once it has
+opened the store, so a client may start it ahead of its first save (:meth:`SaveProcess.start`).
+The helper keeps the last request's records (each tensor's key, placement, dtype, shape and
+place in the file) and state (the JSON naming them), which a training loop's saves repeat: the
+client sends them again only when they change, and asks back only for the digests its cache
+must learn. A tensor whose digest the client's cache knew was not staged; if the store lacks it
+(another process deleted its versions), the helper says so and the client saves from its own
+thread, which can read the live tensor. If the helper dies, the save fails with a StorageError
+(the version may or may not exist, as for a process killed while it commits) and the next
+background save starts a new one.
 """
 
 from __future__ import annotations
@@ -69,6 +71,24 @@ class SaveProcess:
         self._sent: dict[str, Any] = {}
         #: Whether a helper has answered a save (one that never did may not be able to start).
         self.answered = False
+        #: Set once a :meth:`start` has ended: the helper is ready to save, or :attr:`start_error` says why not.
+        self.started = threading.Event()
+        self.start_error: OSError | StorageError | None = None
+
+    def start(self) -> None:
+        """Start the helper now, on a thread of its own, and return at once: :attr:`started` is
+        set once it has opened the store (a save then goes ahead without waiting for its start)."""
+
+        def run() -> None:
+            try:
+                with self._lock:
+                    self._started()
+            except (OSError, StorageError) as exc:
+                self.start_error = exc
+            finally:
+                self.started.set()
+
+        threading.Thread(target=run, name="ckptstore-save-process-start", daemon=True).start()
 
     @property
     def pid(self) -> int | None:
@@ -123,8 +143,15 @@ class SaveProcess:
         os.close(write)
         self._process, self._answers = process, os.fdopen(read, "rb")
         assert process.stdin is not None
-        process.stdin.write(json.dumps(self._opening).encode() + b"\n")
-        process.stdin.flush()
+        try:
+            process.stdin.write(json.dumps(self._opening).encode() + b"\n")
+            process.stdin.flush()
+            ready = self._answers.readline()  # once the helper has opened the store
+        except OSError:
+            ready = b""
+        if not ready:
+            code = self._ended()
+            raise StorageError(f"the save process ended (exit status {code}) before it opened the store")
         return process, self._answers
 
     def _ended(self) -> int | None:
@@ -245,7 +272,8 @@ def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveRe
 
 
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
-    """The helper's loop: open the store the first line names, then answer each save line."""
+    """The helper's loop: open the store the first line names, say so (a ready line), then answer
+    each save line."""
     opening = json.loads(requests.readline() or b"null")
     if not isinstance(opening, dict):
         return
@@ -254,6 +282,8 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         prepare_writes = getattr(transport, "prepare_writes", None)
         if prepare_writes is not None:
             prepare_writes()
+        answers.write(b'{"ready": true}\n')  # the client may send saves without waiting for this start
+        answers.flush()
         # No digest cache: every tensor comes staged or with its digest. Its own ledger: what its
         # last version references need not be asked about again.
         settings = SaveSettings(

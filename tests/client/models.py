@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,6 +88,22 @@ def state_copy(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torc
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Whether two :func:`state_copy` results hold the same keys and bitwise equal tensors."""
     return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+
+
+def trained_tiny() -> tuple[TinyNet, torch.optim.Optimizer]:
+    """A TinyNet and its AdamW after two steps (every state tensor exists)."""
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    return model, optim
+
+
+def loaded_tiny(ckpt: Any, version: int, run_id: str = "run") -> dict[str, torch.Tensor]:
+    """:func:`state_copy` of a fresh TinyNet and AdamW loaded from ``version`` of ``run_id`` through ``ckpt``."""
+    model = TinyNet(seed=7)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.load(run_id, version, model=model, optim=optim)
+    return state_copy(model, optim)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from client.saving.cadence import SaveCadence, background_mode
 from service.api import create_app
 from service.settings import Settings
 from service.store import Store
-from tests.client.models import TinyNet, same_state, state_copy, train
+from tests.client.models import TinyNet, loaded_tiny, same_state, state_copy, train, trained_tiny
 from tests.servers import running_server
 
 
@@ -86,19 +86,9 @@ def _save_often(
     return expected
 
 
-def _loaded(ckpt: client.Client, version: int) -> dict:
-    model = TinyNet(seed=7)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt.load("run", version, model=model, optim=optim)
-    return state_copy(model, optim)
-
-
 @pytest.fixture
 def trained() -> tuple[TinyNet, torch.optim.Optimizer]:
-    model = TinyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optim, range(2))
-    return model, optim
+    return trained_tiny()
 
 
 def test_saves_that_come_often_move_to_a_save_process(
@@ -109,12 +99,15 @@ def test_saves_that_come_often_move_to_a_save_process(
     with client.Client(home=tmp_path) as ckpt:
         background = ckpt._background
         expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH - 1)
-        assert background.process is None  # not yet: the thread saved them
-        expected += _save_often(ckpt, model, optim, 3, len(expected))
-        process = background.process
-        assert process is not None and process.pid is not None and process.answered
+        assert background.process is None and background._starting is None  # the thread saved them
+        expected += _save_often(ckpt, model, optim, 1, len(expected))
+        process = background._starting  # started by that save, which ran on the thread meanwhile
+        assert background.process is None and process is not None and not process.answered
+        assert process.started.wait(120) and process.start_error is None
+        expected += _save_often(ckpt, model, optim, 2, len(expected))
+        assert background.process is process and process.pid is not None and process.answered
         for version, state in enumerate(expected, start=1):
-            assert same_state(_loaded(ckpt, version), state)
+            assert same_state(loaded_tiny(ckpt, version), state)
     assert process.pid is None  # closing the client ends it
 
 
@@ -134,7 +127,7 @@ def test_saves_stay_on_the_thread(
     with client.Client(home=tmp_path, background=background) as ckpt:  # type: ignore[arg-type]
         expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 2)
         assert ckpt._background.process is None
-        assert same_state(_loaded(ckpt, len(expected)), expected[-1])
+        assert same_state(loaded_tiny(ckpt, len(expected)), expected[-1])
 
 
 @pytest.fixture
@@ -155,7 +148,7 @@ def test_a_servers_client_saves_on_its_thread(
     with client.Client(server_url) as ckpt:
         expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 2)
         assert ckpt._background.process is None
-        assert same_state(_loaded(ckpt, len(expected)), expected[-1])
+        assert same_state(loaded_tiny(ckpt, len(expected)), expected[-1])
     monkeypatch.setenv(cadence.VARIABLE, "process")
     with pytest.raises(client.InvalidInputError, match="store opened in this process"):
         client.Client(server_url)
@@ -168,21 +161,23 @@ def test_a_save_process_that_cannot_start_is_given_up_and_no_save_is_lost(
     trained: tuple[TinyNet, torch.optim.Optimizer],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The helper cannot be run (no such program), or ends at once without answering: each save
-    it was given runs on the thread instead, the next save warns once and stops trying."""
+    """The helper cannot be run (no such program), or ends at once without saying it is ready:
+    the saves go on on the thread, the next save warns once, and the client stops trying."""
     monkeypatch.delenv(cadence.VARIABLE, raising=False)
     monkeypatch.setattr(sys, "executable", executable)
     model, optim = trained
     with client.Client(home=tmp_path) as ckpt:
-        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH)  # the last went to the process
-        assert ckpt._background.process is not None and not ckpt._background.process.answered
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH)  # the last starts the process
+        starting = ckpt._background._starting
+        assert starting is not None and starting.started.wait(120)
+        assert isinstance(starting.start_error, (OSError, client.StorageError))
         with pytest.warns(RuntimeWarning, match="the save process did not start"):
             expected += _save_often(ckpt, model, optim, 1, len(expected))
-        assert ckpt._background.process is None
+        assert ckpt._background.process is None and ckpt._background._starting is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # given up once: no more tries, no more warnings
             expected += _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 1, len(expected))
-        assert ckpt._background.process is None
+        assert ckpt._background.process is None and ckpt._background._starting is None
         assert [v.version for v in ckpt.versions("run")] == list(range(1, len(expected) + 1))
         for version, state in enumerate(expected, start=1):
-            assert same_state(_loaded(ckpt, version), state)
+            assert same_state(loaded_tiny(ckpt, version), state)

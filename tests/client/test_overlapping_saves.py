@@ -21,7 +21,7 @@ import client
 from client import SaveHandle
 from client.saving import background
 from service.errors import StorageError
-from tests.client.models import TinyNet, same_state, state_copy, train
+from tests.client.models import TinyNet, same_state, state_copy, train, trained_tiny
 
 
 def _loads_as(ckpt: client.Client, version: int, expected: dict[str, torch.Tensor]) -> bool:
@@ -54,17 +54,10 @@ def _commits_held(
         release.set()
 
 
-def _trained() -> tuple[TinyNet, torch.optim.Optimizer]:
-    model = TinyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optim, range(2))
-    return model, optim
-
-
 def test_a_save_returns_while_the_one_before_commits_and_both_hold_their_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optim = _trained()
+    model, optim = trained_tiny()
     with client.Client(home=tmp_path) as ckpt:
         with _commits_held(ckpt, monkeypatch) as release:
             first_state = state_copy(model, optim)
@@ -81,7 +74,7 @@ def test_a_save_returns_while_the_one_before_commits_and_both_hold_their_state(
 
 
 def test_a_third_save_waits_for_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model, optim = _trained()
+    model, optim = trained_tiny()
     with client.Client(home=tmp_path) as ckpt:
         with _commits_held(ckpt, monkeypatch) as release:
             first = ckpt.save("run", model, optim, blocking=False)
@@ -93,7 +86,7 @@ def test_a_third_save_waits_for_the_first(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_an_error_reaches_the_caller_from_a_later_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model, optim = _trained()
+    model, optim = trained_tiny()
     with client.Client(home=tmp_path) as ckpt:
         with _commits_held(ckpt, monkeypatch, fail=True) as release:
             failed = ckpt.save("run", model, optim, blocking=False)
@@ -109,7 +102,7 @@ def test_an_error_reaches_the_caller_from_a_later_save(tmp_path: Path, monkeypat
 
 def test_a_large_snapshot_waits_for_the_save_before_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(background, "OVERLAP_BYTES", 0)
-    model, optim = _trained()
+    model, optim = trained_tiny()
     with client.Client(home=tmp_path) as ckpt:
         first = ckpt.save("run", model, optim, blocking=False)
         second = ckpt.save("run", model, optim, blocking=False)
@@ -122,7 +115,7 @@ def test_a_large_snapshot_waits_for_the_save_before_it(tmp_path: Path, monkeypat
 def test_a_save_process_takes_the_next_snapshot_while_it_is_stopped(tmp_path: Path) -> None:
     """The helper is stopped (SIGSTOP) mid-way: the next save still returns, its snapshot in a
     second shared file; once the helper runs again both versions hold their state."""
-    model, optim = _trained()
+    model, optim = trained_tiny()
     with client.Client(home=tmp_path, background="process") as ckpt:
         ckpt.save("run", model, optim, blocking=False).result()  # starts the helper
         process = ckpt._background.process
@@ -151,7 +144,7 @@ def test_any_mix_of_steps_saves_and_waits_keeps_every_version_as_it_was(
     """Whatever the caller does between saves (steps, blocking saves, waiting on an older
     handle, a commit held while the next saves are taken), version n holds the state as it was
     when the n-th save call returned."""
-    model, optim = _trained()
+    model, optim = trained_tiny()
     expected: list[dict[str, torch.Tensor]] = []
     handles: list[SaveHandle] = []
     releases: list[threading.Event] = []

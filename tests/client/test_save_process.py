@@ -21,14 +21,7 @@ from torch import nn
 import client
 from client import SaveHandle
 from client.saving import save_process, shared_staging
-from tests.client.models import Adapter, TinyNet, same_state, state_copy, tensors_equal, train
-
-
-def _loaded(ckpt: client.Client, version: int) -> dict[str, torch.Tensor]:
-    model = TinyNet(seed=7)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt.load("run", version, model=model, optim=optim)
-    return state_copy(model, optim)
+from tests.client.models import Adapter, TinyNet, loaded_tiny, same_state, state_copy, tensors_equal, train
 
 
 def _files() -> set[Path]:
@@ -56,7 +49,7 @@ def test_a_save_process_stores_what_a_save_on_the_thread_stores(tmp_path: Path) 
             ours, theirs = plain.transport.manifest("run", version), helped.transport.manifest("run", version)
             assert {e.key: e.digest for e in ours.tensors} == {e.key: e.digest for e in theirs.tensors}
             assert ours.state == theirs.state and theirs.step == version - 1
-            assert same_state(_loaded(helped, version), state)
+            assert same_state(loaded_tiny(helped, version), state)
         assert len(_files() - before) == 1  # one shared file, reused save after save
         process = helped._background.process
     assert process.pid is None and _files() == before  # closing ends the helper and removes the file
@@ -107,7 +100,7 @@ def test_a_killed_save_process_fails_its_save_and_the_next_save_starts_another(t
         version = again.result().version
         assert process.pid not in (None, killed)
         assert [v.version for v in ckpt.versions("run")] == [1, version]
-        assert same_state(_loaded(ckpt, version), expected)
+        assert same_state(loaded_tiny(ckpt, version), expected)
 
 
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
@@ -159,7 +152,7 @@ def test_a_process_exiting_with_a_save_in_its_save_process_waits_for_it(tmp_path
     train(model, optim, range(2))
     with client.Client(home=tmp_path / "store") as ckpt:
         assert [v.version for v in ckpt.versions("run")] == [1]
-        assert same_state(_loaded(ckpt, 1), state_copy(model, optim))
+        assert same_state(loaded_tiny(ckpt, 1), state_copy(model, optim))
     assert set(shared_staging.shared_folder().glob(f"{shared_staging.PREFIX}*")) <= before  # removed at exit
 
 
@@ -267,7 +260,7 @@ def test_the_helper_is_told_which_staged_tensors_changed_in_place_and_stores_onl
             handle = ckpt.save("run", model, optim, blocking=False)
             assert isinstance(handle, SaveHandle)
             results.append(handle.result())
-        assert same_state(_loaded(ckpt, 3), state_copy(model, optim))
+        assert same_state(loaded_tiny(ckpt, 3), state_copy(model, optim))
         keys = [entry.key for entry in ckpt.transport.manifest("run", 1).tensors]
     moved = sorted(key for key, version in versions[1].items() if versions[0][key] != version)
     assert moved and "model/body.0.weight" in moved and "optim/state/body.0.weight/exp_avg" in moved
