@@ -97,9 +97,7 @@ class Client(Connection):
         create: bool = True,
         background: Background | None = None,
     ) -> None:
-        mode = background_mode(background)
-        if mode == "process" and url:
-            raise InvalidInputError("background='process' saves into a store opened in this process, not a server")
+        mode = background_mode(background, server=bool(url))
         super().__init__(url, home=home, token=token, retry_seconds=retry_seconds, create=create)
         prepare_writes = getattr(self.transport, "prepare_writes", None)
         if prepare_writes is not None:  # an embedded store picks its write mode before the first save

@@ -150,8 +150,10 @@ def test_a_servers_client_saves_on_its_thread(
         assert ckpt._background.process is None
         assert same_state(loaded_tiny(ckpt, len(expected)), expected[-1])
     monkeypatch.setenv(cadence.VARIABLE, "process")
-    with pytest.raises(client.InvalidInputError, match="store opened in this process"):
+    with pytest.raises(client.InvalidInputError, match=r"\$CKPTSTORE_BACKGROUND 'process' saves into a store opened"):
         client.Client(server_url)
+    with pytest.raises(client.InvalidInputError, match="background 'process' saves into a store opened in this"):
+        client.Client(server_url, background="process")
 
 
 @pytest.mark.parametrize("executable", ["/nonexistent/python", "/bin/false"])
