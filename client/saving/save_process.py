@@ -74,10 +74,13 @@ class SaveProcess:
         #: Set once a :meth:`start` has ended: the helper is ready to save, or :attr:`start_error` says why not.
         self.started = threading.Event()
         self.start_error: OSError | StorageError | None = None
+        self._starting = False
 
     def start(self) -> None:
         """Start the helper now, on a thread of its own, and return at once: :attr:`started` is
         set once it has opened the store (a save then goes ahead without waiting for its start)."""
+
+        self._starting = True
 
         def run() -> None:
             try:
@@ -123,7 +126,12 @@ class SaveProcess:
             return answer
 
     def close(self) -> None:
-        """End the helper: its input is closed, it finishes and exits (killed if it does not)."""
+        """End the helper: its input is closed, it finishes and exits (killed if it does not).
+        One that :meth:`start` is still waiting for is killed first: it reads no input until it
+        has opened the store, and its start holds the lock until then."""
+        starting = self._process
+        if self._starting and not self.started.is_set() and starting is not None:
+            starting.kill()
         with self._lock:
             self._ended()
 

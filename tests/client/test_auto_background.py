@@ -5,6 +5,7 @@ cannot start is given up with a warning and the saves go on, on the thread, losi
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +184,27 @@ def test_a_save_process_that_cannot_start_is_given_up_and_no_save_is_lost(
         assert [v.version for v in ckpt.versions("run")] == list(range(1, len(expected) + 1))
         for version, state in enumerate(expected, start=1):
             assert same_state(loaded_tiny(ckpt, version), state)
+
+
+def test_closing_a_client_ends_a_save_process_that_hangs_before_it_is_ready(
+    tmp_path: Path, trained: tuple[TinyNet, torch.optim.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper that never opens the store (here a program that only waits) holds its start: the
+    client's close kills it rather than waiting for it, and the saves were made on the thread."""
+    hang = tmp_path / "hang"
+    hang.write_text("#!/bin/sh\nexec sleep 3600\n")
+    hang.chmod(0o755)
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    monkeypatch.setattr(sys, "executable", str(hang))
+    model, optim = trained
+    ckpt = client.Client(home=tmp_path / "store")
+    expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 2)
+    starting = ckpt._background._starting
+    assert starting is not None and starting.pid is not None and not starting.started.is_set()
+    closing = threading.Thread(target=ckpt.close)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive() and starting.pid is None
+    assert starting.started.is_set() and isinstance(starting.start_error, client.StorageError)
+    with client.Client(home=tmp_path / "store", background="thread") as reader:
+        assert same_state(loaded_tiny(reader, len(expected)), expected[-1])
