@@ -79,10 +79,10 @@ class Client(Connection):
         hash_cache: reuse digests of frozen tensors that did not change since this client
             last hashed them.
         background: where ``save(..., blocking=False)`` hashes, writes and commits: ``"thread"``
-            (one of this process), ``"process"`` (a helper this client starts, so the loop's
-            interpreter is not shared: :mod:`client.saving.save_process`; a store opened in this
-            process only), or ``"auto"`` (the default, unless ``$CKPTSTORE_BACKGROUND`` says
-            otherwise): the thread until saves come often, then a process (:mod:`client.saving.cadence`).
+            (one of this process), ``"process"`` (a helper this client starts, which opens the
+            same store, so the loop's interpreter is not shared: :mod:`client.saving.save_process`),
+            or ``"auto"`` (the default, unless ``$CKPTSTORE_BACKGROUND`` says otherwise): the
+            thread until saves come often, then a process (:mod:`client.saving.cadence`).
     """
 
     def __init__(
@@ -97,7 +97,7 @@ class Client(Connection):
         create: bool = True,
         background: Background | None = None,
     ) -> None:
-        mode = background_mode(background, server=bool(url))
+        mode = background_mode(background)
         super().__init__(url, home=home, token=token, retry_seconds=retry_seconds, create=create)
         prepare_writes = getattr(self.transport, "prepare_writes", None)
         if prepare_writes is not None:  # an embedded store picks its write mode before the first save
@@ -106,8 +106,11 @@ class Client(Connection):
         self.digest_cache = DigestCache() if hash_cache else None
         self.ledger = SaveLedger()
         self._flattened = FlattenCache()  # with the names of the models it saves
-        make = functools.partial(SaveProcess, str(home) if home is not None else None, shard_bytes, UPLOADS_IN_FLIGHT)
-        self._background = BackgroundSaves.of_mode(mode, make, remote=getattr(self.transport, "remote", False))
+        make = functools.partial(  # the helper opens this store too
+            SaveProcess, str(home) if home is not None else None, shard_bytes, self._widths()[1], url=url, token=token,
+            retry_seconds=retry_seconds,
+        )  # fmt: skip
+        self._background = BackgroundSaves.of_mode(mode, make)
 
     def close(self) -> None:
         """Wait for a background save, then release the store's resources and the staging buffers."""

@@ -82,12 +82,12 @@ class BackgroundSaves:
         self._last_staged = 0
 
     @classmethod
-    def of_mode(cls, mode: Background, make: Callable[[], SaveProcess], *, remote: bool) -> BackgroundSaves:
-        """A client's background saves in ``mode`` (:func:`client.saving.cadence.background_mode`):
-        ``make`` makes its save process; ``auto`` saves of a ``remote`` store stay on the thread."""
+    def of_mode(cls, mode: Background, make: Callable[[], SaveProcess]) -> BackgroundSaves:
+        """A client's background saves in ``mode`` (:func:`client.saving.cadence.background_mode`),
+        ``make`` making its save process."""
         if mode == "process":
             return cls(make())
-        return cls(starter=make if mode == "auto" and not remote else None)
+        return cls(starter=make if mode == "auto" else None)
 
     @property
     def staging(self) -> Staging:

@@ -30,12 +30,11 @@ Background = Literal["auto", "thread", "process"]
 MODES: tuple[Background, ...] = ("auto", "thread", "process")
 
 
-def background_mode(given: str | None, *, server: bool = False) -> Background:
+def background_mode(given: str | None) -> Background:
     """The background mode of a client: ``given``, else ``$CKPTSTORE_BACKGROUND``, else ``"auto"``.
 
     Raises:
-        InvalidInputError: a mode other than ``auto``, ``thread`` or ``process``, or ``process``
-            for the client of a ``server`` (naming where the mode came from).
+        InvalidInputError: a mode other than ``auto``, ``thread`` or ``process`` (naming where it came from).
     """
     if given is not None:
         where, value = "background", given
@@ -43,8 +42,6 @@ def background_mode(given: str | None, *, server: bool = False) -> Background:
         where, value = f"${VARIABLE}", os.environ.get(VARIABLE, "").strip().lower() or "auto"
     for mode in MODES:
         if value == mode:
-            if mode == "process" and server:
-                raise InvalidInputError(f"{where} 'process' saves into a store opened in this process, not a server")
             return mode
     raise InvalidInputError(f"{where} must be 'auto', 'thread' or 'process', not {str(value)[:40]!r}")
 

@@ -5,7 +5,8 @@ hashes, builds the manifest and commits: a loop that launches its work from Pyth
 every millisecond of it (``bench/async_save.py`` measures it). With ``Client(background="process")``
 the snapshot is copied into a shared file (:mod:`client.saving.shared_staging`) and the rest of
 the save runs in a helper process this client starts on its first background save and keeps:
-it opens the same embedded store (the same ``home`` and environment) and runs the same save
+it opens the same store (the same server, with the client's token; else the same ``home`` and
+environment) and runs the same save
 (:class:`client.saving.saver.SaveRun`) on the staged copies. The client's background thread
 only sends the save's records and reads the answer.
 
@@ -62,8 +63,27 @@ REPEATED = ("records", "state")
 class SaveProcess:
     """The helper process of one client; :meth:`save` is called from that client's background thread."""
 
-    def __init__(self, home: str | None, shard_bytes: int, uploads_in_flight: int) -> None:
-        self._opening = {"home": home, "shard_bytes": shard_bytes, "uploads_in_flight": uploads_in_flight}
+    def __init__(
+        self,
+        home: str | None,
+        shard_bytes: int,
+        uploads_in_flight: int,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        retry_seconds: float | None = None,
+    ) -> None:
+        """The helper opens the store the client opened: the server at ``url`` (with ``token``
+        and ``retry_seconds``, sent over its input, never its arguments or environment), else
+        the embedded store in ``home``, else the one the environment names."""
+        self._opening = {
+            "home": home,
+            "shard_bytes": shard_bytes,
+            "uploads_in_flight": uploads_in_flight,
+            "url": url,
+            "token": token,
+            "retry_seconds": retry_seconds,
+        }
         self._process: subprocess.Popen[bytes] | None = None
         self._answers: IO[bytes] | None = None
         self._lock = threading.Lock()
@@ -285,7 +305,8 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     opening = json.loads(requests.readline() or b"null")
     if not isinstance(opening, dict):
         return
-    transport = open_transport(None, opening.get("home"), None)
+    url, home, token, retry = (opening.get(name) for name in ("url", "home", "token", "retry_seconds"))
+    transport = open_transport(url, home, token, retry_seconds=retry)
     try:
         prepare_writes = getattr(transport, "prepare_writes", None)
         if prepare_writes is not None:

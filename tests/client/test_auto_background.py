@@ -1,9 +1,11 @@
 """``background="auto"``, the default: background saves start on the client's thread and move to a
-save process once they come often; a server's client stays on the thread; a save process that
-cannot start is given up with a warning and the saves go on, on the thread, losing nothing."""
+save process once they come often (a server's client too: the helper saves through the server);
+a save process that cannot start is given up with a warning and the saves go on, on the thread,
+losing nothing."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import warnings
@@ -22,6 +24,7 @@ from client.saving.cadence import SaveCadence, background_mode
 from service.api import create_app
 from service.settings import Settings
 from service.store import Store
+from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN
 from tests.client.models import TinyNet, loaded_tiny, same_state, state_copy, train, trained_tiny
 from tests.servers import running_server
 
@@ -40,15 +43,17 @@ class _Clock:
 def test_a_process_is_wanted_from_the_run_length_th_close_save_in_a_row(gaps: list[float]) -> None:
     clock = _Clock()
     saves = SaveCadence(clock)
-    answers = [saves.often()]
+    times, answers = [clock.now], [saves.often()]
     for gap in gaps:
         clock.now += gap
+        times.append(clock.now)
         answers.append(saves.often())
     run, expected = 1, [cadence.RUN_LENGTH <= 1]
-    for gap in gaps:  # the rule, written out: the length of the run of close saves ending here
-        run = run + 1 if gap <= cadence.CLOSE_SECONDS else 1
+    for before, now in itertools.pairwise(times):  # the rule, written out: the run of close saves ending here
+        run = run + 1 if now - before <= cadence.CLOSE_SECONDS else 1
         expected.append(run >= cadence.RUN_LENGTH)
     assert answers == expected
+    assert answers[: cadence.RUN_LENGTH - 1] == [False] * min(len(answers), cadence.RUN_LENGTH - 1)
 
 
 @given(
@@ -133,28 +138,41 @@ def test_saves_stay_on_the_thread(
 
 @pytest.fixture
 def server_url(tmp_path: Path) -> Iterator[str]:
+    """A server whose writes need a token (:data:`WRITE_TOKEN`)."""
     store = Store.open_home(tmp_path / "server")
     try:
-        with running_server(create_app(store, Settings(home=tmp_path / "server"))) as url:
+        with running_server(create_app(store, Settings(home=tmp_path / "server", tokens=TOKENS))) as url:
             yield url
     finally:
         store.close()
 
 
-def test_a_servers_client_saves_on_its_thread(
+def test_a_servers_client_moves_to_a_save_process_that_saves_through_the_server(
     server_url: str, trained: tuple[TinyNet, torch.optim.Optimizer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The helper opens the same server with the client's token (sent over its input: neither
+    its arguments nor its environment hold it) and saves there what the thread would have."""
     monkeypatch.delenv(cadence.VARIABLE, raising=False)
     model, optim = trained
-    with client.Client(server_url) as ckpt:
-        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 2)
-        assert ckpt._background.process is None
-        assert same_state(loaded_tiny(ckpt, len(expected)), expected[-1])
-    monkeypatch.setenv(cadence.VARIABLE, "process")
-    with pytest.raises(client.InvalidInputError, match=r"\$CKPTSTORE_BACKGROUND 'process' saves into a store opened"):
-        client.Client(server_url)
-    with pytest.raises(client.InvalidInputError, match="background 'process' saves into a store opened in this"):
-        client.Client(server_url, background="process")
+    with client.Client(server_url, token=WRITE_TOKEN) as ckpt:
+        background = ckpt._background
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH)
+        process = background._starting
+        assert process is not None and process.pid is not None
+        command = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        environment = Path(f"/proc/{process.pid}/environ").read_bytes()
+        assert WRITE_TOKEN.encode() not in command + environment
+        assert process.started.wait(120) and process.start_error is None
+        expected += _save_often(ckpt, model, optim, 2, len(expected))
+        assert background.process is process and process.answered
+        for version, state in enumerate(expected, start=1):
+            assert same_state(loaded_tiny(ckpt, version), state)
+    with client.Client(server_url, token=READ_TOKEN, background="process") as reader:
+        denied = reader.save("run", model, optim, blocking=False)
+        assert isinstance(denied, SaveHandle)
+        with pytest.raises(client.CheckpointError, match="write"):
+            denied.result()
+        assert [v.version for v in reader.versions("run")] == list(range(1, len(expected) + 1))
 
 
 @pytest.mark.parametrize("executable", ["/nonexistent/python", "/bin/false"])

@@ -117,9 +117,7 @@ def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes
         assert isinstance(fine, SaveHandle) and fine.result().version == 1
 
 
-def test_a_save_process_needs_a_store_opened_in_this_process(tmp_path: Path) -> None:
-    with pytest.raises(client.InvalidInputError, match="not a server"):
-        client.Client("http://127.0.0.1:9", background="process")
+def test_a_background_mode_of_another_name_is_refused(tmp_path: Path) -> None:
     with pytest.raises(client.InvalidInputError, match="'thread' or 'process'"):
         client.Client(home=tmp_path, background="processes")  # type: ignore[arg-type]
 
