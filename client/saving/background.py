@@ -128,7 +128,8 @@ class BackgroundSaves:
         started_here = self._starter is not None  # auto: a process that never answered is given up
 
         def save() -> SaveResult:
-            if shared is not None and process is not None and self.process is process:
+            # Not to a process given up, or one a save before found dead before it ever answered.
+            if shared is not None and process is not None and self.process is process and self._failed_start is None:
                 try:
                     done = elsewhere(process, shared)
                 except (OSError, StorageError) as exc:
