@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.http.bulk import BulkHttp
+from client.http.bulk import LOW_WATER, BulkHttp, low_water
 from client.http.route import Route
 from service.errors import IntegrityError
 
@@ -152,3 +153,36 @@ def test_the_socket_is_left_as_it_was_found_for_the_next_request() -> None:
         assert connection.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)
         wire.get_into("/x", {}, [memoryview(bytearray(10))])
     assert seen == [7.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(left=st.integers(1, 1 << 40), data=st.data())
+def test_the_low_water_mark_never_waits_for_more_than_is_still_to_come(left: int, data: st.DataObject) -> None:
+    want = data.draw(st.integers(1, left))
+    mark = low_water(left, want)
+    assert 1 <= mark <= max(1, left - want)  # the bytes still to come after this receive reach the mark
+    assert mark == (LOW_WATER if left - want >= LOW_WATER else 1)
+
+
+def test_a_slow_last_piece_of_a_large_body_is_read_as_it_comes_not_at_the_timeout() -> None:
+    # The tail is fewer bytes than the low-water mark: on a kernel that wakes a reader only once
+    # the mark's bytes wait, a mark left up would keep them waiting out the 20 s receive timeout.
+    body = bytes(range(256)) * ((3 * LOW_WATER) // 256) + b"tail"
+    sent_tail = threading.Event()
+
+    def slow_tail(sock: socket.socket) -> None:
+        sock.sendall(f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:-4])
+        sent_tail.wait(0.3)  # a server whose last bytes come late (nothing sets the event)
+        sock.sendall(body[-4:])
+
+    buffers = [memoryview(bytearray(LOW_WATER)), memoryview(bytearray(len(body) - LOW_WATER))]
+    with scripted_server([slow_tail]) as (url, _):
+        wire = bulk(url, timeout=20.0)
+        started = time.monotonic()
+        assert wire.get_into("/x", {}, buffers).status_code == 206
+        assert time.monotonic() - started < 10
+        assert b"".join(bytes(b) for b in buffers) == body
+        connection, _ = wire._idle[0]
+        assert connection.sock is not None
+        assert connection.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # left as found
+        wire.close()
