@@ -23,7 +23,6 @@ import select
 import socket
 import ssl
 import struct
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ import httpx
 
 from client.http.route import Route
 from service.errors import IntegrityError
+from service.receive_mark import ReceiveMark
 
 #: A pooled connection idle for longer is closed, not reused. A server closes a connection left
 #: idle past its keep-alive timeout (uvicorn's and ``ckptstore serve``'s default: 5 s), and a
@@ -313,23 +313,6 @@ class HttpxBulk:
         """Nothing to release: the httpx client is its owner's to close."""
 
 
-#: The socket's receive low-water mark while a body has at least this much left to come: the
-#: kernel then wakes the reading thread once this many bytes wait, not as each segment lands.
-#: Loading 512 MiB over loopback from a cold disk on two cores (twelve loads each, alternating):
-#: 0.373 s and 0.17 CPU-seconds of the server without it, 0.348 s and 0.14 with it.
-LOW_WATER = 1 << 20
-#: Whether this system's TCP takes a low-water mark that way (Linux).
-_MARKS = sys.platform == "linux" and hasattr(socket, "SO_RCVLOWAT")
-
-
-def low_water(left: int, want: int) -> int:
-    """The receive low-water mark for a receive of ``want`` of the ``left`` bytes a body has left:
-    :data:`LOW_WATER` while at least that many remain after this receive, else 1. A mark above
-    what is still to come would leave the receive waiting out its timeout for bytes that never
-    come, as the body's last bytes would be fewer than the mark."""
-    return LOW_WATER if left - want >= LOW_WATER else 1
-
-
 class _ReadsInto(Protocol):
     def readinto(self, buffer: memoryview) -> int: ...
 
@@ -344,7 +327,8 @@ class _SocketBody:
     the client against 0.093). While the body is read (:meth:`reading`) the socket is blocking,
     the kernel's receive timeout standing in for the connection's: a call that brings nothing for
     ``timeout`` seconds raises ``TimeoutError``, as a read of the connection would. Its receive
-    low-water mark follows :func:`low_water` while the body is read, and is 1 again after.
+    low-water mark follows :func:`service.receive_mark.low_water` while the body is read, and is 1
+    again after.
     """
 
     def __init__(self, response: http.client.HTTPResponse, sock: socket.socket, timeout: float) -> None:
@@ -352,7 +336,7 @@ class _SocketBody:
         self._sock = sock
         self._timeout = timeout
         self._buffered = len(response.fp.peek(0)) if response.fp is not None else 0
-        self._mark = 1  # the socket's receive low-water mark (the kernel's default)
+        self._mark = ReceiveMark(sock)
 
     @classmethod
     @contextmanager
@@ -373,7 +357,7 @@ class _SocketBody:
             )
             yield body
         finally:
-            body._set_mark(1)
+            body._mark.reset()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
             sock.settimeout(timeout)
 
@@ -386,19 +370,13 @@ class _SocketBody:
             self._buffered -= min(count, self._buffered)
             return count
         want = min(buffer.nbytes, left)
-        self._set_mark(low_water(left, want))
+        self._mark.before(left, want)
         try:
             count = self._sock.recv_into(buffer, want, socket.MSG_WAITALL)
         except BlockingIOError:
             raise TimeoutError(f"no bytes came for {self._timeout:g} s") from None
         response.length = left - count
         return count
-
-    def _set_mark(self, mark: int) -> None:
-        """Set the socket's receive low-water mark (:func:`low_water`) where it changes."""
-        if _MARKS and mark != self._mark:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
-            self._mark = mark
 
 
 class _Chunks:

@@ -12,7 +12,9 @@ that takes a body of known length can instead take the socket over once the head
   consumer names (:class:`Landing`): a shard upload's bytes land in the staging file's aligned
   write buffer, are hashed there and written from there, never copied in user space. One
   ``recv`` with ``MSG_WAITALL`` fills up to a whole buffer; meanwhile the client keeps sending
-  into the socket's buffer, so its sending overlaps the server's hashing.
+  into the socket's buffer, so its sending overlaps the server's hashing. The socket's receive
+  low-water mark (:mod:`service.receive_mark`) has the kernel wake that thread once a megabyte
+  waits rather than at each segment.
 - the parser never sees the rest of the body, so the connection closes after the answer; when
   the consumer refuses the body midway (a tensor that does not match its digest), up to 16 MiB
   of what the client sent already is read and dropped first, so that closing with bytes unread
@@ -42,6 +44,7 @@ from typing import Any, Protocol
 from starlette.concurrency import run_in_threadpool
 
 from service.errors import InvalidInputError, RequestTimeoutError
+from service.receive_mark import ReceiveMark
 
 #: The scope extension under which a request's :class:`SocketBody` is offered.
 EXTENSION = "ckptstore.socket_body"
@@ -164,22 +167,26 @@ class SocketBody:
         if not left:
             return
         sock = socket.socket(fileno=os.dup(self._fd))  # closing it leaves the connection open
+        mark = ReceiveMark(sock)  # the socket's, not the duplicate's: reset below
         try:
             sock.setblocking(True)  # shared with the event loop's descriptor: made non-blocking again below
-            self._receive(sock, left, landing)
+            self._receive(sock, left, landing, mark)
         finally:
+            mark.reset()
             _set_receive_timeout(sock, 0.0)
             sock.setblocking(False)
             sock.close()
 
-    def _receive(self, sock: socket.socket, left: int, landing: Landing) -> None:
-        """Fill ``landing``'s space from ``sock`` until ``left`` bytes are read, keeping the rate rule."""
+    def _receive(self, sock: socket.socket, left: int, landing: Landing, mark: ReceiveMark) -> None:
+        """Fill ``landing``'s space from ``sock`` until ``left`` bytes are read, keeping the rate
+        rule, with the socket's receive low-water mark (``mark``) set for each receive."""
         window = RateWindow(self._protocol.body_timeout, self._protocol.min_body_rate)
         done = self.length - left
         while left:
             space = landing.space()
             want = min(space.nbytes, left)
             _set_receive_timeout(sock, window.left())
+            mark.before(left, want)
             try:
                 got = sock.recv_into(space, want, socket.MSG_WAITALL)
             except BlockingIOError:  # the receive timeout ran out with nothing received
@@ -197,6 +204,7 @@ class SocketBody:
                 try:
                     landing.landed(got)
                 except BaseException:
+                    mark.reset()  # the discard takes what comes, however little
                     _discard_sent(sock, left)
                     raise
                 window.resume()

@@ -14,6 +14,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from service.api import socket_body
 from service.api.socket_body import MIN_BODY_BYTES, RateWindow, offered
 from service.direct_file import BUFFER_BYTES
 from service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
+from service.receive_mark import LOW_WATER
 from service.settings import Settings
 from tests.servers import running_server
 
@@ -235,6 +237,22 @@ def test_time_spent_on_what_landed_does_not_count_against_the_body_rate(serve: A
     with socket.create_connection(address, timeout=30) as sock:
         sock.sendall(head(len(body)) + body)
         status, answer, _ = response(sock)
+    assert status == 200 and answer["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_slow_last_piece_is_taken_as_it_comes_not_at_the_end_of_the_window(serve: Any) -> None:
+    # The tail is fewer bytes than the receive low-water mark: on a kernel that wakes a reader
+    # only once the mark's bytes wait, a mark left up would keep it waiting out the 20 s window.
+    app = SocketHash()
+    address = serve(app, body_timeout=20.0, min_body_rate=1000)
+    body = os.urandom(MIN_BODY_BYTES + 2 * LOW_WATER + 100)
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(head(len(body)) + body[:-100])
+        threading.Event().wait(0.3)  # a client whose last bytes come late
+        started = time.monotonic()
+        sock.sendall(body[-100:])
+        status, answer, _ = response(sock)
+        assert time.monotonic() - started < 10
     assert status == 200 and answer["sha256"] == hashlib.sha256(body).hexdigest()
 
 

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.http.bulk import LOW_WATER, BulkHttp, low_water
+from client.http.bulk import BulkHttp
 from client.http.route import Route
 from service.errors import IntegrityError
+from service.receive_mark import LOW_WATER
 
 #: How one request is answered: given the connected socket, send what the script says.
 Answer = Callable[[socket.socket], None]
@@ -153,15 +154,6 @@ def test_the_socket_is_left_as_it_was_found_for_the_next_request() -> None:
         assert connection.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)
         wire.get_into("/x", {}, [memoryview(bytearray(10))])
     assert seen == [7.0]
-
-
-@settings(max_examples=200, deadline=None)
-@given(left=st.integers(1, 1 << 40), data=st.data())
-def test_the_low_water_mark_never_waits_for_more_than_is_still_to_come(left: int, data: st.DataObject) -> None:
-    want = data.draw(st.integers(1, left))
-    mark = low_water(left, want)
-    assert 1 <= mark <= max(1, left - want)  # the bytes still to come after this receive reach the mark
-    assert mark == (LOW_WATER if left - want >= LOW_WATER else 1)
 
 
 def test_a_slow_last_piece_of_a_large_body_is_read_as_it_comes_not_at_the_timeout() -> None:
