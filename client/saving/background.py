@@ -21,6 +21,7 @@ given up, with a warning, and the saves go on on the thread.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -206,9 +207,8 @@ class BackgroundSaves:
         """Stop using (and end) the save process ``auto`` started: the saves stay on the thread."""
         self.process, self._starter = None, None
         process.close()
-        warnings.warn(
-            f"the save process did not start ({why}); background saves run on this thread", RuntimeWarning, stacklevel=3
-        )
+        message = f"the save process did not start ({why}); background saves run on this thread"
+        warnings.warn(message, RuntimeWarning, stacklevel=_callers_level())
         for slot in self._slots:
             if slot.free and slot.shared is not None:
                 slot.shared.release()
@@ -232,3 +232,17 @@ class BackgroundSaves:
             return self._slots[-1]
         self.wait(report=False, keep=len(self._pending) - 1)
         return self._free_slot()
+
+
+#: The top-level modules whose frames a warning skips: this package, and contextlib's decorators.
+_OURS = ("client", "contextlib")
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller of this function name the
+    first frame outside this package (and the decorators around its methods): the line of the
+    user's code that called ``save``."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _OURS:
+        frame, level = frame.f_back, level + 1
+    return level

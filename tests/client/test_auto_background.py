@@ -192,8 +192,9 @@ def test_a_save_process_that_cannot_start_is_given_up_and_no_save_is_lost(
         starting = ckpt._background._starting
         assert starting is not None and starting.started.wait(120)
         assert isinstance(starting.start_error, (OSError, client.StorageError))
-        with pytest.warns(RuntimeWarning, match="the save process did not start"):
+        with pytest.warns(RuntimeWarning, match="the save process did not start") as caught:
             expected += _save_often(ckpt, model, optim, 1, len(expected))
+        assert [w.filename for w in caught] == [__file__]  # the warning names the line that saved
         assert ckpt._background.process is None and ckpt._background._starting is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # given up once: no more tries, no more warnings
