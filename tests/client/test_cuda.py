@@ -224,3 +224,34 @@ def test_a_save_process_stores_the_device_state_as_it_was_when_save_returned(tmp
             ckpt.load("run", model=fresh, device="cuda")
             for key, value in expected.items():
                 assert tensors_equal(fresh.state_dict()[key], value), key
+
+
+def test_saves_from_the_device_that_come_often_move_to_a_save_process_losing_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``background="auto"`` (the default) on a device: the first saves stage through the thread's
+    pinned buffers, the run's fourth starts a save process, and the saves after it go through
+    its shared file; every version holds the device state as it was when its save returned."""
+    from client.saving import cadence
+
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    model, optim = _trained(fused=False)
+    expected = []
+    with client.Client(home=tmp_path) as ckpt:
+        for step in range(cadence.RUN_LENGTH + 2):
+            expected.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            handle = ckpt.save("run", model, optim, blocking=False)
+            assert isinstance(handle, client.SaveHandle)
+            train(model, optim, range(3 + step, 4 + step))  # at once, on the same stream
+            handle.result()
+            starting = ckpt._background._starting
+            if step == cadence.RUN_LENGTH - 1:
+                assert starting is not None and starting.started.wait(120) and starting.start_error is None
+        process = ckpt._background.process
+        assert process is not None and process.answered  # the last saves went through it
+        torch.cuda.synchronize()
+        for version, state in enumerate(expected, start=1):
+            fresh = TinyNet(seed=5).cuda()
+            ckpt.load("run", version=version, model=fresh, device="cuda")
+            for key, value in state.items():
+                assert tensors_equal(fresh.state_dict()[key], value), (version, key)
