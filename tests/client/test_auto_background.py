@@ -112,6 +112,9 @@ def test_saves_that_come_often_move_to_a_save_process(
         assert process.started.wait(120) and process.start_error is None
         expected += _save_often(ckpt, model, optim, 2, len(expected))
         assert background.process is process and process.pid is not None and process.answered
+        # The thread's staging buffers went with the thread's saves: only the shared files are held.
+        assert [slot.staging.nbytes for slot in background._slots] == [0] * len(background._slots)
+        assert background.nbytes == sum(slot.shared.nbytes for slot in background._slots if slot.shared) > 0
         for version, state in enumerate(expected, start=1):
             assert same_state(loaded_tiny(ckpt, version), state)
     assert process.pid is None  # closing the client ends it
