@@ -49,13 +49,16 @@ from client.tensors import NAME_TO_TORCH, dtype_name
 from service.errors import CheckpointError, MissingTensorsError, StorageError, error_class_for_code
 from service.secrets_mask import mask_urls
 
-#: Seconds ``close`` waits for the helper to finish after its input is closed.
+#: Seconds ``close`` waits for the helper to finish after it was asked to (:data:`END`).
 CLOSE_SECONDS = 30.0
 #: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).
 FILES_KEPT = 2
 #: A request's records or state when they are those of the request before (most saves of a
 #: training loop repeat both: the same tensors, and the optimizer's state naming them).
 SAME = "same"
+#: The line that ends the helper. Closing its input alone would not: a process forked from the
+#: client's (a data loader's worker) holds a copy of the input's write end, so no end of input comes.
+END = b'"end"\n'
 #: The fields of a request the helper keeps from one to the next.
 REPEATED = ("records", "state")
 
@@ -183,8 +186,8 @@ class SaveProcess:
         return process, self._answers
 
     def _ended(self) -> int | None:
-        """Forget the helper: close its input, wait for it to exit (kill it after
-        :data:`CLOSE_SECONDS`); its exit status (None if there was none)."""
+        """Forget the helper: ask it to end (:data:`END`), close its input, wait for it to exit
+        (kill it after :data:`CLOSE_SECONDS`); its exit status (None if there was none)."""
         process, self._process = self._process, None
         if self._answers is not None:
             self._answers.close()
@@ -192,6 +195,11 @@ class SaveProcess:
         if process is None:
             return None
         if process.stdin is not None:
+            try:
+                process.stdin.write(END)
+                process.stdin.flush()
+            except OSError:  # it has exited already
+                pass
             try:
                 process.stdin.close()
             except OSError:
@@ -301,7 +309,7 @@ def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveRe
 
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
     """The helper's loop: open the store the first line names, say so (a ready line), then answer
-    each save line."""
+    each save line until the :data:`END` line (or the end of the input)."""
     opening = json.loads(requests.readline() or b"null")
     if not isinstance(opening, dict):
         return
@@ -320,6 +328,8 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         )
         held = _Held()
         for line in requests:
+            if line == END:
+                break
             try:
                 answer = _save(settings, json.loads(line), held)
             except CheckpointError as exc:

@@ -103,6 +103,36 @@ def test_a_killed_save_process_fails_its_save_and_the_next_save_starts_another(t
         assert same_state(loaded_tiny(ckpt, version), expected)
 
 
+def test_closing_ends_the_save_process_while_another_process_holds_its_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process forked from the training process (a data loader's worker) holds a copy of every
+    descriptor, the save process's input among them, so closing that input ends nothing: the
+    client asks the helper to exit instead, and it does, rather than being killed after
+    CLOSE_SECONDS."""
+    monkeypatch.setattr(save_process, "CLOSE_SECONDS", 5.0)  # the kill it must not come to, made quick
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        handle = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(handle, SaveHandle) and handle.result().version == 1
+        assert ckpt._background.process is not None
+        helper = ckpt._background.process._process
+        assert helper is not None and helper.stdin is not None
+        holder = subprocess.Popen(  # holds the write end of the helper's input, as a fork would
+            [sys.executable, "-c", "import sys; sys.stdin.read()"],
+            stdin=subprocess.PIPE,
+            pass_fds=(helper.stdin.fileno(),),
+        )
+    try:
+        assert helper.returncode == 0  # it exited when asked: not killed (-9)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(60)
+
+
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
     """The manifest is built and checked in the helper: a name the format cannot hold fails that
     save's handle with the error a save on the thread raises."""
