@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -49,6 +50,18 @@ from client.tensors import NAME_TO_TORCH, dtype_name
 from service.errors import CheckpointError, MissingTensorsError, StorageError, error_class_for_code
 from service.secrets_mask import mask_urls
 
+#: The folder this client's ``client`` package is in: the helper imports the same one.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+#: How the helper starts (``python -c _LAUNCH ROOT FD``). ``python -m`` would put the working
+#: folder first on its path, where a folder named ``client`` (a project's own, an older
+#: checkout of this one) would be imported in place of the client's package. So the working
+#: folder is dropped, and ROOT is put first only where the path lacks it (a checkout run from
+#: its own folder): an installed package's site-packages must not come before the standard library.
+_LAUNCH = (
+    "import sys; root = sys.argv.pop(1); sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+    "sys.path[:0] = [] if root in sys.path else [root]; "
+    "from client.saving.save_process import main; main()"
+)
 #: Seconds ``close`` waits for the helper to finish after it was asked to (:data:`END`).
 CLOSE_SECONDS = 30.0
 #: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).
@@ -166,7 +179,7 @@ class SaveProcess:
         read, write = os.pipe()
         env = {**os.environ, "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
         process = subprocess.Popen(
-            [sys.executable, "-m", "client.saving.save_process", str(write)],
+            [sys.executable, "-c", _LAUNCH, str(PACKAGE_ROOT), str(write)],
             stdin=subprocess.PIPE,
             pass_fds=(write,),
             env=env,
@@ -412,7 +425,8 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
 
 
 def main() -> None:
-    """Entry point of the helper: ``python -m client.saving.save_process FD`` (FD: where answers go)."""
+    """Entry point of the helper (:data:`_LAUNCH`, or ``python -m client.saving.save_process FD``;
+    FD: where answers go)."""
     answers = os.fdopen(int(sys.argv[1]), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
     serve(sys.stdin.buffer, answers)

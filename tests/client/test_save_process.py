@@ -133,6 +133,27 @@ def test_closing_ends_the_save_process_while_another_process_holds_its_input(
         holder.wait(60)
 
 
+def test_the_save_process_imports_the_clients_package_whatever_folder_it_runs_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named ``client`` in the working folder (a project's own package) is not what the
+    helper imports: it runs the package the client runs."""
+    work = tmp_path / "project"
+    (work / "client").mkdir(parents=True)
+    (work / "client" / "__init__.py").write_text("raise ImportError('a project package of the same name')\n")
+    monkeypatch.chdir(work)
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    expected = state_copy(model, optim)
+    with client.Client(home=tmp_path / "store", background="process") as ckpt:
+        handle = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(handle, SaveHandle) and handle.result().version == 1
+        process = ckpt._background.process
+        assert process is not None and process.answered  # the helper saved it
+        assert same_state(loaded_tiny(ckpt, 1), expected)
+
+
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
     """The manifest is built and checked in the helper: a name the format cannot hold fails that
     save's handle with the error a save on the thread raises."""
