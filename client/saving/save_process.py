@@ -109,7 +109,7 @@ class SaveProcess:
         self.answered = False
         #: Set once a :meth:`start` has ended: the helper is ready to save, or :attr:`start_error` says why not.
         self.started = threading.Event()
-        self.start_error: OSError | StorageError | None = None
+        self.start_error: Exception | None = None
         self._starting = False
 
     def start(self) -> None:
@@ -122,7 +122,7 @@ class SaveProcess:
             try:
                 with self._lock:
                     self._started()
-            except (OSError, StorageError) as exc:
+            except Exception as exc:  # whatever stops it (subprocess refuses pass_fds on Windows): no helper
                 self.start_error = exc
             finally:
                 self.started.set()

@@ -11,6 +11,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 import client
 from client import SaveHandle
-from client.saving import cadence
+from client.saving import cadence, save_process
 from client.saving.cadence import SaveCadence, background_mode
 from service.api import create_app
 from service.settings import Settings
@@ -204,6 +205,34 @@ def test_a_save_process_that_cannot_start_is_given_up_and_no_save_is_lost(
             expected += _save_often(ckpt, model, optim, cadence.RUN_LENGTH + 1, len(expected))
         assert ckpt._background.process is None and ckpt._background._starting is None
         assert [v.version for v in ckpt.versions("run")] == list(range(1, len(expected) + 1))
+        for version, state in enumerate(expected, start=1):
+            assert same_state(loaded_tiny(ckpt, version), state)
+
+
+def test_a_platform_that_cannot_start_the_save_process_leaves_the_saves_on_the_thread(
+    tmp_path: Path, trained: tuple[TinyNet, torch.optim.Optimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the helper cannot be started the way it is (``subprocess`` refuses ``pass_fds`` on
+    Windows, with an AssertionError), that is a start that failed: a warning, the saves on the
+    thread, none lost, and no save raising it."""
+    monkeypatch.delenv(cadence.VARIABLE, raising=False)
+    real = save_process.subprocess.Popen
+
+    def popen(args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("pass_fds"):
+            raise AssertionError("pass_fds not supported on Windows.")  # as subprocess words it
+        return real(args, **kwargs)
+
+    monkeypatch.setattr(save_process.subprocess, "Popen", popen)
+    model, optim = trained
+    with client.Client(home=tmp_path) as ckpt:
+        expected = _save_often(ckpt, model, optim, cadence.RUN_LENGTH)
+        starting = ckpt._background._starting
+        assert starting is not None and starting.started.wait(120)
+        assert isinstance(starting.start_error, AssertionError)
+        with pytest.warns(RuntimeWarning, match="pass_fds"):
+            expected += _save_often(ckpt, model, optim, 2, len(expected))
+        assert ckpt._background.process is None
         for version, state in enumerate(expected, start=1):
             assert same_state(loaded_tiny(ckpt, version), state)
 
