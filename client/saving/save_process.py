@@ -58,6 +58,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 #: folder is dropped, and ROOT is put first only where the path lacks it (a checkout run from
 #: its own folder): an installed package's site-packages must not come before the standard library.
 _LAUNCH = (
+    "'ckptstore save process'; "  # what ps and top show first
     "import sys; root = sys.argv.pop(1); sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
     "sys.path[:0] = [] if root in sys.path else [root]; "
     "from client.saving.save_process import main; main()"
