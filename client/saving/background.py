@@ -125,7 +125,7 @@ class BackgroundSaves:
             except DoesNotFit:  # accelerator tensors on several devices or too many of them, or no room
                 slot.shared.release()
             else:  # the thread's buffers (auto's saves before the process) need not stay beside the file
-                slot.staging.release_if_held()
+                slot.staging.release()
         snapshot = shared.snapshot if shared is not None else slot.staging.snapshot(flat, cache)
         process = self.process
         started_here = self._starter is not None  # auto: a process that never answered is given up

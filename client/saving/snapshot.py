@@ -160,11 +160,6 @@ class Staging:
         self._last = ([], [], [])
         self._packed.release()
 
-    def release_if_held(self) -> None:
-        """:meth:`release`, where any buffer is held (else nothing to do)."""
-        if self._buffers or self._packed.nbytes:
-            self.release()
-
     def snapshot(self, flat: FlatState, cache: DigestCache | None, *, host_too: bool = True) -> Snapshot:
         """Copy what the background save must not read live; returns the snapshot.
 
