@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -59,6 +60,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 #: its own folder): an installed package's site-packages must not come before the standard library.
 _LAUNCH = (
     "'ckptstore save process'; "  # what ps and top show first
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # see main()
     "import sys; root = sys.argv.pop(1); sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
     "sys.path[:0] = [] if root in sys.path else [root]; "
     "from client.saving.save_process import main; main()"
@@ -428,6 +430,9 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
 def main() -> None:
     """Entry point of the helper (:data:`_LAUNCH`, or ``python -m client.saving.save_process FD``;
     FD: where answers go)."""
+    # Ctrl-C in a terminal interrupts every process of the foreground job, this one too; the client
+    # decides when the helper ends (its end line), so a save under way finishes, as on its thread.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(int(sys.argv[1]), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
     serve(sys.stdin.buffer, answers)

@@ -154,6 +154,29 @@ def test_the_save_process_imports_the_clients_package_whatever_folder_it_runs_in
         assert same_state(loaded_tiny(ckpt, 1), expected)
 
 
+def test_ctrl_c_in_the_terminal_leaves_the_save_process_to_the_client(tmp_path: Path) -> None:
+    """Ctrl-C interrupts every process of the terminal's foreground job, the helper too (here the
+    signal is sent to it alone): the helper lets it pass, the client's saves go on through it, as
+    they go on on the client's thread, and the client still ends it on close."""
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    with client.Client(home=tmp_path, background="process") as ckpt:
+        first = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(first, SaveHandle) and first.result().version == 1
+        process = ckpt._background.process
+        assert process is not None and process.pid is not None
+        helper = process.pid
+        os.kill(helper, signal.SIGINT)
+        train(model, optim, range(2, 3))
+        expected = state_copy(model, optim)
+        after = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(after, SaveHandle) and after.result().version == 2
+        assert process.pid == helper  # the same helper answered
+        assert same_state(loaded_tiny(ckpt, 2), expected)
+    assert process.pid is None
+
+
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
     """The manifest is built and checked in the helper: a name the format cannot hold fails that
     save's handle with the error a save on the thread raises."""
