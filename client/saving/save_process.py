@@ -53,19 +53,19 @@ from service.secrets_mask import mask_urls
 
 #: The folder this client's ``client`` package is in: the helper imports the same one.
 PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]
-#: How the helper starts (``python -c _LAUNCH ROOT FD``). ``python -m`` would put the working
-#: folder first on its path, where a folder named ``client`` (a project's own, an older
-#: checkout of this one) would be imported in place of the client's package. So the working
-#: folder is dropped, and ROOT is put first only where the path lacks it, links followed (a
-#: checkout run from its own folder): an installed package's site-packages must not come before
-#: the standard library.
-_LAUNCH = (
+#: How the helper starts: ``python -c _LAUNCH ROOT FD``, :data:`BOOTSTRAP` then :func:`main`.
+#: ``python -m`` would put the working folder first on its path, where a folder named ``client``
+#: (a project's own, an older checkout of this one) would be imported in place of the client's
+#: package. So the working folder is dropped, and ROOT is put first only where the path lacks it,
+#: links followed (a checkout run from its own folder): an installed package's site-packages must
+#: not come before the standard library.
+BOOTSTRAP = (
     "'ckptstore save process'; "  # what ps and top show first
     "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # see main()
     "import os, sys; root = sys.argv.pop(1); sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
     "real = os.path.realpath; sys.path[:0] = [] if real(root) in map(real, sys.path) else [root]; "
-    "from client.saving.save_process import main; main()"
 )
+_LAUNCH = BOOTSTRAP + "from client.saving.save_process import main; main()"
 #: Seconds ``close`` waits for the helper to finish after it was asked to (:data:`END`).
 CLOSE_SECONDS = 30.0
 #: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).

@@ -5,6 +5,7 @@ tensor only the live model holds; a killed helper fails its save alone; nothing 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import stat
@@ -175,6 +176,31 @@ def test_ctrl_c_in_the_terminal_leaves_the_save_process_to_the_client(tmp_path: 
         assert process.pid == helper  # the same helper answered
         assert same_state(loaded_tiny(ckpt, 2), expected)
     assert process.pid is None
+
+
+def test_the_helpers_path_puts_a_checkout_first_and_never_site_packages_or_the_working_folder(
+    tmp_path: Path,
+) -> None:
+    """The path the helper's bootstrap leaves: without the working folder; the package's folder
+    first where the path lacks it (a checkout), left where it is already (site-packages, however
+    linked), so the standard library stays ahead of whatever is installed."""
+    site_packages = Path(torch.__file__).parents[1]
+    linked = tmp_path / "linked"
+    linked.symlink_to(site_packages)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    show = save_process.BOOTSTRAP + "import json; print(json.dumps(sys.path))"
+    paths = {}
+    for root in (site_packages, linked, checkout):
+        done = subprocess.run([sys.executable, "-c", show, str(root)], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        paths[root] = json.loads(done.stdout)
+    stdlib = str(Path(os.__file__).parent)
+    for root in (site_packages, linked):
+        path = paths[root]
+        assert str(linked) not in path and path.index(stdlib) < path.index(str(site_packages))
+    assert paths[checkout][0] == str(checkout)
+    assert all(p not in ("", ".", str(tmp_path)) for path in paths.values() for p in path)
 
 
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
