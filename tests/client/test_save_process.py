@@ -12,6 +12,8 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,21 @@ import client
 from client import SaveHandle
 from client.saving import save_process, shared_staging
 from tests.client.models import Adapter, TinyNet, loaded_tiny, same_state, state_copy, tensors_equal, train
+
+
+@contextmanager
+def saved_once(home: Path) -> Iterator[tuple[client.Client, TinyNet, torch.optim.Optimizer, save_process.SaveProcess]]:
+    """A client of ``home`` with a save process, a trained TinyNet and its optimizer, after one
+    background save the helper made (version 1)."""
+    model = TinyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, range(2))
+    with client.Client(home=home, background="process") as ckpt:
+        first = ckpt.save("run", model, optim, blocking=False)
+        assert isinstance(first, SaveHandle) and first.result().version == 1
+        process = ckpt._background.process
+        assert process is not None and process.pid is not None
+        yield ckpt, model, optim, process
 
 
 def _files() -> set[Path]:
@@ -80,14 +97,7 @@ def test_a_tensor_the_store_lost_is_saved_from_the_live_model_on_the_thread(tmp_
 
 
 def test_a_killed_save_process_fails_its_save_and_the_next_save_starts_another(tmp_path: Path) -> None:
-    model = TinyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optim, range(2))
-    with client.Client(home=tmp_path, background="process") as ckpt:
-        first = ckpt.save("run", model, optim, blocking=False)
-        assert isinstance(first, SaveHandle) and first.result().version == 1
-        process = ckpt._background.process
-        assert process is not None and process.pid is not None
+    with saved_once(tmp_path) as (ckpt, model, optim, process):
         killed = process.pid
         os.kill(killed, signal.SIGKILL)
         broken = ckpt.save("run", model, optim, blocking=False)
@@ -112,14 +122,8 @@ def test_closing_ends_the_save_process_while_another_process_holds_its_input(
     client asks the helper to exit instead, and it does, rather than being killed after
     CLOSE_SECONDS."""
     monkeypatch.setattr(save_process, "CLOSE_SECONDS", 5.0)  # the kill it must not come to, made quick
-    model = TinyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optim, range(2))
-    with client.Client(home=tmp_path, background="process") as ckpt:
-        handle = ckpt.save("run", model, optim, blocking=False)
-        assert isinstance(handle, SaveHandle) and handle.result().version == 1
-        assert ckpt._background.process is not None
-        helper = ckpt._background.process._process
+    with saved_once(tmp_path) as (_, _, _, process):
+        helper = process._process
         assert helper is not None and helper.stdin is not None
         holder = subprocess.Popen(  # holds the write end of the helper's input, as a fork would
             [sys.executable, "-c", "import sys; sys.stdin.read()"],
@@ -159,15 +163,9 @@ def test_ctrl_c_in_the_terminal_leaves_the_save_process_to_the_client(tmp_path: 
     """Ctrl-C interrupts every process of the terminal's foreground job, the helper too (here the
     signal is sent to it alone): the helper lets it pass, the client's saves go on through it, as
     they go on on the client's thread, and the client still ends it on close."""
-    model = TinyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optim, range(2))
-    with client.Client(home=tmp_path, background="process") as ckpt:
-        first = ckpt.save("run", model, optim, blocking=False)
-        assert isinstance(first, SaveHandle) and first.result().version == 1
-        process = ckpt._background.process
-        assert process is not None and process.pid is not None
+    with saved_once(tmp_path) as (ckpt, model, optim, process):
         helper = process.pid
+        assert helper is not None
         os.kill(helper, signal.SIGINT)
         train(model, optim, range(2, 3))
         expected = state_copy(model, optim)
