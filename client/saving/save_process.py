@@ -78,6 +78,8 @@ SAME = "same"
 END = b'"end"\n'
 #: The fields of a request the helper keeps from one to the next.
 REPEATED = ("records", "state")
+#: How often the helper looks whether the client's process is still its parent (:func:`watch_parent`).
+PARENT_CHECK_SECONDS = 1.0
 
 
 class SaveProcess:
@@ -324,9 +326,11 @@ def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveRe
 # -- the helper ------------------------------------------------------------------------
 
 
-def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+def serve(requests: IO[bytes], answers: IO[bytes], busy: threading.Lock | None = None) -> None:
     """The helper's loop: open the store the first line names, say so (a ready line), then answer
-    each save line until the :data:`END` line (or the end of the input)."""
+    each save line until the :data:`END` line (or the end of the input); ``busy`` is held while a
+    save runs."""
+    busy = busy if busy is not None else threading.Lock()
     opening = json.loads(requests.readline() or b"null")
     if not isinstance(opening, dict):
         return
@@ -347,15 +351,16 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         for line in requests:
             if line == END:
                 break
-            try:
-                answer = _save(settings, json.loads(line), held)
-            except CheckpointError as exc:
-                answer = {"error": {"code": exc.code, "message": str(exc)}}
-            except Exception as exc:  # anything else is this save's failure, not the helper's end
-                text = mask_urls(f"{type(exc).__name__}: {exc}")  # a driver's text may hold a URL's secrets
-                answer = {"error": {"code": CheckpointError.code, "message": text}}
-            answers.write(json.dumps(answer).encode() + b"\n")
-            answers.flush()
+            with busy:
+                try:
+                    answer = _save(settings, json.loads(line), held)
+                except CheckpointError as exc:
+                    answer = {"error": {"code": exc.code, "message": str(exc)}}
+                except Exception as exc:  # anything else is this save's failure, not the helper's end
+                    text = mask_urls(f"{type(exc).__name__}: {exc}")  # a driver's text may hold a URL's secrets
+                    answer = {"error": {"code": CheckpointError.code, "message": text}}
+                answers.write(json.dumps(answer).encode() + b"\n")
+                answers.flush()
     finally:
         transport.close()
 
@@ -436,7 +441,24 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(int(sys.argv[1]), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
-    serve(sys.stdin.buffer, answers)
+    busy = threading.Lock()
+    watch_parent(busy)
+    serve(sys.stdin.buffer, answers, busy)
+
+
+def watch_parent(busy: threading.Lock) -> None:
+    """End this helper once the client's process is gone (it has another parent then), when no
+    save runs (``busy`` free): a killed client sends no end line, and a process forked from it (a
+    worker of its own pool) may hold the helper's input open, so no end of input comes either."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_SECONDS)
+        with busy:  # a save under way finishes (its version may exist, as for a client killed mid-save)
+            os._exit(0)
+
+    threading.Thread(target=watch, name="ckptstore-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

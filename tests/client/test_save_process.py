@@ -12,6 +12,8 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -231,6 +233,58 @@ train(model, optim, range(2))
 ckpt.save("run", model, optim, blocking=False)
 print("returned", flush=True)
 """
+
+
+KILLED = """
+import os, signal, subprocess, sys
+import torch
+import client
+from tests.client.models import TinyNet, train
+ckpt = client.Client(home={home!r}, background="process")
+model = TinyNet()
+optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+train(model, optim, range(2))
+ckpt.save("run", model, optim, blocking=False).result()
+helper = ckpt._background.process._process
+holder = subprocess.Popen(  # holds the helper's input open, as a worker forked from this process would
+    [sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL, pass_fds=(helper.stdin.fileno(),)
+)
+print(helper.pid, holder.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie nobody reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_save_process_whose_client_is_killed_ends_though_its_input_stays_open(tmp_path: Path) -> None:
+    """The client's process is killed (no end line) while another process holds the helper's input
+    open (no end of input): the helper sees its parent gone and ends, within a few checks."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(KILLED.format(home=str(tmp_path / "store"))))
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
+    env |= {"CKPTSTORE_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(root)}
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes the helper would hold open
+        command = [sys.executable, str(script)]
+        done = subprocess.run(command, cwd=root, stdout=stdout, stderr=stderr, env=env, timeout=300)
+    assert done.returncode == -signal.SIGKILL, err.read_text()[-2000:]
+    helper, holder = (int(pid) for pid in out.read_text().split())
+    try:
+        deadline = time.monotonic() + 60 * save_process.PARENT_CHECK_SECONDS
+        while not _gone(helper) and time.monotonic() < deadline:
+            threading.Event().wait(save_process.PARENT_CHECK_SECONDS / 4)  # a bounded wait for its end
+        assert _gone(helper)
+        assert not _gone(holder)  # it still held the input: the helper ended on its own
+    finally:
+        os.kill(holder, signal.SIGKILL)
 
 
 @pytest.mark.slow  # a saving subprocess run to its exit
