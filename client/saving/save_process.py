@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -61,7 +60,9 @@ PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]
 #: not come before the standard library.
 BOOTSTRAP = (
     "'ckptstore save process'; "  # what ps and top show first
-    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # see main()
+    # Ctrl-C in a terminal interrupts every process of the foreground job, this one too; the client
+    # decides when the helper ends (its end line), so a save under way finishes, as on its thread.
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
     "import os, sys; root = sys.argv.pop(1); sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
     "real = os.path.realpath; sys.path[:0] = [] if real(root) in map(real, sys.path) else [root]; "
 )
@@ -326,11 +327,10 @@ def answer_to_result(answer: dict[str, Any], snapshot: Snapshot) -> tuple[SaveRe
 # -- the helper ------------------------------------------------------------------------
 
 
-def serve(requests: IO[bytes], answers: IO[bytes], busy: threading.Lock | None = None) -> None:
+def serve(requests: IO[bytes], answers: IO[bytes], busy: threading.Lock) -> None:
     """The helper's loop: open the store the first line names, say so (a ready line), then answer
     each save line until the :data:`END` line (or the end of the input); ``busy`` is held while a
     save runs."""
-    busy = busy if busy is not None else threading.Lock()
     opening = json.loads(requests.readline() or b"null")
     if not isinstance(opening, dict):
         return
@@ -434,11 +434,8 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
 
 
 def main() -> None:
-    """Entry point of the helper (:data:`_LAUNCH`, or ``python -m client.saving.save_process FD``;
-    FD: where answers go)."""
-    # Ctrl-C in a terminal interrupts every process of the foreground job, this one too; the client
-    # decides when the helper ends (its end line), so a save under way finishes, as on its thread.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Entry point of the helper, started by :data:`_LAUNCH` (``sys.argv[1]``: the descriptor its
+    answers go to)."""
     answers = os.fdopen(int(sys.argv[1]), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never into the answers
     busy = threading.Lock()
@@ -459,7 +456,3 @@ def watch_parent(busy: threading.Lock) -> None:
             os._exit(0)
 
     threading.Thread(target=watch, name="ckptstore-parent-watch", daemon=True).start()
-
-
-if __name__ == "__main__":
-    main()
