@@ -157,6 +157,13 @@ def import_(
             help="Store expanded (stride-0) tensors of .pt files as full tensors, each up to SIZE (e.g. 1GiB).",
         ),
     ] = None,
+    max_expansion: Annotated[
+        float,
+        typer.Option(
+            metavar="N",
+            help="Refuse a source that makes more than N times its own bytes in tensors (reused regions; default 4).",
+        ),
+    ] = 4.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Store a checkpoint from disk as a new version: weights (frozen unless the source has
@@ -175,7 +182,9 @@ def import_(
         if "@" in run_id:
             raise UsageProblem(f"{run_id!r}: import adds the next version of a run; give RUN without @REF")
         validate_run_id(run_id)
-        imported = read_checkpoint(source, expand_limit=parse_size(allow_expanded) if allow_expanded else 0)
+        imported = read_checkpoint(
+            source, expand_limit=parse_size(allow_expanded) if allow_expanded else 0, max_expansion=max_expansion
+        )
         with open_saving_client() as ckpt:
             result = save_imported(ckpt, imported, source, run_id, tags=tag or ())
     report = imported.report()

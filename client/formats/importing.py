@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from client.api import Client
-from client.formats import confined, peft_folder, sources
+from client.formats import budget, confined, peft_folder, sources
 from client.formats.json_text import parse_json
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
@@ -137,14 +137,31 @@ def read_source(source: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_checkpoint(source: Path, *, expand_limit: int = 0) -> sources.Imported:
+def read_checkpoint(
+    source: Path, *, expand_limit: int = 0, max_expansion: float = budget.DEFAULT_MAX_EXPANSION
+) -> sources.Imported:
     """Everything an import stores from ``source``, whatever its format (:mod:`client.formats.sources`).
 
     ``source`` itself is the user's choice and may be a link; every file it names is confined
     to it. ``expand_limit`` lets expanded (stride-0) tensors of ``.pt`` files through up to
-    that many bytes each. Every tensor read is checked against its bytes (:func:`sources.check_tensors`).
+    that many bytes each. Every tensor read is checked against its bytes (:func:`sources.check_tensors`),
+    and the whole import may make at most ``max_expansion`` times the source's bytes
+    (:mod:`client.formats.budget`).
     """
     source = source.resolve()
+    with budget.budgeted(source, max_expansion) as allowed:
+        imported = _read_checkpoint(source, expand_limit)
+    stored = sources.tensor_bytes(imported)
+    if stored > allowed.limit:
+        raise InvalidInputError(
+            f"{source}: its tensors come to {stored} bytes from a source of {allowed.source}, past the limit of "
+            f"{allowed.multiple:g}x its size ({allowed.limit} bytes): a checkpoint makes about its own size, so "
+            "this one reuses its bytes; if it is genuine, raise the limit with --max-expansion"
+        )
+    return imported
+
+
+def _read_checkpoint(source: Path, expand_limit: int) -> sources.Imported:
     if not source.is_dir():
         if source.suffix in sources.PICKLED_SUFFIXES:
             imported = sources.read_pickled_file(source, expand_limit=expand_limit)
@@ -185,6 +202,7 @@ def import_weights(
     *,
     tags: list[str] | tuple[str, ...] = (),
     expand_limit: int = 0,
+    max_expansion: float = budget.DEFAULT_MAX_EXPANSION,
 ) -> SaveResult:
     """Store the checkpoint at ``source`` as the next version of ``run_id``: model tensors (not
     trainable unless the source has optimizer state for them), optimizer and scheduler state,
@@ -192,11 +210,15 @@ def import_weights(
 
     Everything is read and checked before anything is stored: a refused source stores nothing.
 
+    ``max_expansion``: the most bytes the import may make, as a multiple of the source's
+    (:mod:`client.formats.budget`).
+
     Raises:
         InvalidInputError: the source, or a file it names, is refused (the message names the
             file and what is wrong).
     """
-    return save_imported(client, read_checkpoint(source, expand_limit=expand_limit), source, run_id, tags=tags)
+    imported = read_checkpoint(source, expand_limit=expand_limit, max_expansion=max_expansion)
+    return save_imported(client, imported, source, run_id, tags=tags)
 
 
 def save_imported(

@@ -106,6 +106,26 @@ def check_tensors(value: Any, where: str) -> None:
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
 
 
+def tensor_bytes(imported: Imported) -> int:
+    """The bytes of every tensor ``imported`` holds (what storing it hashes), a tensor met twice counted
+    twice; an expanded (stride-0) tensor, which only ``--allow-expanded`` lets through, by its storage."""
+    total = 0
+    stack: list[Any] = (
+        [imported.tree] if imported.tree is not None
+        else [imported.model, imported.optim, imported.scheduler, imported.extra]
+    )  # fmt: skip
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            expanded = node.numel() > 1 and 0 in node.stride()
+            total += node.untyped_storage().nbytes() if expanded else node.nbytes
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
+
 def read_pickled_file(path: Path, *, expand_limit: int = 0) -> Imported:
     """A ``.pt``/``.pth``/``.bin`` state_dict or a Lightning ``.ckpt``."""
     loaded = read_torch_file(path, expand_limit=expand_limit)

@@ -31,47 +31,28 @@ import torch
 from safetensors.torch import save_file
 
 from tests.cli import hostile_pickles as hp
+from tests.cli import hostile_reuse
+from tests.cli.hostile_case import (
+    COMPRESSED,
+    LIMIT,
+    LINK,
+    MARKER,
+    NOT_A,
+    NOT_A_MODEL,
+    NOT_REGULAR,
+    OUTSIDE,
+    OVERFLOW,
+    OVERLAP,
+    PAST_END,
+    REMOTE_CODE,
+    UNCOVERED,
+    Case,
+    global_named,
+    tensor_bytes,
+)
+from tests.cli.hostile_case import elsewhere as _elsewhere
+from tests.cli.hostile_case import marker as _marker
 from tests.cli.import_kit import dcp_folder, metadata_of, model_state, point, storage_key, trainer_folder
-
-MARKER = "pwned"
-
-# What each refusal must say (lowercase; a tuple inside is "any one of"), adjusted here in one place.
-Says = tuple[str | tuple[str, ...], ...]
-OUTSIDE: Says = ("outside",)
-LINK: Says = ("link",)
-NOT_REGULAR: Says = ("regular file",)
-PAST_END: Says = (("past the end", "negative"),)
-LIMIT: Says = ("limit",)
-UNCOVERED: Says = ("uncovered",)
-OVERLAP: Says = ("overlap",)
-REMOTE_CODE: Says = ("remote code",)
-NOT_A_MODEL: Says = ("not a transformers model class",)
-OVERFLOW: Says = ("overflow",)
-COMPRESSED: Says = ("compressed",)
-NOT_A: Says = ("not a",)
-
-
-def global_named(name: str) -> Says:
-    """A disallowed global, named: ``global`` and the callable's name (``system``, ``eval``, ``Popen``)."""
-    return ("global", name.lower())
-
-
-def tensor_bytes(key: str) -> Says:
-    """A tensor claiming more elements than the bytes behind it: its key and ``bytes``."""
-    return (key.lower(), "bytes")
-
-
-# Each builder takes the work folder and returns the source to import.
-
-
-def _marker(work: Path) -> Path:
-    return work / MARKER
-
-
-def _elsewhere(work: Path) -> Path:
-    """Where a path escaping the source lands (named so no expected word is in its path)."""
-    (work / "elsewhere").mkdir(exist_ok=True)
-    return work / "elsewhere"
 
 
 def dcp_byte_entry_evil(work: Path) -> Path:
@@ -317,32 +298,6 @@ def _overwrite(data: Callable[[], bytes]) -> Callable[[Path, Path], None]:
     return write
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One hostile source and what its refusal must hold.
-
-    ``isolated`` cases (bombs, hangs, remote code) run as their own ``ckptstore`` process under
-    the memory and hang guards; ``answer`` is what that process finds on stdin.
-    """
-
-    id: str
-    build: Callable[[Path], Path]
-    #: The file the error must name; a tuple: any one of them (the .metadata naming an offset, or the
-    #: .distcp it points past the end of).
-    offending: str | tuple[str, ...]
-    says: Says
-    isolated: bool = False
-    answer: bytes | None = None
-    #: The most seconds the refusal may take, where failing fast is part of the contract.
-    within_s: float | None = None
-    #: Import with ``os.system`` registered as a copyreg extension (what an ``EXT1`` payload names).
-    extension: bool = False
-
-    def make(self, work: Path) -> tuple[Path, str | tuple[str, ...], Says]:
-        """Write the case under ``work``: the source to import, the file the error names, the words it says."""
-        return self.build(work), self.offending, self.says
-
-
 #: A slice of a .distcp named by the .metadata: either file may be the one the error names.
 SLICED = (".metadata", "__0_0.distcp")
 
@@ -579,5 +534,6 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
+CASES += hostile_reuse.CASES
 BY_ID = {case.id: case for case in CASES}
 assert len(BY_ID) == len(CASES), "case ids must be unique"

@@ -1,0 +1,13 @@
+"""DCP folders whose chunks or byte entries reuse stored items, whose metadata makes work before it is bounded,
+or whose chunk layout makes the overlap check slow.
+
+Each case is refused in its own process within :data:`~tests.cli.hostile_case.WITHIN_S` seconds and
+:data:`~tests.cli.hostile_case.MAX_RSS_MIB` MiB peak RSS (``isolated=True, within_s=WITHIN_S,
+max_rss_mib=MAX_RSS_MIB``).
+"""
+
+from __future__ import annotations
+
+from tests.cli.hostile_case import Case
+
+CASES: list[Case] = []
