@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     #: Comma-separated ``scope:token`` pairs (scope = read | write | admin).
     tokens: str | None = None
     host: str = "127.0.0.1"
+    #: Comma-separated ``Host`` names, besides loopback ones, that a server with no tokens answers
+    #: (a name the operator gave 127.0.0.1); any other is refused (:mod:`service.api.same_site`).
+    allowed_hosts: str | None = None
     port: int = Field(default=8000, ge=0, le=65535)
     workers: int = Field(default=1, ge=1, le=64)
     #: boto3 request checksum mode: ``when_required`` keeps MinIO-style stores working.

@@ -22,6 +22,7 @@ from service.api import (
 from service.api.errors import install_error_handlers
 from service.api.metrics import Metrics
 from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
+from service.api.same_site import SameSiteGuard, parse_allowed_hosts
 from service.api.streaming import Streamer
 from service.api.warm_up import warm_up
 from service.auth import TokenSet, is_loopback
@@ -47,6 +48,8 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     Auth is off only when no tokens are configured and ``settings.host`` is a loopback
     address; otherwise every route but /healthz and /metrics needs a bearer token (the HTML
     pages and /docs also take it from the cookie /login sets; /login and /static are open).
+    With auth off only loopback ``Host`` names (and ``settings.allowed_hosts``) are answered,
+    and cross-site state-changing requests are refused always (:mod:`service.api.same_site`).
     """
     settings = settings or Settings()
     tokens = TokenSet.parse(settings.tokens)
@@ -84,6 +87,9 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.include_router(docs.page_router)
     app.mount("/static", pages.static_files(), name="static")
 
+    app.add_middleware(
+        SameSiteGuard, auth_off=not tokens.enabled, allowed_hosts=parse_allowed_hosts(settings.allowed_hosts)
+    )
     app.add_middleware(CountAndLimit, metrics=app.state.metrics, max_json_bytes=settings.max_json_bytes)
     return app
 

@@ -74,11 +74,15 @@ def _not_json(request: Request, exc: RequestValidationError) -> str | None:
     """
     if not any(error.get("loc") == ("body",) and isinstance(error.get("input"), bytes) for error in exc.errors()):
         return None
-    content_type = request.headers.get("content-type")
+    return not_json_message(request.headers.get("content-type"))
+
+
+def not_json_message(content_type: str | None) -> str:
+    """Why a body sent with ``content_type`` (or none) is not read as JSON, and how to send it."""
     sent = f"is sent as {_shown(content_type.split(';', 1)[0].strip())!r}" if content_type else "has no Content-Type"
     return (
         f"the request body {sent}, so it was not read as JSON: send it with 'Content-Type: application/json' "
-        "(curl: --json, or -H 'Content-Type: application/json' with -d)"
+        "(curl: --json, or -H 'Content-Type: application/json' with -d; '{}' for a body of defaults)"
     )
 
 

@@ -28,8 +28,9 @@ from starlette.responses import Response
 
 from service.api.body_limits import BodyLimit, limit_for
 from service.api.deps import ScopeCheck
+from service.api.errors import not_json_message
 from service.api.heap import gc_paused, in_body_thread, release, release_later
-from service.errors import InvalidInputError, PayloadTooLargeError
+from service.errors import InvalidInputError, PayloadTooLargeError, UnsupportedMediaTypeError
 from service.format.jsondoc import parse_json
 
 #: Where the middleware puts the ``max_json_bytes`` setting, the ceiling of every JSON body.
@@ -153,6 +154,10 @@ class StrictJSONRoute(APIRoute):
                 check(strict)
             if not has_body:
                 return await handler(strict)
+            if field is not None and not wants_json(strict, True):
+                # Even with no body: a cross-site page can send a "simple" POST (text/plain, or no
+                # type) without asking first, never one typed application/json (:mod:`.same_site`).
+                raise UnsupportedMediaTypeError(not_json_message(strict.headers.get("content-type")))
             ceiling = int(strict.scope.get(CEILING_KEY, DEFAULT_MAX_JSON_BYTES))
             body = await read_body(strict, limit.bytes_within(ceiling), label, limit.setting_for(ceiling))
             if field is None or not body or not wants_json(strict, bool(strict_type)):

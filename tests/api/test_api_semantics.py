@@ -182,13 +182,20 @@ def test_a_json_body_sent_as_json_is_read(served: ServedStore, route: tuple[str,
     assert response.status_code in (200, 201), response.text[:300]
 
 
-def test_gc_needs_no_body(served: ServedStore) -> None:
+def test_gc_needs_no_options_but_takes_them_only_as_json(served: ServedStore) -> None:
+    """A body-less POST typed as a browser's "simple" request (none, a form, text) is refused: a
+    cross-site page could send it without asking first."""
     with served.client("admin") as http:
         bare = http.post("/v1/gc")
-        empty_json = http.post("/v1/gc", content=b"", headers={"Content-Type": "application/json"})
         curl_d = http.post("/v1/gc", content=b"", headers={"Content-Type": "application/x-www-form-urlencoded"})
+        text = http.post("/v1/gc", content=b"", headers={"Content-Type": "text/plain"})
+        empty_json = http.post("/v1/gc", content=b"", headers={"Content-Type": "application/json"})
+        defaults = http.post("/v1/gc", json={})
         given = http.post("/v1/gc", json={"dry_run": True, "grace_seconds": 5})
-    for response in (bare, empty_json, curl_d):
+    for response in (bare, curl_d, text):
+        assert response.status_code == 415 and response.json()["code"] == "unsupported_media_type", response.text
+        assert "application/json" in response.json()["message"]
+    for response in (empty_json, defaults):
         assert response.status_code == 200, response.text
         report = response.json()
         assert (report["dry_run"], report["grace_seconds"], report["shards_swept"]) == (False, 3600, 0)
