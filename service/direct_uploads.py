@@ -9,20 +9,26 @@ Where the blobs live in S3, a client need not send a shard's bytes through the s
    part count, the URL lifetime.
 2. The client ``PUT``s the bytes to the URLs, straight to S3.
 3. :func:`complete_upload` (``POST /v1/shards/<id>/uploads/<token>``): the server completes the
-   multipart upload (after checking every planned part is there, of its planned size), reads
-   the staged object back and checks it exactly as a proxied upload is checked
-   (:class:`service.receiver.ShardVerifier`: header, shard id, size, every tensor's digest),
-   copies it to the blob key inside S3, records it as :func:`service.ingest.store_shard` does, and
-   deletes the staged object.
+   multipart upload (after checking every planned part is there, of its planned size), seals
+   it (copies it inside S3 to a key of this completion's own that no client can write:
+   :meth:`service.blobs.base.StagingArea.seal`), reads the sealed copy back and checks it
+   exactly as a proxied upload is checked (:class:`service.receiver.ShardVerifier`: header,
+   shard id, size, every tensor's digest), copies that same sealed copy to the blob key inside
+   S3, records it as :func:`service.ingest.store_shard` does, and deletes the sealed copy and
+   the staged object.
 
 So nothing a client uploads is referenced by a version, or offered to other saves by
-:meth:`Store.missing`, before it is verified: its tensor rows are written only after the check,
-and only from the verified header. A refused upload (wrong id, bytes that do not match their
-digests, a missing part) has its staged object deleted and answers 4xx naming the problem; one
-that fails on S3's side (503) is left staged for the client's retry, and garbage collection
-removes it if none comes (:meth:`service.blobs.base.StagingArea.sweep`).
+:meth:`Store.missing`, before it is verified, and what is referenced is exactly what was
+verified: its tensor rows are written only after the check, only from the verified header, and
+the blob is copied from the sealed copy, never from the staged key, which the client's URL can
+still overwrite until it expires (a swap during the check changes nothing the server reads).
 
-Verification reads the staged object once and writes nothing: a verify-only receiver rather than
+A refused upload (wrong id, bytes that do not match their digests, a missing part) has its
+staged object deleted and answers 4xx naming the problem; one that fails on S3's side (503) is
+left staged for the client's retry, and garbage collection removes it if none comes
+(:meth:`service.blobs.base.StagingArea.sweep`).
+
+Verification reads the sealed copy once and writes nothing: a verify-only receiver rather than
 :class:`service.receiver.ShardReceiver` with a temporary file (of no use after: the blob is
 copied inside S3). Measured on a 256 MiB shard (two tensors) read back from a local moto S3
 server on a 2-core VM, three runs: verifying only 0.34-0.35 s (0.12-0.13 s of the verifying
@@ -133,8 +139,12 @@ def complete_upload(
     try:
         if staged > max_bytes:
             raise PayloadTooLargeError(f"shard of {staged} bytes exceeds the limit of {max_bytes}")
-        header = verify_staged(area, shard_id, token, max_bytes=max_bytes, max_header_bytes=max_header_bytes)
-        receipt = _publish_and_record(db, blobs, area, header, token)
+        seal = area.seal(shard_id, token, staged)
+        try:
+            header = verify_staged(area, shard_id, token, seal, max_bytes=max_bytes, max_header_bytes=max_header_bytes)
+            receipt = _publish_and_record(db, blobs, area, header, token, seal)
+        finally:
+            _unseal_quietly(area, shard_id, token, seal)
     except _FINAL:
         _remove_quietly(area, shard_id, token)
         raise
@@ -150,9 +160,16 @@ def abort_upload(*, blobs: BlobStore, shard_id: str, token: str) -> None:
 
 
 def verify_staged(
-    area: StagingArea, shard_id: str, token: str, *, max_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES
+    area: StagingArea,
+    shard_id: str,
+    token: str,
+    seal: str,
+    *,
+    max_bytes: int,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> ShardHeader:
-    """Read the staged object back and check it as a proxied upload is checked; its verified header.
+    """Read the sealed copy of a staged upload back and check it as a proxied upload is checked; its
+    verified header.
 
     Raises:
         IntegrityError: the header's id is not ``shard_id``, or a tensor's bytes do not match its digest.
@@ -160,7 +177,7 @@ def verify_staged(
         PayloadTooLargeError: the shard is larger than ``max_bytes``.
     """
     verifier = ShardVerifier(expected_id=shard_id, max_bytes=max_bytes, max_header_bytes=max_header_bytes)
-    for piece in area.read(shard_id, token, VERIFY_CHUNK_BYTES):
+    for piece in area.read(shard_id, token, seal, VERIFY_CHUNK_BYTES):
         verifier.write(piece)
     return verifier.finish()
 
@@ -198,12 +215,12 @@ class StagedUploads:
 
 
 def _publish_and_record(
-    db: Database, blobs: BlobStore, area: StagingArea, header: ShardHeader, token: str
+    db: Database, blobs: BlobStore, area: StagingArea, header: ShardHeader, token: str, seal: str
 ) -> ShardReceipt:
-    """Copy the verified staged object to its blob key and record the shard, as
+    """Copy the verified sealed copy to its blob key and record the shard, as
     :func:`service.ingest.store_shard` stores a verified file (again if a sweep took the blob meanwhile)."""
     for _attempt in range(INGEST_ATTEMPTS):
-        area.publish(header.shard_id, token, header.file_size)
+        area.publish(header.shard_id, token, seal, header.file_size)
         created = record_shard(db=db, blobs=blobs, header=header)
         if created is not None:
             return ShardReceipt(
@@ -227,6 +244,13 @@ def _stored_receipt(db: Database, blobs: BlobStore, shard_id: str) -> ShardRecei
 def _remove_quietly(area: StagingArea, shard_id: str, token: str) -> None:
     try:
         area.remove(shard_id, token)
+    except StorageError:
+        pass  # what is left goes with garbage collection's sweep of staged uploads
+
+
+def _unseal_quietly(area: StagingArea, shard_id: str, token: str, seal: str) -> None:
+    try:
+        area.unseal(shard_id, token, seal)
     except StorageError:
         pass  # what is left goes with garbage collection's sweep of staged uploads
 

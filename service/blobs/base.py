@@ -180,11 +180,13 @@ class StagingArea(ABC):
 
     The server calls the methods in this order over an upload's life: :meth:`plan` (a staging key
     of its own choosing, never the blob's, and URLs the client ``PUT``s the bytes to); after the
-    client says it is done, :meth:`finish` (completing a multipart upload), :meth:`read` (the
-    server verifies every byte), :meth:`publish` (the staged object becomes the blob), and
-    :meth:`remove` whatever the outcome. :meth:`sweep` is garbage collection's, for uploads a
-    killed client never finished. Tokens are checked with :func:`check_staging_token` and shard
-    ids with :func:`check_blob_id`, so no request value reaches a key unchecked.
+    client says it is done, :meth:`finish` (completing a multipart upload), :meth:`seal` (a copy
+    of the staged object that only the server writes: the client can still write the staged one),
+    :meth:`read` of the sealed copy (the server verifies every byte), :meth:`publish` (the sealed
+    copy becomes the blob), then :meth:`unseal` and :meth:`remove` whatever the outcome.
+    :meth:`sweep` is garbage collection's, for uploads a killed client never finished. Tokens are
+    checked with :func:`check_staging_token` and shard ids with :func:`check_blob_id`, so no request value reaches a
+    key unchecked.
     """
 
     @abstractmethod
@@ -207,13 +209,26 @@ class StagingArea(ABC):
         """
 
     @abstractmethod
-    def read(self, shard_id: str, token: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
-        """Yield the staged object's bytes in order, in pieces of at most ``chunk_bytes``."""
+    def seal(self, shard_id: str, token: str, size: int) -> str:
+        """Copy the staged object (about ``size`` bytes), inside the backend, to a key no client can
+        write and no other completion shares; returns the seal naming that copy.
+
+        Raises:
+            NotFoundError: nothing is staged under ``token``.
+        """
 
     @abstractmethod
-    def publish(self, shard_id: str, token: str, size: int) -> None:
-        """Copy the staged object (verified, of ``size`` bytes) to the blob of ``shard_id``,
+    def read(self, shard_id: str, token: str, seal: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+        """Yield the sealed copy's bytes in order, in pieces of at most ``chunk_bytes``."""
+
+    @abstractmethod
+    def publish(self, shard_id: str, token: str, seal: str, size: int) -> None:
+        """Copy the sealed copy (verified, of ``size`` bytes) to the blob of ``shard_id``,
         inside the backend, unless that blob exists."""
+
+    @abstractmethod
+    def unseal(self, shard_id: str, token: str, seal: str) -> None:
+        """Delete the sealed copy ``seal``, if it exists."""
 
     @abstractmethod
     def remove(self, shard_id: str, token: str) -> None:

@@ -1,11 +1,20 @@
-"""Shards clients upload to S3 themselves: presigned PUTs to staging keys, copied to blob keys once verified.
+"""Shards clients upload to S3 themselves: presigned PUTs to staging keys, sealed, verified, then copied to blob keys.
 
 Layout. A staged upload lives at ``<prefix>/staging/<shard id>.<token>``, the token 128 random
 bits the server drew (:meth:`S3Staging.plan`), never at the blob's key
 ``<prefix>/<ab>/<shard id>``: what a client sends is not a blob, and no listing of blobs
-(:meth:`S3BlobStore.list_ids`, orphans, unfinished blob uploads) sees it, until the server has
-read it back, checked its header and every tensor's digest, and copied it to the blob key inside
-S3 (``CopyObject``; a multipart copy above 5 GiB).
+(:meth:`S3BlobStore.list_ids`, orphans, unfinished blob uploads) sees it.
+
+Sealing. The staged key stays writable by whoever holds its URL until the URL expires: a
+client could ``PUT`` other bytes of the same length while the server checks the first ones, and
+an ETag does not tell them apart (an MD5, which collisions defeat). So the server first copies
+the staged object, inside S3, to a sealed key ``<prefix>/staging/<shard id>.<token>.<seal>``
+whose ``seal`` is 128 more random bits drawn for this one completion and for which no URL was
+ever signed (:meth:`S3Staging.seal`). Only the server writes it, once: the bytes it then reads
+and checks (header, every tensor's digest) are exactly the bytes it copies to the blob key
+(``CopyObject``; a multipart copy above 5 GiB), whatever the client does to the staged key
+meanwhile. A second completion of the same upload draws its own seal, so it never replaces
+bytes another completion is checking.
 
 A shard up to ``part_bytes`` goes up as one presigned ``PUT``; a larger one as a multipart upload
 the server starts, with a presigned ``UploadPart`` URL per part. The server completes it itself,
@@ -63,11 +72,12 @@ def _code(exc: ClientError) -> str:
 
 
 def is_staging_key(key: str, base: str) -> bool:
-    """Whether ``key`` is ``<base><shard id>.<token>``: a staged upload, not a stray object."""
+    """Whether ``key`` is ``<base><shard id>.<token>`` (a staged upload) or ``<base><shard id>.<token>.<seal>``
+    (its sealed copy), not a stray object."""
     if not key.startswith(base):
         return False
-    shard_id, dot, token = key[len(base) :].partition(".")
-    return bool(dot) and is_digest(shard_id) and _TOKEN.match(token) is not None
+    shard_id, *tokens = key[len(base) :].split(".")
+    return is_digest(shard_id) and len(tokens) in (1, 2) and all(_TOKEN.match(token) for token in tokens)
 
 
 def part_size(size: int, part_bytes: int) -> int:
@@ -231,14 +241,46 @@ class S3Staging(StagingArea):
         except _BOTO_ERRORS as exc:
             raise StorageError(f"could not complete the upload of {self._where(key)}: {exc}") from exc
 
-    def read(self, shard_id: str, token: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
-        """The staged object's bytes in order, from one GET, in pieces of at most ``chunk_bytes``.
+    def _sealed_key(self, shard_id: str, token: str, seal: str) -> str:
+        return f"{self._key(shard_id, token)}.{check_staging_token(seal)}"
+
+    def _copy(self, source_key: str, target: str, size: int) -> None:
+        """Copy ``source_key`` to ``target`` inside the bucket: one ``CopyObject`` up to 5 GiB, in parts above."""
+        source = {"Bucket": self.bucket, "Key": source_key}
+        if size <= MAX_PART_BYTES:
+            self.client.copy_object(Bucket=self.bucket, Key=target, CopySource=source)
+        else:
+            config = TransferConfig(multipart_threshold=MAX_PART_BYTES, multipart_chunksize=COPY_PART_BYTES)
+            self.client.copy(source, self.bucket, target, Config=config)
+
+    def seal(self, shard_id: str, token: str, size: int) -> str:
+        """Copy the staged object to a sealed key only the server writes (see the module's description);
+        returns the seal naming it.
 
         Raises:
             NotFoundError: nothing is staged under ``token``.
             StorageError: S3 failed.
         """
-        key = self._key(shard_id, token)
+        seal = secrets.token_hex(16)
+        key, sealed = self._key(shard_id, token), self._sealed_key(shard_id, token, seal)
+        try:
+            self._copy(key, sealed, size)
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                raise NotFoundError(f"the staged upload {token} of shard {shard_id} is gone; upload it again") from exc
+            raise StorageError(f"could not seal {self._where(key)}: {exc}") from exc
+        except _BOTO_ERRORS as exc:
+            raise StorageError(f"could not seal {self._where(key)}: {exc}") from exc
+        return seal
+
+    def read(self, shard_id: str, token: str, seal: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+        """The sealed object's bytes in order, from one GET, in pieces of at most ``chunk_bytes``.
+
+        Raises:
+            NotFoundError: nothing is sealed under ``token`` and ``seal``.
+            StorageError: S3 failed.
+        """
+        key = self._sealed_key(shard_id, token, seal)
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
         except ClientError as exc:
@@ -270,25 +312,32 @@ class S3Staging(StagingArea):
             raise StorageError(f"could not inspect {self._where(key)}: {exc}") from exc
         return True
 
-    def publish(self, shard_id: str, token: str, size: int) -> None:
-        """Copy the staged object to the blob key inside S3 (no byte passes through the server),
-        unless the blob exists: one ``CopyObject`` up to 5 GiB, a multipart copy above.
+    def publish(self, shard_id: str, token: str, seal: str, size: int) -> None:
+        """Copy the sealed (verified) object to the blob key inside S3 (no byte passes through the
+        server), unless the blob exists: one ``CopyObject`` up to 5 GiB, a multipart copy above.
 
         Raises:
             StorageError: S3 failed (the blob key then holds nothing new).
         """
-        source = {"Bucket": self.bucket, "Key": self._key(shard_id, token)}
         target = self._blob_key(shard_id)
         if self._exists(target):
             return
         try:
-            if size <= MAX_PART_BYTES:
-                self.client.copy_object(Bucket=self.bucket, Key=target, CopySource=source)
-            else:
-                config = TransferConfig(multipart_threshold=MAX_PART_BYTES, multipart_chunksize=COPY_PART_BYTES)
-                self.client.copy(source, self.bucket, target, Config=config)
+            self._copy(self._sealed_key(shard_id, token, seal), target, size)
         except _BOTO_ERRORS as exc:
             raise StorageError(f"could not copy shard {shard_id} to {self._where(target)}: {exc}") from exc
+
+    def unseal(self, shard_id: str, token: str, seal: str) -> None:
+        """Delete the sealed copy ``seal`` of the staged upload, if it exists.
+
+        Raises:
+            StorageError: S3 failed (garbage collection removes it after its grace period).
+        """
+        key = self._sealed_key(shard_id, token, seal)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except _BOTO_ERRORS as exc:
+            raise StorageError(f"could not delete {self._where(key)}: {exc}") from exc
 
     def remove(self, shard_id: str, token: str) -> None:
         """Abort the staged key's unfinished multipart upload and delete its object, if either exists.
@@ -311,7 +360,7 @@ class S3Staging(StagingArea):
             raise StorageError(f"could not delete {self._where(key)}: {exc}") from exc
 
     def sweep(self, idle_since: datetime, *, dry_run: bool = False) -> StaleUploads:
-        """Delete (unless ``dry_run``) staged objects last written before ``idle_since``, and abort
+        """Delete (unless ``dry_run``) staged objects and sealed copies last written before ``idle_since``, and abort
         unfinished staged uploads with no part added since then.
 
         Raises:

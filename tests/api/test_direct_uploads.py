@@ -236,6 +236,78 @@ def test_bytes_that_do_not_match_their_digests_are_never_stored_nor_offered(
     assert receipt.created and rig.blobs() == [shard.shard_id] and rig.proxied == []
 
 
+#: When the attacker re-PUTs other bytes to its still-valid URL: the server's S3 call it comes
+#: before, and which such call (0: the first).
+SWAP_AT = {
+    "before-the-seal": ("CopyObject", 0),
+    "during-the-check": ("GetObject", 0),
+    "before-the-publish": ("CopyObject", 1),
+}
+
+
+@pytest.mark.parametrize("moment", sorted(SWAP_AT))
+def test_bytes_swapped_while_the_server_completes_are_never_referenced(
+    make_rig: Callable[..., Rig], moment: str
+) -> None:
+    """A write token stages a public tensor, then swaps other bytes of the same length in through its
+    URL at each step of the completion: the swapped bytes are refused or never read, and the next user
+    saving that tensor (which dedup then skips sending) loads it bit for bit."""
+    rig = make_rig()
+    base = model(11, 96)  # the public base weights both users save
+    weight = base[0].weight.detach()
+    shard = build_shard(RawTensor("F32", tuple(weight.shape), weight.numpy().tobytes()))
+    swapped = bytearray(shard.data)
+    swapped[-1] ^= 0xFF  # same length, same header: only the tensor's bytes differ
+    answer = grant(rig.url, shard.shard_id, len(shard.data)).json()
+    (url,) = answer["urls"]
+    assert httpx.put(url, content=shard.data, timeout=30).status_code == 200
+    operation, skip = SWAP_AT[moment]
+    calls: list[int] = []
+
+    def swap(**_: Any) -> None:
+        calls.append(len(calls))
+        if len(calls) == skip + 1:
+            calls.append(httpx.put(url, content=bytes(swapped), timeout=30).status_code)
+
+    event = f"before-call.s3.{operation}"
+    rig.s3.meta.events.register(event, swap)
+    try:
+        done = httpx.post(
+            f"{rig.url}/v1/shards/{shard.shard_id}/uploads/{answer['upload']}",
+            json={"size": len(shard.data)},
+            headers=bearer("write"),
+            timeout=60,
+        )
+    finally:
+        rig.s3.meta.events.unregister(event, swap)
+    assert 200 in calls, f"the swap was not made at {moment}: {calls}"  # the URL still took the bytes
+    if done.status_code == 201:
+        stored = bytearray(len(shard.data))
+        rig.store.blobs.read_into(shard.shard_id, 0, memoryview(stored))
+        assert bytes(stored) == shard.data, "the bucket holds bytes the server never checked"
+    else:
+        assert done.status_code == 400 and done.json()["code"] == "integrity", done.text
+        assert rig.blobs() == []
+    assert rig.staged() == []
+    victim, target = model(11, 96), model(12, 96)
+    with Client(rig.url, token=WRITE_TOKEN) as client:
+        client.save("victim", victim)
+        client.load("victim", model=target)
+    assert same(victim, target)
+
+
+def test_a_sealed_copy_a_crash_left_is_swept_with_the_staged_uploads(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    shard = build_shard(tensor(9))
+    staged = grant(rig.url, shard.shard_id, len(shard.data)).json()
+    assert httpx.put(staged["urls"][0], content=shard.data, timeout=30).status_code == 200
+    area = rig.store.blobs.staging()
+    seal = area.seal(shard.shard_id, staged["upload"], len(shard.data))  # a server killed before it unsealed
+    assert len(rig.staged()) == 2 and any(key.endswith(f".{seal}") for key in rig.staged())
+    swept = rig.store.gc(grace_seconds=0, orphans=True)
+    assert swept.stale_uploads == 2 and rig.staged() == [] and rig.blobs() == []
+
+
 def test_a_shard_uploaded_under_another_id_is_refused(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig()
     mine, other = build_shard(tensor(3)), build_shard(tensor(4))
