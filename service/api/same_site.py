@@ -11,8 +11,9 @@ of every route:
   ``[::1]``, any port) nor one the operator lists (``CKPTSTORE_ALLOWED_HOSTS``) is refused: 403,
   before any route runs. A request with no ``Host`` (HTTP/1.0 from a script) passes: browsers
   always send one;
-- whatever the auth, a state-changing request (any method but ``GET``, ``HEAD``, ``OPTIONS``)
-  that a browser marks as coming from another site is refused: ``Sec-Fetch-Site`` other than
+- whatever the auth, a state-changing API request (any method but ``GET``, ``HEAD``, ``OPTIONS``;
+  the pages' login and logout forms are checked by their own routes, answering with a page) that
+  a browser marks as coming from another site is refused: ``Sec-Fetch-Site`` other than
   ``same-origin`` or ``none`` or, from a browser that sends no ``Sec-Fetch-Site``, an ``Origin``
   whose host and port are not the request's ``Host`` (``null`` included). Scripts and the
   Python client send neither header.
@@ -34,6 +35,8 @@ from service.errors import PermissionDeniedError
 
 #: Methods that change nothing: a cross-site page may navigate to them (links to run pages).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: The API's routes; the pages' forms check their origin themselves (:func:`service.api.pages.check_origin`).
+API_PREFIX = "/v1/"
 #: ``Sec-Fetch-Site`` values of requests a page on this server, or the user, made.
 OWN_SITE = frozenset({"same-origin", "none"})
 
@@ -116,8 +119,8 @@ class SameSiteGuard:
                     f"this server has no tokens and answers only loopback names, not Host {host[:100]!r}; "
                     "list the name in CKPTSTORE_ALLOWED_HOSTS, or set CKPTSTORE_TOKENS"
                 )
-        if scope["method"] in SAFE_METHODS:
-            return None
+        if scope["method"] in SAFE_METHODS or not scope["path"].startswith(API_PREFIX):
+            return None  # the pages' forms are checked by their routes, answering with a page
         # The browser's own word first: behind a proxy that rewrites Host, Origin cannot be compared.
         site = headers.get(b"sec-fetch-site", b"").decode("latin-1").strip().lower()
         if site:

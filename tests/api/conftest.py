@@ -56,7 +56,7 @@ def app(store: Store, settings: Settings) -> FastAPI:
 @pytest.fixture
 def client(app: FastAPI) -> Iterator[TestClient]:
     """The ASGI app in-process; server errors come back as 500 responses, not exceptions."""
-    with TestClient(app, raise_server_exceptions=False) as test_client:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as test_client:
         yield test_client
 
 

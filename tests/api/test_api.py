@@ -266,7 +266,9 @@ def broken_store(tmp_path: Path) -> Store:
 
 def test_healthz_is_503_when_the_database_fails(tmp_path: Path) -> None:
     store = broken_store(tmp_path)
-    with TestClient(create_app(store, Settings(home=tmp_path / "h")), raise_server_exceptions=False) as client:
+    with TestClient(
+        create_app(store, Settings(home=tmp_path / "h")), raise_server_exceptions=False, base_url="http://127.0.0.1"
+    ) as client:
         response = client.get("/healthz")
     store.close()
     assert response.status_code == 503

@@ -263,7 +263,7 @@ def test_without_tokens_on_loopback_everything_is_open(tmp_path: Path) -> None:
     try:
         seed(store)
         app = create_app(store, settings)
-        with TestClient(app, raise_server_exceptions=False) as client:
+        with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
             answers = {
                 (m, p): client.request(m, url_for(p), **BODIES.get((m, p), {})).status_code
                 for m, p, _ in in_safe_order(api_routes(app))
@@ -291,7 +291,7 @@ def test_no_tokens_on_loopback_starts(tmp_path: Path, host: str) -> None:
     store = Store.open_home(tmp_path / "h")
     try:
         app = create_app(store, Settings(home=tmp_path / "h", host=host, tokens=None))
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://127.0.0.1") as client:
             assert client.get("/v1/runs").status_code == 200
     finally:
         store.close()

@@ -52,7 +52,7 @@ def ask_each(client: TestClient) -> list[int]:
 def test_the_first_requests_of_a_started_app_build_no_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = tmp_path / "home"
     store = Store.open_home(home)
-    with TestClient(create_app(store, Settings(home=home))) as client:
+    with TestClient(create_app(store, Settings(home=home)), base_url="http://127.0.0.1") as client:
         built = count_route_builds(monkeypatch)
         statuses = ask_each(client)
         metrics = client.get("/metrics").text
@@ -66,7 +66,7 @@ def test_without_the_start_the_first_requests_build_their_routes(
 ) -> None:
     home = tmp_path / "home"
     store = Store.open_home(home)
-    client = TestClient(create_app(store, Settings(home=home)))  # no lifespan: no warm-up
+    client = TestClient(create_app(store, Settings(home=home)), base_url="http://127.0.0.1")  # no lifespan: no warm-up
     built = count_route_builds(monkeypatch)
     ask_each(client)
     store.close()

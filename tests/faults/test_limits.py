@@ -47,7 +47,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 def app_client(store: Store, **settings: Any) -> TestClient:
     app = create_app(store, Settings(home=store.staging_dir.parent, tokens=TOKENS, **settings))
-    return TestClient(app, raise_server_exceptions=False)
+    return TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1")
 
 
 def many(item: bytes, count: int = MILLION) -> bytes:

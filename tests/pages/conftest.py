@@ -47,7 +47,7 @@ def open_app(store: Store, seeded_home: Path) -> FastAPI:
 @pytest.fixture
 def client(open_app: FastAPI) -> Iterator[TestClient]:
     """A client of the open app; server errors come back as 500 responses."""
-    with TestClient(open_app, raise_server_exceptions=False) as test_client:
+    with TestClient(open_app, raise_server_exceptions=False, base_url="http://127.0.0.1") as test_client:
         yield test_client
 
 
@@ -55,5 +55,7 @@ def client(open_app: FastAPI) -> Iterator[TestClient]:
 def guarded(store: Store, seeded_home: Path) -> Iterator[TestClient]:
     """A client of the app with read and write tokens configured; redirects are not followed."""
     app = create_app(store, Settings(home=seeded_home, tokens=TOKENS, host="127.0.0.1"))
-    with TestClient(app, raise_server_exceptions=False, follow_redirects=False) as test_client:
+    with TestClient(
+        app, raise_server_exceptions=False, follow_redirects=False, base_url="http://127.0.0.1"
+    ) as test_client:
         yield test_client

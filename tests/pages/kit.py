@@ -156,7 +156,7 @@ def page_client(home: Path) -> Iterator[TestClient]:
     store = Store.open_home(home)
     try:
         app = create_app(store, Settings(home=home, tokens=None, host="127.0.0.1"))
-        with TestClient(app, raise_server_exceptions=False) as test_client:
+        with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as test_client:
             yield test_client
     finally:
         store.close()

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             app = create_app(store, Settings(home=home, tokens=None, host="127.0.0.1"))
             pages = PAGES + (["/runs/huge", "/runs/huge?page=1000", "/?q=huge"] if args.huge else [])
-            with TestClient(app) as client:
+            with TestClient(app, base_url="http://127.0.0.1") as client:
                 client.get("/")  # the first request loads the templates
                 print(f"{'page':<44} {'wall ms':>8} {'app ms':>8} {'HTML KiB':>9}")
                 for url in pages:

@@ -140,7 +140,7 @@ def test_markup_in_the_schema_cannot_end_the_data_block(tmp_path: Path) -> None:
     try:
         app = create_app(store, Settings(home=tmp_path / "home", tokens=None, host="127.0.0.1"))
         app.openapi()["info"]["description"] = hostile  # FastAPI serves the schema it cached
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://127.0.0.1") as client:
             page = client.get("/docs").text
     finally:
         store.close()

@@ -94,7 +94,9 @@ def test_runs_index_of_an_empty_store_says_so(tmp_path: Path) -> None:
 
     store = Store.open_home(tmp_path / "home")
     try:
-        with TestClient(create_app(store, Settings(home=tmp_path / "home", tokens=None))) as client:
+        with TestClient(
+            create_app(store, Settings(home=tmp_path / "home", tokens=None)), base_url="http://127.0.0.1"
+        ) as client:
             doc = page(client, "/")
     finally:
         store.close()

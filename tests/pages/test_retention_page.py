@@ -37,7 +37,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 @pytest.fixture
 def client(store: Store, tmp_path: Path) -> Iterator[TestClient]:
     app = create_app(store, Settings(home=tmp_path / "home", tokens=None, host="127.0.0.1"))
-    with TestClient(app, raise_server_exceptions=False) as test_client:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as test_client:
         yield test_client
 
 

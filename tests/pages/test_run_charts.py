@@ -200,7 +200,10 @@ def test_a_run_without_steps_is_charted_over_version_numbers(tmp_path: Path) -> 
         for step in (10, None, 30):
             body = ManifestBody(tensors=[entry("model/w", tensor, trainable=True)], step=step, metrics={"loss": 1.0})
             store.commit("stepless", body)
-        with TestClient(create_app(store, Settings(home=tmp_path / "home", tokens=None, host="127.0.0.1"))) as client:
+        with TestClient(
+            create_app(store, Settings(home=tmp_path / "home", tokens=None, host="127.0.0.1")),
+            base_url="http://127.0.0.1",
+        ) as client:
             doc = page(client, "/runs/stepless")
     finally:
         store.close()

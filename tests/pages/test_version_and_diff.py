@@ -15,7 +15,7 @@ from service.api import tensor_values
 from service.format.manifest import ManifestBody
 from service.store import Store
 from tests.pages.dom import Node, parse
-from tests.pages.kit import ingest, page_client, seed
+from tests.pages.kit import READ_TOKEN, ingest, page_client, seed
 from tests.pages.test_pages import page, sections
 from tests.service.shardkit import RawTensor, chunked_entry, entry
 
@@ -107,17 +107,21 @@ def test_a_filter_matching_nothing_or_holding_markup_is_text(client: TestClient)
     assert too_long.status_code == 422 and "q" in parse(too_long.text).one("p", class_="message").text
 
 
-def test_the_version_page_says_how_to_load_it(client: TestClient) -> None:
+def test_the_version_page_says_how_to_load_it(client: TestClient, guarded: TestClient) -> None:
     doc = page(client, "/runs/alpha/versions/best")
     python = doc.one("pre", id="snippet-python").text
     assert 'client.load("alpha", version=2, model=model, optim=optim)' in python
     cli = doc.one("pre", id="snippet-cli").text
-    assert "export CKPTSTORE_URL=http://testserver" in cli
+    assert "export CKPTSTORE_URL=http://127.0.0.1" in cli
     assert "ckptstore show alpha@2" in cli and "ckptstore export alpha@2 ./alpha-v2" in cli
     weights_only = page(client, "/runs/nudge/versions/1").one("pre", id="snippet-python").text
     assert 'client.load("nudge", version=1, model=model, optim=optim)' in weights_only  # optim as JSON state
-    hostile = client.get("/runs/alpha/versions/2", headers={"Host": "evil$(reboot)"})
+    # A Host a server with tokens answers is still not pasted into a shell line as it came.
+    hostile = guarded.get(
+        "/runs/alpha/versions/2", headers={"Host": "evil$(reboot)", "Authorization": f"Bearer {READ_TOKEN}"}
+    )
     assert "export CKPTSTORE_URL=http://HOST:PORT" in parse(hostile.text).one("pre", id="snippet-cli").text
+    assert client.get("/runs/alpha/versions/2", headers={"Host": "evil$(reboot)"}).status_code == 403  # no tokens
 
 
 def test_trainable_share_has_one_denominator_on_every_page(client: TestClient) -> None:
