@@ -13,6 +13,16 @@ takes (``max_items``), the memo's entries, the digits of an int. When the progra
 linear pass (never recursive) measures the value as a tree — shared parts counted at every
 place they appear, so ``x = [x, x]`` forty times counts 2**40 — and its depth, refusing
 cycles, before any code walks it; the same pass swaps each finished builder for its result.
+
+Until then nothing hashes, formats or compares a value whose size is not known. A dict key or
+set member (whatever is hashed while reading) must be an atom (str, bytes, int, float, bool,
+None), an object hashed by identity, or a tuple or frozenset this reader made and measured as it
+made it (its parts and depth are kept, so checking a key costs O(1)): a key past
+``max_key_parts``/``max_key_depth`` (a tuple nested a million deep, whose hash would recurse a
+million levels in C) is refused, and the hashing is counted against ``max_items``. Keys whose
+hash can be made to collide (tuples, frozensets, integers of 61 bits or more) are at most
+``max_composite_keys``. Messages name a value by :func:`~client.formats.pickle_types.shown`,
+never by ``str()`` of what the pickle holds.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from client.formats.pickle_tree import finish_value
-from client.formats.pickle_types import Built, Global, GlobalTable, PickleLimits
+from client.formats.pickle_types import Built, Global, GlobalTable, PickleLimits, shown
 from service.errors import InvalidInputError
 
 
@@ -32,6 +42,10 @@ class _Mark:
 
 
 _MARK = _Mark()
+#: Integers below this in magnitude hash to themselves (distinct ints, distinct hashes: nothing collides).
+_HASH_MODULUS = (1 << 61) - 1
+#: Most memo entries a pickle may name (what ``LONG_BINPUT`` can write).
+_MEMO_INDICES = 1 << 32
 
 
 def read_pickle(
@@ -58,13 +72,17 @@ def read_pickle(
     machine = _Machine(memoryview(data), start, where, globals_, persistent_load, limits)
     try:
         value = machine.run()
-    except InvalidInputError:
-        raise
+    except InvalidInputError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise InvalidInputError(f"{where}: {exc}") from None  # a constructor's words: the file named first
     except (IndexError, KeyError, TypeError, ValueError, AttributeError, struct.error, OverflowError) as exc:
+        # A message of the interpreter's own words only: a KeyError's is the repr of its key.
+        said = exc.args[0][:120] if len(exc.args) == 1 and type(exc.args[0]) is str else ""
         raise InvalidInputError(
-            f"{where}: not a pickle ckptstore reads ({type(exc).__name__} at byte {machine.opcode_at}: "
-            f"{str(exc)[:120]})"
-        ) from exc
+            f"{where}: not a pickle ckptstore reads ({type(exc).__name__} at byte {machine.opcode_at}"
+            f"{': ' + said if said else ''})"
+        ) from None
     return (finish_value(value, where=where, limits=limits) if finish else value), machine.pos
 
 
@@ -87,6 +105,11 @@ class _Machine:
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
         self.items = 0
+        #: id -> (the tuple or frozenset, its parts, its depth), for those small enough to be a key.
+        self.keyable: dict[int, tuple[Any, int, int]] = {}
+        self.composite_keys = 0
+        #: The table's constants (dtypes, storage types), hashable as keys whatever their type.
+        self.constants = {id(value) for value in globals_.values() if not isinstance(value, Global)}
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -185,7 +208,15 @@ class _Machine:
             )
         self.push(int.from_bytes(self.take(n), "little", signed=True))
 
+    def memo_index(self, index: int) -> int:
+        if not 0 <= index < _MEMO_INDICES:
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: memo index {index} at byte {self.opcode_at}"
+            )
+        return index
+
     def memo_put(self, index: int) -> None:
+        index = self.memo_index(index)
         if index not in self.memo and len(self.memo) >= self.limits.max_memo:
             raise InvalidInputError(
                 f"{self.where}: the pickle's memo passes the limit of {self.limits.max_memo} entries"
@@ -193,6 +224,7 @@ class _Machine:
         self.memo[index] = self.top()
 
     def memo_get(self, index: int) -> None:
+        index = self.memo_index(index)
         if index not in self.memo:
             raise InvalidInputError(
                 f"{self.where}: not a pickle ckptstore reads: memo entry {index} is read before it is written"
@@ -205,9 +237,9 @@ class _Machine:
                 f"{self.where}: not a pickle ckptstore reads: a global is named by something that is not a string"
             )
         if (module, name) not in self.globals:
-            shown = f"{module}.{name}"[:200]
+            named = f"{module[:100]}.{name[:100]}"
             raise InvalidInputError(
-                f"{self.where} needs full unpickling to load: it names the global {shown}, which ckptstore never "
+                f"{self.where} needs full unpickling to load: it names the global {named}, which ckptstore never "
                 "calls. ckptstore imports only tensors, dicts, lists, numbers and strings (what torch's "
                 "weights_only loader reads); save the state_dict alone (model.state_dict() with torch.save) and "
                 "import that"
@@ -223,6 +255,10 @@ class _Machine:
             raise InvalidInputError(
                 f"{self.where}: not a pickle ckptstore reads: {func.name} is not {'made' if new else 'called'} so"
             )
+        if func.hashes and args and type(args[0]) in (list, tuple):
+            self.count(len(args[0]))  # one memo'd list may be made into many sets
+            for item in args[0]:
+                self.check_key(item, f"member of a {func.name}")
         self.count()
         self.stack.append(call(args))
 
@@ -249,6 +285,64 @@ class _Machine:
         """Protocol 0's ``INT``: ``00`` and ``01`` are False and True."""
         return {b"00": False, b"01": True}[text] if text in (b"00", b"01") else self.int_from_text(text)
 
+    # -- what is hashed while reading ---------------------------------------------------------
+
+    def key_parts(self, value: Any) -> tuple[int, int, bool] | None:
+        """``(parts, depth, composite)`` of a value hashable in bounded work, in O(1); None for any other."""
+        kind = type(value)
+        if kind is str or kind is bytes or kind is bool or kind is float or value is None:
+            return 1, 0, False
+        if kind is int:
+            return 1, 0, not -_HASH_MODULUS < value < _HASH_MODULUS
+        if kind is tuple or kind is frozenset:
+            entry = self.keyable.get(id(value))
+            return (entry[1], entry[2], True) if entry is not None and entry[0] is value else None
+        if kind.__hash__ is object.__hash__ or id(value) in self.constants:
+            return 1, 0, False
+        return None
+
+    def measured(self, made: Any, items: Any) -> Any:
+        """``made`` (a tuple or frozenset of ``items``), noted as a possible key if it is small enough."""
+        parts, depth = 1, 0
+        for item in items:
+            found = self.key_parts(item)
+            if found is None:
+                return made
+            parts, depth = parts + found[0], max(depth, found[1])
+            if parts > self.limits.max_key_parts:
+                return made
+        if depth < self.limits.max_key_depth:
+            self.keyable[id(made)] = (made, parts, depth + 1)
+        return made
+
+    def tuple_of(self, items: list[Any]) -> tuple[Any, ...]:
+        return self.measured(tuple(items), items)
+
+    def check_key(self, value: Any, what: str) -> None:
+        """Refuse ``value`` as a dict key or set member unless hashing it is bounded; count the work."""
+        found = self.key_parts(value)
+        if found is None:
+            if type(value) in (tuple, frozenset):
+                raise InvalidInputError(
+                    f"{self.where}: a {what} is a {type(value).__name__} too deep or too large to hash, or holding "
+                    f"what is not a key (the limit for a key: {self.limits.max_key_depth} levels deep, "
+                    f"{self.limits.max_key_parts} parts)"
+                )
+            raise InvalidInputError(
+                f"{self.where}: not a pickle ckptstore reads: a {what} is {shown(value)}, which ckptstore does "
+                "not read as a key"
+            )
+        parts, _, composite = found
+        if composite:
+            self.composite_keys += 1
+            if self.composite_keys > self.limits.max_composite_keys:
+                raise InvalidInputError(
+                    f"{self.where}: more than {self.limits.max_composite_keys} dict keys or set members that are "
+                    "tuples or large integers, past the limit"
+                )
+        if parts > 1:
+            self.count(parts - 1)
+
     def new_dict(self, items: list[Any]) -> None:
         made: dict[Any, Any] = {}
         self.stack.append(made)
@@ -262,6 +356,7 @@ class _Machine:
             )
         self.count(len(items) // 2)
         for i in range(0, len(items), 2):
+            self.check_key(items[i], "dict key")
             target[items[i]] = items[i + 1]
 
     def append(self, items: list[Any]) -> None:
@@ -280,7 +375,15 @@ class _Machine:
                 f"{self.where}: not a pickle ckptstore reads: ADDITEMS to a {type(target).__name__}, not a set"
             )
         self.count(len(items))
+        for item in items:
+            self.check_key(item, "set member")
         target.update(items)
+
+    def frozen_set(self, items: list[Any]) -> None:
+        self.count()
+        for item in items:
+            self.check_key(item, "set member")
+        self.stack.append(self.measured(frozenset(items), items))
 
     def persistent(self, pid: Any) -> None:
         if self.persistent_load is None:
@@ -341,18 +444,18 @@ _OPCODES: dict[int, Callable[[_Machine], None]] = {
     ord("a"): lambda m: m.append([m.pop()]),
     ord("e"): lambda m: m.append(m.pop_mark()),
     ord("l"): lambda m: m.push(m.pop_mark()),
-    ord(")"): lambda m: m.push(()),
-    ord("t"): lambda m: m.push(tuple(m.pop_mark())),
-    0x85: lambda m: m.push(tuple(m.pop_n(1))),  # TUPLE1
-    0x86: lambda m: m.push(tuple(m.pop_n(2))),  # TUPLE2
-    0x87: lambda m: m.push(tuple(m.pop_n(3))),  # TUPLE3
+    ord(")"): lambda m: m.push(m.tuple_of([])),
+    ord("t"): lambda m: m.push(m.tuple_of(m.pop_mark())),
+    0x85: lambda m: m.push(m.tuple_of(m.pop_n(1))),  # TUPLE1
+    0x86: lambda m: m.push(m.tuple_of(m.pop_n(2))),  # TUPLE2
+    0x87: lambda m: m.push(m.tuple_of(m.pop_n(3))),  # TUPLE3
     ord("}"): lambda m: m.push({}),
     ord("d"): lambda m: m.new_dict(m.pop_mark()),
     ord("s"): lambda m: m.set_items(m.pop_n(2)),
     ord("u"): lambda m: m.set_items(m.pop_mark()),
     0x8F: lambda m: m.push(set()),  # EMPTY_SET
     0x90: lambda m: m.add_items(m.pop_mark()),  # ADDITEMS
-    0x91: lambda m: m.push(frozenset(m.pop_mark())),  # FROZENSET
+    0x91: lambda m: m.frozen_set(m.pop_mark()),  # FROZENSET
     # the stack and the memo
     ord("("): lambda m: m.marks.append(len(m.stack)),
     ord("0"): lambda m: m.discard(m.pop()),

@@ -69,7 +69,13 @@ def finish_value(root: Any, *, where: str, limits: PickleLimits = PickleLimits()
             )
         if depth > limits.max_depth:
             raise InvalidInputError(f"{where}: the pickle nests deeper than the limit of {limits.max_depth} levels")
-        done[key] = (_rebuilt(node, [part[0] for part in parts]), size, depth)
+        try:
+            rebuilt = _rebuilt(node, [part[0] for part in parts])
+        except TypeError:  # a key the reader let through (hashed by identity) finished as an unhashable value
+            raise InvalidInputError(
+                f"{where}: a dict key or set member of the pickle is not hashable once it is made"
+            ) from None
+        done[key] = (rebuilt, size, depth)
         keep.append(node)
     return done[id(root)][0]
 

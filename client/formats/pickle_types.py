@@ -1,4 +1,9 @@
-"""What the pickle reader is handed and hands back: its limits, allowed callables, builders and records."""
+"""What the pickle reader is handed and hands back: its limits, allowed callables, builders and records.
+
+A value read from a pickle is not known to be bounded until the reader has measured it, and even
+then a message has no use for all of it: :func:`shown` describes one in a few dozen characters
+(an atom, cut short, or a type name), never by ``str()``/``repr()`` of a container.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +30,14 @@ class PickleLimits:
     max_depth: int = 100
     #: Bytes of one integer.
     max_int_bytes: int = 32
+    #: Parts of one dict key or set member that is a tuple (or frozenset), itself included.
+    max_key_parts: int = 32
+    #: Nesting of one such key.
+    max_key_depth: int = 8
+    #: Dict keys and set members whose hash an attacker can choose to collide (tuples, frozensets and
+    #: integers of 61 bits or more), in the whole pickle: each costs a comparison with every other of
+    #: its hash, so their number is bounded, not only their size.
+    max_composite_keys: int = 4096
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,9 @@ class Global:
     name: str
     call: Callable[[tuple[Any, ...]], Any] | None = None
     new: Callable[[tuple[Any, ...]], Any] | None = None
+    #: The call hashes the items of its first argument (a list or tuple: a set's members): the
+    #: reader checks them as it checks dict keys before calling it.
+    hashes: bool = False
 
 
 class Built:
@@ -80,7 +96,22 @@ class Record(Built):
         raise InvalidInputError(f"{self.kind} has no {name}")
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.args!r}"
+        return f"{self.kind}({', '.join(shown(arg) for arg in self.args[:8])}{', …' if len(self.args) > 8 else ''})"
 
 
 GlobalTable = Mapping[tuple[str, str], Any]
+
+_ATOMS = (bool, int, float, type(None))
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """``value`` for a message, in O(``limit``): a string or bytes cut to ``limit`` characters and quoted,
+    a number or None as written (an integer past ``limit`` digits by its size), anything else by its
+    type's name alone (a container's contents are never formatted: they may be a reference bomb)."""
+    if type(value) is str or type(value) is bytes:
+        return repr(value[:limit]) + ("…" if len(value) > limit else "")
+    if type(value) is int and value.bit_length() > 3 * limit:
+        return f"an integer of {value.bit_length()} bits"
+    if type(value) in _ATOMS:
+        return repr(value)[: limit * 2]
+    return f"a {type(value).__name__}"

@@ -14,6 +14,11 @@ and keeps the rest:
   dict back as saved), numbers under metric-like names also as the version's metrics;
 - a value that cannot be stored (a ``set``, a string-keyed dict of odd keys jsonstate refuses)
   is left out and reported by key, never dropped silently.
+
+The value was measured by the pickle reader (bounded size and depth), but an attacker still
+chooses its shape: every pass here is linear (no ``x in list`` inside a loop, no pair of groups
+compared with every other), and a key is named by :func:`~client.formats.pickle_types.shown`,
+never formatted whole.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from client import jsonstate, keys
+from client.formats.pickle_types import shown
 from client.formats.torch_globals import RefusedTensor
 from client.tensors import check_storable
 from service.errors import InvalidInputError, StateEncodingError
@@ -39,6 +45,7 @@ STEP_KEYS = ("global_step", "step")
 #: Names of buffers, never of parameters (the optimizer's indices count parameters only).
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked", "inv_freq", "position_ids")
 _METRIC_RE = re.compile(METRIC_PATTERN)
+_NONE = object()  # what next() gives when nothing is found (None may be a key)
 _ADVICE = (
     "save the optimizer keyed by parameter name (torch.distributed.checkpoint.state_dict.get_state_dict) "
     "or store the run with client.save(run, model, optim)"
@@ -64,10 +71,10 @@ def tensor_dict(value: Any, where: str) -> dict[str, torch.Tensor]:
         raise InvalidInputError(f"{where} is not a non-empty dict of tensors")
     for key, tensor in value.items():
         if isinstance(tensor, RefusedTensor):
-            raise InvalidInputError(f"{where}: tensor {str(key)[:80]!r} {tensor.reason}")
-    bad = [str(k)[:80] for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+            raise InvalidInputError(f"{where}: tensor {shown(key, 80)} {tensor.reason}")
+    bad = [shown(k, 80) for k, v in value.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)][:5]
     if bad:
-        raise InvalidInputError(f"{where} holds entries that are not tensors under names: {bad[:5]}")
+        raise InvalidInputError(f"{where} holds entries that are not tensors under names: [{', '.join(bad)}]")
     return value
 
 
@@ -98,8 +105,10 @@ def read_layout(loaded: Any, where: str) -> Layout:
         raise InvalidInputError(f"{where} holds a {type(loaded).__name__}, not a state_dict")
     model_key = _one_of(loaded, MODEL_KEYS, "model", where)
     if model_key is None:
-        keys = [str(k)[:40] for k in loaded][:10]
-        raise InvalidInputError(f"{where} holds a dict with keys {keys}, none of which is a state_dict {MODEL_KEYS}")
+        named = [shown(k) for _, k in zip(range(10), loaded, strict=False)]
+        raise InvalidInputError(
+            f"{where} holds a dict with keys [{', '.join(named)}], none of which is a state_dict {MODEL_KEYS}"
+        )
     layout = Layout(tensor_dict(loaded[model_key], f"{where}[{model_key!r}]"))
     optim_key = _one_of(loaded, OPTIMIZER_KEYS, "optimizer", where)
     if optim_key is not None:
@@ -119,7 +128,7 @@ def read_layout(loaded: Any, where: str) -> Layout:
         if key in taken:
             continue
         if not isinstance(key, str):
-            layout.left_out[str(key)[:80]] = "a key that is not a string"
+            layout.left_out[shown(key, 80)] = "a key that is not a string"
             continue
         why = unstorable(key, value)
         if why is not None:
@@ -168,18 +177,33 @@ def unstorable(key: Any, value: Any) -> str | None:
 def _refused_tensor(value: Any, where: str) -> str | None:
     """Why a tensor in ``value`` could not be made over its bytes (the first one met), naming its path.
 
-    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too.
+    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too; the
+    path is spelled only for the tensor found (each node keeps its parent and its key, never a path:
+    a long key shared by a million dicts is not copied a million times).
     """
-    stack: list[tuple[Any, str]] = [(value, where)]
+    steps: list[tuple[int, Any]] = [(-1, None)]  # (parent step, key or index)
+    stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
-        node, path = stack.pop()
+        node, step = stack.pop()
         if isinstance(node, RefusedTensor):
-            return f"{path}: a tensor that {node.reason}"
-        if isinstance(node, dict):
-            stack.extend((v, f"{path}/{keys.escape(k)}") for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
+            return f"{_path(where, steps, step)}: a tensor that {node.reason}"
+        children = (
+            node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, (list, tuple)) else ()
+        )
+        for part, child in children:
+            if isinstance(child, (dict, list, tuple, RefusedTensor)):
+                steps.append((step, part))
+                stack.append((child, len(steps) - 1))
     return None
+
+
+def _path(where: str, steps: list[tuple[int, Any]], step: int) -> str:
+    """``where`` and the escaped keys from the root to ``steps[step]``, each cut short."""
+    parts: list[str] = []
+    while step > 0:
+        step, part = steps[step]
+        parts.append(keys.escape(part[:80] if isinstance(part, str) else part if type(part) is int else shown(part)))
+    return "/".join([where, *reversed(parts)])
 
 
 def _candidates(model: dict[str, torch.Tensor]) -> list[str]:
@@ -247,13 +271,12 @@ def name_optimizer_state(state: Any, model: dict[str, torch.Tensor], where: str)
     if not all(isinstance(p, list) and all(type(i) is int for i in p) for p in params):
         raise InvalidInputError(f"{where}: a param group's 'params' is not a list of indices or of names")
     indices = [i for p in params for i in p]
-    if len(set(indices)) != len(indices):
+    held = set(indices)
+    if len(held) != len(indices):
         raise InvalidInputError(f"{where}: a parameter index appears twice in the param groups")
-    unknown = [i for i in by_index if i not in set(indices)]
-    if unknown:
-        raise InvalidInputError(
-            f"{where}: state for parameter index {str(unknown[0])[:40]}, which no param group holds"
-        )
+    unknown = next((i for i in by_index if i not in held), _NONE)
+    if unknown is not _NONE:
+        raise InvalidInputError(f"{where}: state for parameter index {shown(unknown)}, which no param group holds")
     names = _candidates(model)
     shapes = {name: tuple(model[name].shape) for name in names}
     if len(groups) == 1:
@@ -291,7 +314,8 @@ def _grouped(
 ) -> dict[int, str]:
     """Several groups: each parameter's group known by its shape, its place by the model's order."""
     group_shapes: list[set[tuple[int, ...]]] = []
-    for group in groups:
+    owner: dict[tuple[int, ...], int] = {}  # shape -> the first group holding it
+    for b, group in enumerate(groups):
         found: set[tuple[int, ...]] = set()
         for index in group["params"]:
             own = _shapes(by_index.get(index, {}))
@@ -302,17 +326,19 @@ def _grouped(
                 )
             found |= own
         group_shapes.append(found)
-    for a in range(len(groups)):
-        for b in range(a + 1, len(groups)):
-            if group_shapes[a] & group_shapes[b]:
-                raise InvalidInputError(
-                    f"{where}: param groups {a} and {b} both hold parameters of shape "
-                    f"{sorted(group_shapes[a] & group_shapes[b])[0]}, so which parameter each index is "
-                    f"is not known; {_ADVICE}"
-                )
+        shared = [(owner[shape], shape) for shape in found if owner.setdefault(shape, b) != b]
+        if shared:
+            a, shape = min(shared)
+            raise InvalidInputError(
+                f"{where}: param groups {a} and {b} both hold parameters of shape {shape}, so which parameter "
+                f"each index is is not known; {_ADVICE}"
+            )
+    by_shape: dict[tuple[int, ...], list[int]] = {}  # shape -> the places of the model's names of it, in order
+    for at, name in enumerate(names):
+        by_shape.setdefault(shapes[name], []).append(at)
     named: dict[int, str] = {}
     for group, own_shapes in zip(groups, group_shapes, strict=True):
-        pool = [n for n in names if shapes[n] in own_shapes]
+        pool = [names[at] for at in sorted(at for shape in own_shapes for at in by_shape.get(shape, ()))]
         pattern = [_fits(shapes, _shapes(by_index[i])) for i in group["params"]]
         chosen = _embed(pattern, pool)
         if chosen is None:
@@ -327,12 +353,13 @@ def _grouped(
 def _checked_by_name(state: dict[str, Any], model: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
     """An optimizer state_dict already keyed by name: every name must be a tensor of the model."""
     named = [n for g in state["param_groups"] for n in g["params"]]
-    absent = [n for n in named if n not in model]
-    if absent:
-        raise InvalidInputError(f"{where}: parameter {absent[0][:80]!r} is not in the model's state_dict")
-    if len(set(named)) != len(named):
+    absent = next((n for n in named if n not in model), None)
+    if absent is not None:
+        raise InvalidInputError(f"{where}: parameter {shown(absent, 80)} is not in the model's state_dict")
+    held = set(named)
+    if len(held) != len(named):
         raise InvalidInputError(f"{where}: a parameter name appears twice in the param groups")
-    stray = [k for k in state["state"] if k not in set(named)]
-    if stray:
-        raise InvalidInputError(f"{where}: state for {str(stray[0])[:80]!r}, which no param group holds")
+    stray = next((k for k in state["state"] if k not in held), _NONE)
+    if stray is not _NONE:
+        raise InvalidInputError(f"{where}: state for {shown(stray, 80)}, which no param group holds")
     return {"state": dict(state["state"]), "param_groups": list(state["param_groups"])}

@@ -9,6 +9,10 @@ of plain numeric dtypes.
 
 Every tensor is checked against the bytes behind it (:mod:`client.formats.torch_globals`);
 each storage must be a stored member (or legacy record) of exactly its size, inside the file.
+An archive's members must be distinct regions (:mod:`client.formats.zip_members`), checked
+before any is read, so the file's bytes are each read once; what its tensors make is charged to
+the import's budget as they are made. Every field is checked by type before it is used: a
+malformed file is one :class:`InvalidInputError` naming it, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch
 from client.formats import confined
 from client.formats.pickle_reader import read_pickle
 from client.formats.pickle_tree import finish_value
-from client.formats.pickle_types import PickleLimits
-from client.formats.torch_globals import Storage, TorchFile, itemsize
+from client.formats.pickle_types import PickleLimits, shown
+from client.formats.torch_globals import MAX_STORAGES, Storage, TorchFile, itemsize
+from client.formats.zip_members import ZIP_MAGIC, Region, member_regions
 from service.errors import InvalidInputError
 
 #: The largest ``data.pkl`` (or legacy pickle) read: the structure, not the tensors' bytes.
@@ -35,8 +40,8 @@ MAX_PICKLE_BYTES = 256 << 20
 MAX_MEMBERS = 1 << 20
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
-_ZIP_MAGIC = b"PK\x03\x04"
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+#: What a malformed field can raise where it is used; each becomes an InvalidInputError naming the file.
+_MALFORMED = (TypeError, KeyError, ValueError, IndexError, AttributeError, OverflowError, struct.error, RuntimeError)
 
 
 def read_torch_file(path: Path, *, numpy_arrays: bool = False, expand_limit: int = 0) -> Any:
@@ -66,10 +71,20 @@ def read_torch_bytes(
     """The object ``torch.save`` wrote to ``mapped[start:start + length]`` (a file, or an item of a DCP file)."""
     reader = TorchFile(where, expand_limit=expand_limit, numpy_arrays=numpy_arrays)
     head = bytes(mapped[start : start + 4])
-    if head == _ZIP_MAGIC:
-        return _read_zip(reader, mapped, start, length)
-    if head[:1] == b"\x80":
-        return _read_legacy(reader, mapped, start, length)
+    try:
+        if head == ZIP_MAGIC:
+            return _read_zip(reader, mapped, start, length)
+        if head[:1] == b"\x80":
+            return _read_legacy(reader, mapped, start, length)
+    except InvalidInputError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise InvalidInputError(f"{where}: {exc}") from None  # a constructor's words: the file named first
+    except _MALFORMED as exc:  # a field of a type or value no check above foresaw: still the file's fault
+        said = exc.args[0][:120] if len(exc.args) == 1 and type(exc.args[0]) is str else ""
+        raise InvalidInputError(
+            f"{where}: not a file torch.save writes ({type(exc).__name__}{': ' + said if said else ''})"
+        ) from None
     raise InvalidInputError(f"{where}: not a file torch.save writes (neither a zip archive nor a pickle)")
 
 
@@ -117,18 +132,25 @@ def _read_zip(reader: TorchFile, mapped: mmap.mmap | bytes, start: int, length: 
         archive = zipfile.ZipFile(_Window(mapped, start, length))
         members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError) as exc:
-        raise InvalidInputError(f"{reader.where}: not a zip archive torch.save writes ({exc})") from exc
+        raise InvalidInputError(f"{reader.where}: not a zip archive torch.save writes ({str(exc)[:200]})") from exc
     if len(members) > MAX_MEMBERS:
         raise InvalidInputError(f"{reader.where}: {len(members)} archive members, past the limit of {MAX_MEMBERS}")
-    by_name = {m.filename: m for m in members}
+    by_name: dict[str, zipfile.ZipInfo] = {}
+    for member in members:
+        if by_name.setdefault(member.filename, member) is not member:
+            raise InvalidInputError(
+                f"{reader.where}: archive member {shown(member.filename, 80)} is listed twice, which torch.save "
+                "never writes"
+            )
+    regions = member_regions(reader.where, members, mapped, start, length)  # before any member is read
     pickles = [m.filename for m in members if m.filename.endswith("/data.pkl") and m.filename.count("/") == 1]
     if len(pickles) != 1:
         raise InvalidInputError(f"{reader.where}: not an archive torch.save writes (no single <name>/data.pkl)")
     prefix = pickles[0][: -len("data.pkl")]
     order = by_name.get(prefix + "byteorder")
-    if order is not None and _member(reader, mapped, start, length, order).tobytes() != b"little":
+    if order is not None and _member(reader, mapped, start, order, regions).tobytes() != b"little":
         raise InvalidInputError(f"{reader.where}: a big-endian archive, which ckptstore does not read")
-    data = _member(reader, mapped, start, length, by_name[pickles[0]])
+    data = _member(reader, mapped, start, by_name[pickles[0]], regions)
     if len(data) > MAX_PICKLE_BYTES:
         raise InvalidInputError(
             f"{reader.where}: data.pkl of {len(data)} bytes is past the limit of {MAX_PICKLE_BYTES}"
@@ -142,43 +164,33 @@ def _read_zip(reader: TorchFile, mapped: mmap.mmap | bytes, start: int, length: 
         finish=False,
     )
     for key, storage in reader.storages.items():
-        member = by_name.get(f"{prefix}data/{key}")
-        if member is None:
-            raise InvalidInputError(f"{reader.where}: storage {key[:40]!r} has no bytes in the archive")
-        region = _member_offset(reader, mapped, start, length, member)
-        if member.file_size != storage.nbytes:
+        found = by_name.get(f"{prefix}data/{key}")
+        if found is None:
+            raise InvalidInputError(f"{reader.where}: storage {shown(key)} has no bytes in the archive")
+        region = _stored(reader, found, regions)
+        if region.size != storage.nbytes:
             raise InvalidInputError(
-                f"{reader.where}: storage {key[:40]!r} claims {storage.nbytes} bytes; the archive holds "
-                f"{member.file_size}"
+                f"{reader.where}: storage {shown(key)} claims {storage.nbytes} bytes; the archive holds {region.size}"
             )
-        storage.flat = _flat(mapped, start + region, storage)
+        storage.flat = _flat(mapped, start + region.data_at, storage)
     return finish_value(value, where=reader.where)
 
 
-def _member_offset(
-    reader: TorchFile, mapped: mmap.mmap | bytes, start: int, length: int, member: zipfile.ZipInfo
-) -> int:
-    """Where ``member``'s bytes start (relative to ``start``), once they are stored and inside the archive."""
+def _stored(reader: TorchFile, member: zipfile.ZipInfo, regions: dict[str, Region]) -> Region:
+    """``member``'s region (checked by :func:`member_regions`), once it is stored, not compressed."""
     if member.compress_type != zipfile.ZIP_STORED or member.compress_size != member.file_size:
         raise InvalidInputError(
-            f"{reader.where}: archive member {member.filename[:80]!r} is compressed; torch.save never compresses, "
-            "and ckptstore does not inflate archives"
+            f"{reader.where}: archive member {shown(member.filename, 80)} is compressed; torch.save never "
+            "compresses, and ckptstore does not inflate archives"
         )
-    header_at = member.header_offset
-    confined.check_region(reader.where, header_at, _LOCAL_HEADER.size, length, f"member {member.filename[:80]!r}")
-    fields = _LOCAL_HEADER.unpack(bytes(mapped[start + header_at : start + header_at + _LOCAL_HEADER.size]))
-    if fields[0] != _ZIP_MAGIC:
-        raise InvalidInputError(f"{reader.where}: archive member {member.filename[:80]!r} has no local header")
-    data_at = header_at + _LOCAL_HEADER.size + fields[10] + fields[11]
-    confined.check_region(reader.where, data_at, member.file_size, length, f"member {member.filename[:80]!r}")
-    return data_at
+    return regions[member.filename]
 
 
 def _member(
-    reader: TorchFile, mapped: mmap.mmap | bytes, start: int, length: int, member: zipfile.ZipInfo
+    reader: TorchFile, mapped: mmap.mmap | bytes, start: int, member: zipfile.ZipInfo, regions: dict[str, Region]
 ) -> memoryview:
-    at = _member_offset(reader, mapped, start, length, member)
-    return memoryview(mapped)[start + at : start + at + member.file_size]
+    region = _stored(reader, member, regions)
+    return memoryview(mapped)[start + region.data_at : start + region.end]
 
 
 def _read_legacy(reader: TorchFile, mapped: mmap.mmap | bytes, start: int, length: int) -> Any:
@@ -188,11 +200,13 @@ def _read_legacy(reader: TorchFile, mapped: mmap.mmap | bytes, start: int, lengt
     limits = PickleLimits(max_bytes=MAX_PICKLE_BYTES)
     at = 0
     magic, at = read_pickle(view, where=reader.where, globals_={}, limits=small, start=at)
-    if magic != _LEGACY_MAGIC:
+    if type(magic) is not int or magic != _LEGACY_MAGIC:
         raise InvalidInputError(f"{reader.where}: a pickle, not a file torch.save writes (no torch magic number)")
     protocol, at = read_pickle(view, where=reader.where, globals_={}, limits=small, start=at)
     info, at = read_pickle(view, where=reader.where, globals_={}, limits=small, start=at)
-    if protocol != _LEGACY_PROTOCOL or not isinstance(info, dict) or info.get("little_endian") is not True:
+    if type(protocol) is not int or protocol != _LEGACY_PROTOCOL or type(info) is not dict:
+        raise InvalidInputError(f"{reader.where}: a legacy torch.save file of a kind ckptstore does not read")
+    if info.get("little_endian") is not True:
         raise InvalidInputError(f"{reader.where}: a legacy torch.save file of a kind ckptstore does not read")
     value, at = read_pickle(
         view,
@@ -204,15 +218,31 @@ def _read_legacy(reader: TorchFile, mapped: mmap.mmap | bytes, start: int, lengt
         finish=False,
     )
     keys, at = read_pickle(view, where=reader.where, globals_={}, limits=small, start=at)
-    if not isinstance(keys, list) or sorted(keys) != sorted(reader.storages):
-        raise InvalidInputError(f"{reader.where}: the legacy file's storage list does not match its tensors")
-    for key in keys:
+    for key in _storage_keys(reader, keys):
         storage = reader.storages[key]
-        confined.check_region(reader.where, at, 8, length, f"storage {key[:40]!r}")
+        confined.check_region(reader.where, at, 8, length, f"storage {shown(key)}")
         (count,) = struct.unpack("<q", view[at : at + 8])
         if count != storage.numel:
-            raise InvalidInputError(f"{reader.where}: storage {key[:40]!r} holds {count} elements, not {storage.numel}")
-        confined.check_region(reader.where, at + 8, storage.nbytes, length, f"storage {key[:40]!r}")
+            raise InvalidInputError(f"{reader.where}: storage {shown(key)} holds {count} elements, not {storage.numel}")
+        confined.check_region(reader.where, at + 8, storage.nbytes, length, f"storage {shown(key)}")
         storage.flat = _flat(mapped, start + at + 8, storage)
         at += 8 + storage.nbytes
     return finish_value(value, where=reader.where)
+
+
+def _storage_keys(reader: TorchFile, keys: Any) -> list[str]:
+    """A legacy file's storage list, once it is a list of distinct string keys naming exactly the storages
+    its tensors use (each storage's bytes follow in that order)."""
+    if type(keys) is not list or len(keys) > MAX_STORAGES:
+        raise InvalidInputError(
+            f"{reader.where}: the legacy file's storage list is {shown(keys)}, not a list of at most "
+            f"{MAX_STORAGES} keys"
+        )
+    for key in keys:
+        if type(key) is not str:
+            raise InvalidInputError(
+                f"{reader.where}: the legacy file's storage list holds {shown(key)}, not a string key"
+            )
+    if len(set(keys)) != len(keys) or set(keys) != reader.storages.keys():
+        raise InvalidInputError(f"{reader.where}: the legacy file's storage list does not match its tensors")
+    return keys

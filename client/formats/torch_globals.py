@@ -8,6 +8,12 @@ no more bytes than the storage holds: an expanded or overlapping view becomes a
 through), ``OrderedDict`` (its ``_metadata`` dropped), ``torch.Size``,
 dtypes and storage types, sets, ``bytes()``, ``_codecs.encode`` to latin1 bytes, and, for RNG
 state only, numpy arrays and scalars of plain numeric dtypes rebuilt from their raw bytes.
+
+What a file makes from its own bytes is bounded: each tensor is charged its bytes against the
+import's budget (:func:`client.formats.budget.charge`) before it is made, a view as much as a
+copy, and an untyped storage whose bytes are misaligned for a dtype is copied once, whatever the
+number of tensors over it. The pickle's values are checked by type before they are compared,
+and named in messages by :func:`~client.formats.pickle_types.shown` only.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Any
 
 import torch
 
-from client.formats.pickle_types import Built, Global, GlobalTable
+from client.formats import budget
+from client.formats.pickle_types import Built, Global, GlobalTable, shown
 from service.errors import InvalidInputError
 
 #: Most storages one file may hold.
@@ -70,6 +77,9 @@ _STORAGE_TYPES = {
     "ComplexDoubleStorage": torch.complex128,
     "UntypedStorage": torch.uint8,
 }
+_DTYPE_SET = frozenset(_DTYPES.values())
+#: Alignment of a tensor torch allocates (its CPU allocator's), enough for every dtype.
+_ALIGNMENT = 64
 _NUMPY_KINDS = {"b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "?"}
 
 
@@ -88,11 +98,26 @@ class Storage:
     dtype: torch.dtype
     numel: int
     flat: torch.Tensor | None = None
+    #: ``flat`` copied to an aligned address, made the first time a tensor needs it.
+    aligned: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes the storage holds."""
         return self.numel * itemsize(self.dtype)
+
+    def aligned_for(self, size: int) -> torch.Tensor:
+        """``flat`` at an address that is a multiple of ``size``: itself where it is, else one copy,
+        made once and shared by every tensor over the storage."""
+        if self.flat is None:
+            raise InvalidInputError(f"storage {shown(self.key)} has no bytes in the file")
+        if self.flat.data_ptr() % size == 0:
+            return self.flat
+        if self.aligned is None:
+            self.aligned = self.flat.clone()
+            if self.aligned.data_ptr() % _ALIGNMENT:  # never for torch's allocator; checked, not assumed
+                raise InvalidInputError(f"storage {shown(self.key)}: a copy of its bytes is not aligned")
+        return self.aligned
 
 
 @dataclass(frozen=True)
@@ -113,9 +138,10 @@ class _TensorRecord(Built):
         stride: tuple[int, ...],
         expand_limit: int,
         dtype: torch.dtype | None = None,
+        where: str = "",
     ):
         self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
-        self.expand_limit = expand_limit
+        self.expand_limit, self.where = expand_limit, where
         #: The dtype an untyped (byte) storage is read as (``_rebuild_tensor_v3``); None: the storage's own.
         self.dtype = dtype
 
@@ -140,21 +166,23 @@ class _TensorRecord(Built):
                 "up to a size with --allow-expanded"
             )
         if self.storage.flat is None:
-            raise InvalidInputError(f"storage {self.storage.key} has no bytes in the file")
+            raise InvalidInputError(f"{self.where}: storage {shown(self.storage.key)} has no bytes in the file")
+        # Charged before anything is made: a view is stored as a copy is. An expanded tensor (let
+        # through by expand_limit) is stored, and charged, as the bytes of its storage.
+        expanded = numel > 1 and 0 in self.stride
+        budget.charge(self.storage.nbytes if expanded else claimed, self.where or "a tensor")
         flat = self.storage.flat
         if dtype != flat.dtype:  # an untyped storage: its whole elements, read as the tensor's dtype
-            flat = flat[: elements * size]
-            if flat.data_ptr() % size:  # misaligned for the dtype: a copy of its own
-                flat = flat.clone()
-            flat = flat.view(dtype)
+            flat = self.storage.aligned_for(size)[: elements * size].view(dtype)
         return torch.as_strided(flat, self.size, self.stride, self.offset)
 
 
 class _NumpyArray(Built):
     """``numpy.core.multiarray._reconstruct(ndarray, ...)`` finished by ``BUILD``: a numeric array."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str) -> None:
         self.value: Any = None
+        self.where = where
 
     def build(self, state: Any) -> None:
         import numpy
@@ -173,7 +201,8 @@ class _NumpyArray(Built):
             raise InvalidInputError(
                 f"a numpy array of shape {list(shape)} has {len(raw)} bytes, not {count * kind.itemsize}"
             )
-        self.value = numpy.frombuffer(bytes(raw), dtype=kind).reshape(shape, order="F" if fortran else "C").copy()
+        budget.charge(len(raw), self.where)  # one pickled bytes object may be the state of many arrays
+        self.value = numpy.frombuffer(raw, dtype=kind).reshape(shape, order="F" if fortran else "C").copy()
 
     def result(self) -> Any:
         if self.value is None:
@@ -186,11 +215,11 @@ class _NumpyDtype(Built):
 
     def __init__(self, kind: Any) -> None:
         if not isinstance(kind, str) or kind.lstrip("<>|=") not in _NUMPY_KINDS:
-            raise InvalidInputError(f"numpy dtype {str(kind)[:40]!r} is not a plain numeric type")
+            raise InvalidInputError(f"numpy dtype {shown(kind)} is not a plain numeric type")
         self.kind, self.order = kind, "<"
 
     def build(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|", "="):
+        if isinstance(state, tuple) and len(state) > 1 and type(state[1]) is str and state[1] in ("<", ">", "|", "="):
             self.order = state[1]
         else:
             raise InvalidInputError("a numpy dtype's state is not one numpy writes")
@@ -229,19 +258,21 @@ class TorchFile:
 
     def persistent_load(self, pid: Any) -> Storage:
         """The storage a persistent id names: ``('storage', StorageType, key, location, numel[, view])``."""
-        if not isinstance(pid, tuple) or len(pid) not in (5, 6) or pid[0] != "storage":
+        if not isinstance(pid, tuple) or len(pid) not in (5, 6) or type(pid[0]) is not str or pid[0] != "storage":
             raise InvalidInputError(f"{self.where}: a persistent id that is not a storage of this file")
         storage_type, key, _, numel = pid[1:5]
-        if not isinstance(storage_type, StorageType) or not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise InvalidInputError(f"{self.where}: storage {str(key)[:40]!r} is described with the wrong types")
+        if not isinstance(key, str):
+            raise InvalidInputError(f"{self.where}: a storage's key is {shown(key)}, not a string")
+        if not isinstance(storage_type, StorageType) or type(numel) is not int or numel < 0:
+            raise InvalidInputError(f"{self.where}: storage {shown(key)} is described with the wrong types")
         if len(pid) == 6 and pid[5] is not None:
             raise InvalidInputError(
-                f"{self.where}: storage {key[:40]!r} is a view of another storage, which is not read"
+                f"{self.where}: storage {shown(key)} is a view of another storage, which is not read"
             )
         known = self.storages.get(key)
         if known is not None:
             if known.dtype != storage_type.dtype or known.numel != numel:
-                raise InvalidInputError(f"{self.where}: storage {key[:40]!r} is described twice, differently")
+                raise InvalidInputError(f"{self.where}: storage {shown(key)} is described twice, differently")
             return known
         if len(self.storages) >= MAX_STORAGES:
             raise InvalidInputError(f"{self.where}: more than {MAX_STORAGES} storages, past the limit")
@@ -257,16 +288,17 @@ class TorchFile:
         if len(size) != len(stride):
             raise InvalidInputError(f"{self.where}: a tensor's size and strides differ in length")
         hooks = args[5] if len(args) > 5 else None
-        if hooks is not None and hooks != {}:
+        if hooks is not None and not (type(hooks) is dict and not hooks):
             raise InvalidInputError(f"{self.where}: a tensor with backward hooks, which ckptstore never runs")
-        return _TensorRecord(storage, offset, size, stride, self.expand_limit)
+        return _TensorRecord(storage, offset, size, stride, self.expand_limit, where=self.where)
 
     def rebuild_tensor_v3(self, args: tuple[Any, ...]) -> _TensorRecord:
         """``_rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])``:
         a tensor of ``dtype`` over an untyped storage, checked as :meth:`rebuild_tensor` checks one."""
         dtype = _check_args(args, 7, "a tensor")[6]
-        if dtype not in _DTYPES.values():
-            raise InvalidInputError(f"{self.where}: a tensor of dtype {str(dtype)[:40]}, not one ckptstore reads")
+        if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_SET:
+            named = str(dtype) if isinstance(dtype, torch.dtype) else shown(dtype)
+            raise InvalidInputError(f"{self.where}: a tensor of dtype {named}, not one ckptstore reads")
         record = self.rebuild_tensor(args[:6])
         if record.storage.dtype != torch.uint8:
             raise InvalidInputError(f"{self.where}: a tensor of dtype {dtype} over a typed storage, not an untyped one")
@@ -285,19 +317,17 @@ class TorchFile:
             ("torch", "Size"): Global(
                 "torch.Size", call=lambda args: _dims(_check_args(args, 1, "torch.Size")[0], "a torch.Size")
             ),
-            ("_codecs", "encode"): Global("bytes", call=_codecs_encode),
+            ("_codecs", "encode"): Global("bytes", call=lambda args: _codecs_encode(args, self.where)),
         }
         table.update({("torch", name): dtype for name, dtype in _DTYPES.items()})
         table.update({("torch", name): StorageType(dtype) for name, dtype in _STORAGE_TYPES.items()})
         for module in ("builtins", "__builtin__"):
-            table[(module, "set")] = Global("set", call=lambda args: set(_check_args(args, 1, "set")[0]))
-            table[(module, "frozenset")] = Global(
-                "frozenset", call=lambda args: frozenset(_check_args(args, 1, "set")[0])
-            )
+            table[(module, "set")] = Global("set", call=lambda args: set(_members(args)), hashes=True)
+            table[(module, "frozenset")] = Global("frozenset", call=lambda args: frozenset(_members(args)), hashes=True)
             table[(module, "bytes")] = Global("bytes", call=_empty_bytes)
         if self.numpy_arrays:
             for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
-                table[(module, "_reconstruct")] = Global("numpy array", call=lambda args: _NumpyArray())
+                table[(module, "_reconstruct")] = Global("numpy array", call=lambda args: _NumpyArray(self.where))
                 table[(module, "scalar")] = Global("numpy scalar", call=_numpy_scalar)
             table[("numpy", "ndarray")] = Global("numpy.ndarray")
             table[("numpy", "dtype")] = Global(
@@ -307,9 +337,17 @@ class TorchFile:
 
 
 def _ordered_dict(args: tuple[Any, ...]) -> dict[Any, Any]:
-    if args not in ((), ([],)):
+    if len(args) > 1 or (args and not (type(args[0]) is list and not args[0])):
         raise InvalidInputError("an OrderedDict is made with arguments")
     return {}
+
+
+def _members(args: tuple[Any, ...]) -> list[Any] | tuple[Any, ...]:
+    """A set's members: a list or tuple the reader has checked (the set global ``hashes`` them)."""
+    members = _check_args(args, 1, "set")[0]
+    if type(members) not in (list, tuple):
+        raise InvalidInputError(f"a set is made from {shown(members)}, not a list of its members")
+    return members
 
 
 def _parameter(args: tuple[Any, ...]) -> Any:
@@ -326,10 +364,13 @@ def _empty_bytes(args: tuple[Any, ...]) -> bytes:
     return b""
 
 
-def _codecs_encode(args: tuple[Any, ...]) -> bytes:
+def _codecs_encode(args: tuple[Any, ...], where: str) -> bytes:
+    """``_codecs.encode(text, "latin1")``, how protocol 2 writes bytes; charged, as one pickled string
+    may be encoded many times."""
     text, encoding = _check_args(args, 2, "_codecs.encode")[:2]
-    if not isinstance(text, str) or encoding != "latin1":
+    if not isinstance(text, str) or type(encoding) is not str or encoding != "latin1":
         raise InvalidInputError("_codecs.encode is asked for something other than latin1 bytes")
+    budget.charge(len(text), where)
     return text.encode("latin1")
 
 

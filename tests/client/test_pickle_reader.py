@@ -7,10 +7,12 @@ allows and raise ``InvalidInputError`` (never anything else) for every other byt
 
 from __future__ import annotations
 
+import json
 import os
 import pickle  # noqa: TID251 - making the pickles under test; nothing here is unpickled
 import pickletools
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +202,162 @@ def test_mutated_hostile_pickles_never_run(tmp_path: Path, protocol: int, name: 
         except InvalidInputError:
             pass
     assert not marker.exists()
+
+
+# -- what is hashed, compared or formatted while reading ---------------------------------------
+
+key_atoms = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=4)
+    | st.binary(max_size=4)
+)
+tuple_keys = st.recursive(key_atoms, lambda inner: st.lists(inner, max_size=5).map(tuple), max_leaves=60)
+
+
+def parts_and_depth(key: Any) -> tuple[int, int]:
+    """A key's parts (itself and every part inside, a shared part counted wherever it is) and nesting."""
+    if type(key) is not tuple:
+        return 1, 0
+    inside = [parts_and_depth(part) for part in key]
+    return 1 + sum(p for p, _ in inside), 1 + max((d for _, d in inside), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=tuple_keys, protocol=st.sampled_from(PROTOCOLS), holder=st.sampled_from(["dict", "set", "frozenset"]))
+def test_a_key_is_read_exactly_when_its_parts_and_depth_are_bounded(key: Any, protocol: int, holder: str) -> None:
+    value: Any = {"dict": {key: 1}, "set": {key}, "frozenset": [frozenset([key])]}[holder]
+    parts, depth = parts_and_depth(key)
+    limits = PickleLimits()
+    fits = parts <= limits.max_key_parts and depth <= limits.max_key_depth
+    try:
+        got = read(pickle.dumps(value, protocol=protocol))
+    except InvalidInputError as exc:
+        assert not fits, (parts, depth)
+        assert "key" in str(exc) and "deep" in str(exc)
+    else:
+        assert fits and got == value, (parts, depth)
+
+
+def bomb(levels: int = 40) -> bytes:
+    """Opcodes (no PROTO, no STOP) leaving ``x = [x, x]`` ``levels`` deep on the stack: 2**levels parts."""
+    return dag(levels)[2:-1]
+
+
+DEEP_TUPLE = b")" + b"\x85" * 1_000_000
+
+
+def _unicode(text: str) -> bytes:
+    return b"X" + len(text.encode()).to_bytes(4, "little") + text.encode()
+
+
+FLOAT_STORAGE = _unicode("storage") + b"ctorch\nFloatStorage\n"
+FLOAT_PID = b"(" + FLOAT_STORAGE + _unicode("0") + _unicode("cpu") + b"K\x01tQ"
+UNTYPED_PID = (
+    b"(" + _unicode("storage") + b"ctorch.storage\nUntypedStorage\n" + _unicode("0") + _unicode("cpu") + b"K\x04tQ"
+)
+#: A tensor's arguments after its storage: offset 0, size (1,), stride (1,), requires_grad False.
+AT_0_SIZE_1 = b"K\x00K\x01\x85K\x01\x85\x89"
+V2 = b"ctorch._utils\n_rebuild_tensor_v2\n"
+V3 = b"ctorch._utils\n_rebuild_tensor_v3\n"
+
+#: Pickles whose refusal is the whole test: read as a torch.save pickle (numpy arrays allowed), each must be
+#: refused saying its words, in a few steps. A regression hashes a million-deep tuple (a crash in C) or
+#: formats a reference bomb (a hang), so they are read in a child process of their own, under a timeout.
+HOSTILE: dict[str, tuple[bytes, str]] = {
+    # keys: what hashing would recurse into, or walk, or collide
+    "deep tuple key": (b"\x80\x02}" + DEEP_TUPLE + b"Ns.", "a dict key is a tuple too deep"),
+    "deep tuple in ADDITEMS": (b"\x80\x04\x8f(" + DEEP_TUPLE + b"\x90.", "a set member is a tuple too deep"),
+    "deep tuple in FROZENSET": (b"\x80\x04(" + DEEP_TUPLE + b"\x91.", "a set member is a tuple too deep"),
+    "deep tuple in set()": (b"\x80\x02c__builtin__\nset\n((" + DEEP_TUPLE + b"ltR.", "member of a set is a tuple too"),
+    "tuple of a bomb as key": (b"\x80\x02}" + bomb() + b"\x85Ns.", "a dict key is a tuple"),
+    "bomb as key": (b"\x80\x02}" + bomb() + b"Ns.", "a dict key is a list"),
+    "dict as key": (b"\x80\x02}}Ns.", "a dict key is a dict"),
+    "bomb as DICT key": (b"\x80\x02(" + bomb() + b"K\x01d.", "a dict key is a list"),
+    "bomb as SETITEMS key": (b"\x80\x02}(" + bomb() + b"K\x01u.", "a dict key is a list"),
+    "bomb in set()": (b"\x80\x02c__builtin__\nset\n((" + bomb() + b"ltR.", "a member of a set is a list"),
+    "memo index": (b"\x80\x02p99999999999\n.", "memo index"),
+    "memo index of 23 digits": (b"\x80\x02Np99999999999999999999999\n.", "memo index"),
+    "4097 tuple keys": (
+        b"\x80\x02}" + b"".join(b"M" + i.to_bytes(2, "little") + b"\x85Ns" for i in range(4097)) + b".",
+        "more than 4096",
+    ),
+    "4097 large int keys": (
+        b"\x80\x02}"
+        + b"".join(b"\x8a\x0a" + ((i + 1) << 61).to_bytes(10, "little") + b"Ns" for i in range(4097))
+        + b".",
+        "limit",
+    ),
+    # messages: what a refusal would format
+    "bomb as storage key": (
+        b"\x80\x02(" + FLOAT_STORAGE + bomb() + _unicode("cpu") + b"K\x01tQ.",
+        "a storage's key is a list",
+    ),
+    "bomb as storage type": (
+        b"\x80\x02(" + _unicode("storage") + bomb() + _unicode("k") + _unicode("cpu") + b"K\x01tQ.",
+        "wrong types",
+    ),
+    "bomb as persistent id kind": (b"\x80\x02(" + bomb() + b"NNNNtQ.", "not a storage"),
+    "bomb as v3 dtype": (b"\x80\x02" + V3 + b"(" + UNTYPED_PID + AT_0_SIZE_1 + b"}" + bomb() + b"tR.", "dtype a list"),
+    "bomb as hooks": (b"\x80\x02" + V2 + b"(" + FLOAT_PID + AT_0_SIZE_1 + bomb() + b"tR.", "backward hooks"),
+    "bomb as OrderedDict args": (
+        b"\x80\x02ccollections\nOrderedDict\n(" + bomb() + b"tR.",
+        "OrderedDict is made with arguments",
+    ),
+    "bomb as encoding": (b"\x80\x02c_codecs\nencode\n(" + _unicode("x") + bomb() + b"tR.", "latin1"),
+    "bomb as set()'s list": (b"\x80\x02c__builtin__\nset\n(" + bomb() + b"\x85tR.", "a member of a set is a list"),
+    "bomb as numpy dtype": (b"\x80\x02cnumpy\ndtype\n(" + bomb() + b"K\x00K\x01tR.", "numpy dtype a list is not"),
+}
+
+
+def read_torch(data: bytes) -> Any:
+    """``data`` read as a torch.save pickle is: storages by persistent id, numpy arrays allowed."""
+    reader = TorchFile("test.pt", numpy_arrays=True)
+    return read_pickle(data, where="test.pt", globals_=reader.globals_table(), persistent_load=reader.persistent_load)[
+        0
+    ]
+
+
+def refuse_hostile() -> None:
+    """In the child: each :data:`HOSTILE` case's outcome as a line of JSON, as soon as it is known."""
+    for name, (data, _) in HOSTILE.items():
+        try:
+            read_torch(data)
+        except InvalidInputError as exc:
+            said = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported, and failed, by the parent
+            said = f"escaped as {type(exc).__name__}"
+        else:
+            said = "read, not refused"
+        print(json.dumps({"case": name, "said": said[:1000]}), flush=True)
+
+
+def test_hostile_pickles_are_refused_before_anything_hashes_or_formats_them() -> None:
+    root = Path(__file__).resolve().parents[2]
+    script = "from tests.client.test_pickle_reader import refuse_hostile; refuse_hostile()"
+    try:
+        ran = subprocess.run(
+            [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120, check=False
+        )
+        out, code = ran.stdout, ran.returncode
+    except subprocess.TimeoutExpired as expired:
+        out, code = (
+            (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else expired.stdout or "",
+            "hung",
+        )
+    said = {row["case"]: row["said"] for row in map(json.loads, out.splitlines())}
+    problems = [
+        f"{name}: {said.get(name, f'no answer (the child ended: {code})')!r}, expected {words!r}"
+        for name, (_, words) in HOSTILE.items()
+        if words not in said.get(name, "") or len(said[name]) > 400
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_keys_torch_files_hold_still_read() -> None:
+    small_tuples = {(i, "x", (i,)): i for i in range(4096)}  # the most composite keys one pickle may hold
+    assert read(pickle.dumps(small_tuples, protocol=2)) == small_tuples
+    ints = {i: [i] for i in range(100_000)}  # optimizer states keyed by index: ints hash to themselves
+    assert read(pickle.dumps(ints, protocol=4)) == ints
