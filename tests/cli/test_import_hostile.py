@@ -30,7 +30,8 @@ import client
 from client.cli import app
 from service.errors import InvalidInputError
 from tests.cli.conftest import Cli
-from tests.cli.hostile_imports import BY_ID, CASES, MARKER, Case, Says
+from tests.cli.hostile_case import Says
+from tests.cli.hostile_imports import BY_ID, CASES, MARKER, Case
 from tests.cli.hostile_pickles import system_extension
 from tests.cli.import_kit import BASES
 from tests.client.models import tensors_equal
