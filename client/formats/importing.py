@@ -4,10 +4,10 @@ The files are memory-mapped, not read into memory: each tensor is a view of the 
 until the normal save path hashes it and, if the store lacks it, writes it into a shard. So a
 base model is seeded once and every fine-tune saved later dedups against it.
 
-Headers are checked before any tensor is made: size caps (the header's bytes, and its entry
-count before the JSON is parsed), no duplicate names, known dtypes, offsets in bounds, not
-overlapping and consistent with dtype × shape. Every file a folder names is resolved inside the
-folder and must be a regular file (:mod:`client.formats.confined`).
+Headers are checked before any tensor is made: size caps (the header's bytes, and the objects,
+arrays and values its structural bytes allow, before the JSON is parsed), no duplicate names,
+known dtypes, offsets in bounds, not overlapping and consistent with dtype × shape. Every file a
+folder names is resolved inside the folder and must be a regular file (:mod:`client.formats.confined`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from client.api import Client
 from client.formats import budget, confined, peft_folder, sources
-from client.formats.json_text import parse_json
+from client.formats.json_text import check_structure, parse_json
 from client.results import SaveResult
 from client.tensors import NAME_TO_TORCH
 from service.errors import InvalidInputError
@@ -33,8 +33,12 @@ INDEX_FILE = "model.safetensors.index.json"
 #: The reference library's own cap on a header.
 MAX_HEADER_BYTES = 100 << 20
 MAX_INDEX_BYTES = 100 << 20
-#: Most tensors one safetensors file may hold (counted in the header's bytes before parsing).
+#: Most tensors one safetensors file may hold: its header may hold this many objects (one per
+#: tensor, counted by their braces before parsing, however the keys are spelled), and two more.
 MAX_FILE_TENSORS = 1 << 18
+#: Most values a header may hold (every number, string, list and object, by the commas and brackets
+#: that separate them): 16 a tensor at the most tensors, a shape of up to 10 dimensions each.
+MAX_HEADER_VALUES = 16 * MAX_FILE_TENSORS
 #: Why a folder's file or subfolder the import did not read is in the report.
 UNREAD_FILE = "not read: no part of this format's checkpoint (tokenizers, training_args.bin and notes are not stored)"
 UNREAD_FOLDER = "not read: a folder inside the source"
@@ -80,8 +84,14 @@ def open_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if length > MAX_HEADER_BYTES or 8 + length > size:
         raise InvalidInputError(f"{path}: header length {length} does not fit the file ({size} bytes)")
     text = mapped[8 : 8 + length]
-    if text.count(b'"data_offsets"') > MAX_FILE_TENSORS:
-        raise InvalidInputError(f"{path}: the header lists more than {MAX_FILE_TENSORS} tensors, past the limit")
+    check_structure(
+        text,
+        f"{path}: the safetensors header",
+        objects=MAX_FILE_TENSORS + 2,  # the header itself and its __metadata__
+        arrays=2 * MAX_FILE_TENSORS,  # a shape and data_offsets a tensor
+        values=MAX_HEADER_VALUES,
+        unit=" (one per tensor)",
+    )
     header = parse_json(text, f"{path} header", floats=False)
     data_start = 8 + length
     entries = _entries(path, header, size - data_start)
@@ -168,7 +178,7 @@ def _read_checkpoint(source: Path, expand_limit: int) -> sources.Imported:
         else:
             imported = sources.Imported(open_safetensors(source))
     else:
-        with confined.recording() as opened, confined.links_within(confined.cache_repo(source)):
+        with confined.recording() as opened, confined.reading(source, confined.cache_repo(source)):
             imported = _read_folder(source, expand_limit)
         for entry in sorted(source.iterdir()):
             if entry not in opened:

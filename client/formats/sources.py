@@ -21,7 +21,12 @@ usual placement rules.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ import torch
 
 from client.formats import confined, lightning_ckpt
 from client.formats.dcp_folder import read_dcp_folder
-from client.formats.json_text import parse_json
+from client.formats.json_text import large_integers, parse_json
 from client.formats.torch_dicts import read_layout, tensor_dict
 from client.formats.torch_files import read_torch_file
 from client.formats.torch_globals import RefusedTensor
@@ -41,8 +46,15 @@ TRAINER_STATE = "trainer_state.json"
 DCP_METADATA = ".metadata"
 MAX_TRAINER_STATE_BYTES = 100 << 20
 MAX_CONFIG_BYTES = 10 << 20
-#: Most layers a config may ask for: the model is built (on the meta device) to learn its names.
-MAX_CONFIG_LAYERS = 1024
+#: Most any integer in a config may be (a count of layers or heads, a size, a position, a token id),
+#: whatever its key: a config class may make a list entry per layer before any model is built.
+MAX_CONFIG_INT = 1 << 24
+#: The model a config describes is built (on the meta device) to learn its names; it may register
+#: this many parameters, buffers and submodules per tensor of the checkpoint's weights (transformers'
+#: models register 2 to 3.5), plus :data:`SLACK_PARTS`, and never more than :data:`MAX_MODEL_PARTS`.
+PARTS_PER_TENSOR = 8
+SLACK_PARTS = 4096
+MAX_MODEL_PARTS = 100_000
 
 
 @dataclass
@@ -191,14 +203,21 @@ def _named_optimizer(state: Any, names: list[list[str]], where: str) -> dict[str
     return {"state": {by_index[i]: s for i, s in by_index_state.items()}, "param_groups": named_groups}
 
 
-def meta_model(directory: Path) -> torch.nn.Module:
+def meta_model(directory: Path, weights: int) -> torch.nn.Module:
     """The transformers model ``config.json`` in ``directory`` describes, on the meta device
-    (no memory, no download, no code from the folder).
+    (no memory, no download, no code from the folder), for a checkpoint of ``weights`` tensors.
 
     The config is read as JSON here and built with ``AutoConfig.for_model`` from its
     ``model_type``; a config that asks for remote code (``auto_map``) is refused, and the class
     is ``architectures[0]`` only when that names a transformers model class built for the
     config's type.
+
+    What sizes the model is bounded without reading any field's name (a model has as many
+    spellings of "layers" as it has authors): every integer in the config, nested ones included,
+    is at most :data:`MAX_CONFIG_INT` before the config is built (config classes make a list
+    entry per layer), and the build itself is stopped once it has registered more parameters,
+    buffers and submodules than the checkpoint's own ``weights`` could account for
+    (:func:`bounded_build`).
     """
     import transformers
 
@@ -210,16 +229,20 @@ def meta_model(directory: Path) -> torch.nn.Module:
         raise InvalidInputError(
             f"{path}: names its own model code (auto_map); ckptstore never runs remote code from a checkpoint"
         )
+    large = large_integers(config_dict, MAX_CONFIG_INT)
+    if large is not None:
+        raise InvalidInputError(
+            f"{path}: {large[0]} is {large[1]}, past the limit of {MAX_CONFIG_INT} for any number in a config "
+            "(numbers in a config size the model that is built from it)"
+        )
     model_type = config_dict.pop("model_type", None)
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise InvalidInputError(f"{path}: model_type {str(model_type)[:40]!r} is not one transformers knows")
     try:
-        config = transformers.AutoConfig.for_model(model_type, **config_dict)
-    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        with _quiet():
+            config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
         raise InvalidInputError(f"{path}: transformers refuses the config: {str(exc)[:200]}") from exc
-    layers = getattr(config, "num_hidden_layers", 0)
-    if not isinstance(layers, int) or layers > MAX_CONFIG_LAYERS:
-        raise InvalidInputError(f"{path}: {layers} layers is past the limit of {MAX_CONFIG_LAYERS}")
     architectures = config_dict.get("architectures") or []
     name = architectures[0] if isinstance(architectures, list) and architectures else None
     model_class = getattr(transformers, name, None) if isinstance(name, str) else None
@@ -232,11 +255,64 @@ def meta_model(directory: Path) -> torch.nn.Module:
         raise InvalidInputError(
             f"{path}: architectures names {str(name)[:80]!r}, not a transformers model class for a {model_type} config"
         )
+    limit = min(PARTS_PER_TENSOR * weights + SLACK_PARTS, MAX_MODEL_PARTS)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _quiet(), bounded_build(limit, f"{path}: {name}", weights):
             return model_class(config)
-    except (TypeError, ValueError, AttributeError, KeyError, RuntimeError, IndexError) as exc:
+    except (TypeError, ValueError, AttributeError, KeyError, RuntimeError, IndexError, OverflowError) as exc:
         raise InvalidInputError(f"{path}: {name} cannot be built from this config: {str(exc)[:200]}") from exc
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' log records and Python warnings silenced: what they say of a foreign config
+    quotes its strings, which reach the terminal as they are; a refusal says what matters."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextmanager
+def bounded_build(limit: int, subject: str, weights: int) -> Iterator[None]:
+    """In this context, this thread may register at most ``limit`` parameters, buffers and
+    submodules on modules (torch's global registration hooks count them as they are made); the
+    one past it raises, ending the build of a model larger than its checkpoint.
+
+    Raises:
+        InvalidInputError: naming ``subject``, the limit and the ``weights`` it was drawn from.
+    """
+    from torch.nn.modules import module as modules
+
+    thread = threading.get_ident()
+    registered = 0
+
+    def count(*_: object) -> None:
+        nonlocal registered
+        if threading.get_ident() != thread:
+            return
+        registered += 1
+        if registered > limit:
+            raise InvalidInputError(
+                f"{subject} has more than {limit} parameters, buffers and submodules, past the limit for a "
+                f"checkpoint of {weights} tensors: the config describes a larger model than its weights"
+            )
+
+    handles = [
+        modules.register_module_parameter_registration_hook(count),
+        modules.register_module_buffer_registration_hook(count),
+        modules.register_module_module_registration_hook(count),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def trainer_param_names(model: torch.nn.Module) -> list[list[str]]:
@@ -277,7 +353,7 @@ def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor],
     trainer_state = parse_json(
         confined.read_small(state_path, MAX_TRAINER_STATE_BYTES), str(state_path), floats=True, constants=True
     )
-    model = meta_model(directory)  # the config is checked here: parsed, built, no remote code
+    model = meta_model(directory, len(model_tensors))  # the config is checked here: parsed, built, no remote code
     config_path = directory / "config.json"
     model_config = parse_json(confined.read_small(config_path, MAX_CONFIG_BYTES), str(config_path), floats=True)
     imported = Imported(
