@@ -5,25 +5,37 @@ classes as plain :class:`Record` s (never the classes themselves). Everything it
 checked before a byte of data is read:
 
 - each tensor's chunks lie inside it and cover it exactly once (no gap, no overlap), so every
-  stored byte comes from the source and none is left as whatever memory held;
+  stored byte comes from the source and none is left as whatever memory held
+  (:func:`~client.formats.dcp_cover.check_cover`);
 - each item's ``relative_path`` names a regular file inside the folder, and its offset and
   length lie inside that file;
-- each nested key path (``planner_data``) is a short tuple of names and indices.
+- no two items (tensor chunks or byte entries) read overlapping bytes, so each stored item is
+  read once (:func:`~client.formats.dcp_cover.check_regions`);
+- each name is a string of at most :data:`MAX_NAME_CHARS` characters, and each nested key path
+  (``planner_data``) is a short tuple of names and indices.
+
+No value of the metadata is formatted, hashed or compared before it is known to be one of these
+bounded fields: messages describe any other value by its type.
 
 Then each item's bytes, a ``torch.save`` archive, are read by :mod:`client.formats.torch_files`:
 a chunk must hold a tensor of exactly the chunk's shape and the tensor's dtype; a byte item
-(any other value DCP pickled) is read under the same allow-list as any ``.pt`` file.
+(any other value DCP pickled) is read under the same allow-list as any ``.pt`` file. Each tensor
+put together from its chunks is charged to the import's budget (:mod:`client.formats.budget`)
+before it is made.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from client.formats import confined
+from client.formats import budget, confined
+from client.formats.dcp_cover import check_cover, check_regions
 from client.formats.pickle_reader import read_pickle
 from client.formats.pickle_types import Global, GlobalTable, PickleLimits, Record
 from client.formats.torch_files import read_torch_bytes
@@ -39,6 +51,10 @@ MAX_ENTRIES = 1 << 20
 #: Longest nested key path and largest list index a path may hold.
 MAX_PATH_DEPTH = 64
 MAX_LIST_INDEX = 1 << 20
+#: Longest name (an entry's fqn, a key of its path, a data file's relative path).
+MAX_NAME_CHARS = 4096
+#: Longest layout name (``torch.strided``).
+MAX_LAYOUT_CHARS = 64
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _RECORDS = (
@@ -69,10 +85,35 @@ def _record(kind: str) -> Global:
     return Global(kind, call=make, new=make)
 
 
-def _metadata_globals() -> GlobalTable:
+def _kind(value: Any) -> str:
+    """``value`` described by its type alone (a record by its class), never by its contents."""
+    if isinstance(value, Record):
+        return "a pathlib path" if value.kind == "path" else f"DCP's {value.kind}"
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
+def _metadata_globals(where: str) -> GlobalTable:
+    """The callables a ``.metadata`` may name. Each runs while the pickle is still being read, before
+    its values are bounded, so each looks at the types and lengths of its arguments only."""
+
+    def layout(args: tuple[Any, ...]) -> str:
+        if len(args) != 1 or not isinstance(args[0], str) or len(args[0]) > MAX_LAYOUT_CHARS:
+            shown = _kind(args[0]) if len(args) == 1 else f"{len(args)} values"
+            raise InvalidInputError(f"{where}: a tensor's layout is given as {shown}, not a layout name")
+        return args[0]
+
+    def size(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args:
+            return ()
+        if len(args) != 1 or not isinstance(args[0], (list, tuple)) or len(args[0]) > 64:
+            shown = _kind(args[0]) if len(args) == 1 else f"{len(args)} values"
+            raise InvalidInputError(f"{where}: a torch.Size is made of {shown}, not a list of at most 64 sizes")
+        return tuple(args[0])
+
     table: dict[tuple[str, str], Any] = {key: _record(kind) for key, kind in _RECORDS.items()}
-    table[("torch.serialization", "_get_layout")] = Global("layout", call=lambda args: str(args))
-    table[("torch", "Size")] = Global("torch.Size", call=lambda args: tuple(args[0]) if args else ())
+    table[("torch.serialization", "_get_layout")] = Global("layout", call=layout)
+    table[("torch", "Size")] = Global("torch.Size", call=size)
     table[("collections", "OrderedDict")] = Global("OrderedDict", call=lambda args: {})
     table.update({("torch", n): d for n in dir(torch) if isinstance(d := getattr(torch, n, None), torch.dtype)})
     return table
@@ -82,7 +123,7 @@ def read_metadata(path: Path) -> Record:
     """The ``Metadata`` record of a ``.metadata`` file (fields as read; see :func:`read_dcp_folder`)."""
     data = confined.read_small(path, MAX_METADATA_BYTES)
     value, _ = read_pickle(
-        data, where=str(path), globals_=_metadata_globals(), limits=PickleLimits(max_bytes=MAX_METADATA_BYTES)
+        data, where=str(path), globals_=_metadata_globals(str(path)), limits=PickleLimits(max_bytes=MAX_METADATA_BYTES)
     )
     if not isinstance(value, Record) or value.kind != "Metadata":
         raise InvalidInputError(f"{path}: holds a {type(value).__name__}, not DCP metadata")
@@ -106,79 +147,65 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _volume(sizes: tuple[int, ...]) -> int:
-    volume = 1
-    for size in sizes:
-        volume *= size
-    return volume
+def _name(value: Any, what: str) -> str:
+    """``value`` once it is a string of at most :data:`MAX_NAME_CHARS` characters."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} is {_kind(value)}, not a string")
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidInputError(f"{what} is {len(value)} characters long, past the limit of {MAX_NAME_CHARS}")
+    return value
 
 
-def check_cover(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], what: str) -> None:
-    """Refuse chunks that leave part of a tensor of ``size`` uncovered, overlap, or lie outside it.
+class _Item(NamedTuple):
+    """One region the checkpoint reads: a tensor's chunk (at ``chunk``) or a byte entry (``chunk`` None)."""
 
-    Raises:
-        InvalidInputError: naming ``what`` and the first chunk at fault.
-    """
-    for offsets, sizes in chunks:
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise InvalidInputError(f"{what}: a chunk has {len(offsets)} dimensions, the tensor {len(size)}")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
-            raise InvalidInputError(f"{what}: chunk at {list(offsets)} of {list(sizes)} reaches outside {list(size)}")
-    total = _volume(size)
-    if total == 0:
-        return
-    live = [c for c in chunks if _volume(c[1])]
-    # Sweep along the dimension the chunks are cut on most: a chunk can only overlap the ones
-    # that start before it ends there.
-    dim = max(range(len(size)), key=lambda d: len({c[0][d] for c in live}), default=None)
-    if dim is not None:
-        live.sort(key=lambda c: c[0][dim])
-    for i, (offsets, sizes) in enumerate(live):
-        for other_offsets, other_sizes in live[i + 1 :]:
-            if dim is not None and other_offsets[dim] >= offsets[dim] + sizes[dim]:
-                break
-            if all(
-                a < b + bs and b < a + as_
-                for a, as_, b, bs in zip(offsets, sizes, other_offsets, other_sizes, strict=True)
-            ):
-                raise InvalidInputError(
-                    f"{what}: chunks at {list(offsets)} and {list(other_offsets)} overlap; each element must be "
-                    "stored once"
-                )
-    covered = sum(_volume(c[1]) for c in live)
-    if covered != total:
-        raise InvalidInputError(
-            f"{what}: its chunks cover {covered} of its {total} elements, leaving the rest uncovered; the "
-            "checkpoint is incomplete"
-        )
+    fqn: str
+    chunk: tuple[int, ...] | None
+    path: Path
+    mapped: mmap.mmap | bytes
+    offset: int
+    length: int
+
+    def describe(self) -> str:
+        """The item, in a message."""
+        if self.chunk is None:
+            return f"item {self.fqn[:80]!r}"
+        return f"chunk {list(self.chunk)} of tensor {self.fqn[:80]!r}"
 
 
 class _Folder:
-    """The folder's files, each checked and mapped once."""
+    """The folder's files, each name resolved, checked and mapped once."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.mapped: dict[Path, mmap.mmap | bytes] = {}
+        self.files: dict[str, tuple[Path, mmap.mmap | bytes]] = {}
 
-    def region(self, info: Any, where: str) -> tuple[Path, mmap.mmap | bytes, int, int]:
+    def item(self, fqn: str, chunk: tuple[int, ...] | None, info: Any, where: str) -> _Item:
         """The file, its mapping and ``(offset, length)`` a ``_StorageInfo`` names, all checked."""
-        name = _field(info, "_StorageInfo", "relative_path", 0, where)
+        what = f"{where} ({'item' if chunk is None else 'tensor'} {fqn[:80]!r})"
+        name = _field(info, "_StorageInfo", "relative_path", 0, what)
+        if not isinstance(name, str):
+            raise InvalidInputError(
+                f"{what}: its file is named by {_kind(name)}, not a plain file name; a source names only its own "
+                f"files, never a place outside {self.root}"
+            )
+        _name(name, f"{what}: its file name")
         if isinstance(info.state, dict) and info.state.get("transform_descriptors"):
             raise InvalidInputError(
-                f"{where}: the item is stored transformed (compressed), which ckptstore does not read"
+                f"{what}: the item is stored transformed (compressed), which ckptstore does not read"
             )
-        path = confined.inside(self.root, name, named_in=where)
-        if path not in self.mapped:
-            self.mapped[path] = confined.map_file(path) or b""
-        mapped = self.mapped[path]
+        if name not in self.files:
+            path = confined.inside(self.root, name, named_in=what)
+            self.files[name] = path, confined.map_file(path) or b""
+        path, mapped = self.files[name]
         offset, length = confined.check_region(
             path,
-            _field(info, "_StorageInfo", "offset", 1, where),
-            _field(info, "_StorageInfo", "length", 2, where),
+            _field(info, "_StorageInfo", "offset", 1, what),
+            _field(info, "_StorageInfo", "length", 2, what),
             len(mapped),
-            where,
+            what,
         )
-        return path, mapped, offset, length
+        return _Item(fqn, chunk, path, mapped, offset, length)
 
 
 def _storage_index(metadata: Record, where: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
@@ -187,11 +214,9 @@ def _storage_index(metadata: Record, where: str) -> dict[tuple[str, tuple[int, .
         raise InvalidInputError(f"{where}: storage_data is not a dict of at most {MAX_ENTRIES} entries")
     index: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     for key, info in storage_data.items():
-        fqn = _field(key, "MetadataIndex", "fqn", 0, where)
+        fqn = _name(_field(key, "MetadataIndex", "fqn", 0, where), f"{where}: an item's name")
         offset = key.state.get("offset") if isinstance(key.state, dict) else None
-        if not isinstance(fqn, str):
-            raise InvalidInputError(f"{where}: an item's name is not a string")
-        index[(fqn, None if offset is None else _ints(offset, f"{where}: {fqn!r}'s offset"))] = info
+        index[(fqn, None if offset is None else _ints(offset, f"{where}: {fqn[:80]!r}'s offset"))] = info
     return index
 
 
@@ -211,23 +236,50 @@ def read_dcp_folder(directory: Path) -> dict[str, Any]:
     planner = metadata.state.get("planner_data") if isinstance(metadata.state, dict) else None
     plans = {fqn: _plan_tensor(fqn, entry, where) for fqn, entry in entries.items()}  # every claim, before any read
     folder = _Folder(directory)
+    items = {fqn: _items(fqn, plan, storage, folder, where) for fqn, plan in plans.items()}
+    every = [item for found in items.values() for item in found]
+    check_regions([(str(i.path), i.offset, i.length, n) for n, i in enumerate(every)], _describer(every), where)
     flat: dict[str, Any] = {}
     for fqn, plan in plans.items():
         if plan is None:
-            info = storage.get((fqn, None))
-            if info is None:
-                raise InvalidInputError(f"{where}: item {fqn[:80]!r} has no bytes recorded")
-            path, mapped, offset, length = folder.region(info, f"{where} (item {fqn[:80]!r})")
-            flat[fqn] = read_torch_bytes(mapped, offset, length, where=f"{path} (item {fqn[:80]!r})")
+            (item,) = items[fqn]
+            flat[fqn] = read_torch_bytes(
+                item.mapped, item.offset, item.length, where=f"{item.path} (item {fqn[:80]!r})"
+            )
         else:
-            flat[fqn] = _read_tensor(fqn, plan, storage, folder, where)
+            flat[fqn] = _read_tensor(fqn, plan, items[fqn], where)
     return _nested(flat, planner, where)
+
+
+def _describer(items: list[_Item]) -> Callable[[int], str]:
+    return lambda n: items[n].describe()
+
+
+def _items(
+    fqn: str,
+    plan: tuple[torch.dtype, tuple[int, ...], list[Any]] | None,
+    storage: dict[Any, Any],
+    folder: _Folder,
+    where: str,
+) -> list[_Item]:
+    """The regions ``fqn`` reads: its one item, or each of its chunks, in the order of its chunks."""
+    if plan is None:
+        info = storage.get((fqn, None))
+        if info is None:
+            raise InvalidInputError(f"{where}: item {fqn[:80]!r} has no bytes recorded")
+        return [folder.item(fqn, None, info, where)]
+    found = []
+    for offsets, _ in plan[2]:
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise InvalidInputError(f"{where}: chunk {list(offsets)} of tensor {fqn[:80]!r} has no bytes recorded")
+        found.append(folder.item(fqn, offsets, info, where))
+    return found
 
 
 def _plan_tensor(fqn: Any, entry: Any, where: str) -> tuple[torch.dtype, tuple[int, ...], list[Any]] | None:
     """A tensor's dtype, size and chunks, checked to cover it exactly; None for a byte item."""
-    if not isinstance(fqn, str):
-        raise InvalidInputError(f"{where}: an entry's name is not a string")
+    _name(fqn, f"{where}: an entry's name")
     if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
         return None
     what = f"{where}: tensor {fqn[:80]!r}"
@@ -250,35 +302,33 @@ def _plan_tensor(fqn: Any, entry: Any, where: str) -> tuple[torch.dtype, tuple[i
     return dtype, size, boxes
 
 
-def _read_tensor(
-    fqn: str, plan: tuple[torch.dtype, tuple[int, ...], list[Any]], storage: dict[Any, Any], folder: _Folder, where: str
-) -> Any:
+def _read_tensor(fqn: str, plan: tuple[torch.dtype, tuple[int, ...], list[Any]], items: list[_Item], where: str) -> Any:
     dtype, size, boxes = plan
+    whole = len(boxes) != 1 or boxes[0][1] != size  # put together from its chunks, not one chunk as it is
+    if whole:
+        budget.charge(math.prod(size) * dtype.itemsize, f"{where}: tensor {fqn[:80]!r}")
     pieces = []
-    for offsets, sizes in boxes:
-        info = storage.get((fqn, offsets))
-        if info is None:
-            raise InvalidInputError(f"{where}: chunk {list(offsets)} of tensor {fqn[:80]!r} has no bytes recorded")
-        path, mapped, offset, length = folder.region(info, f"{where} (tensor {fqn[:80]!r})")
-        piece = read_torch_bytes(mapped, offset, length, where=f"{path} (tensor {fqn[:80]!r})")
+    for (offsets, sizes), item in zip(boxes, items, strict=True):
+        path = item.path
+        piece = read_torch_bytes(item.mapped, item.offset, item.length, where=f"{path} (tensor {fqn[:80]!r})")
         if isinstance(piece, RefusedTensor):
             raise InvalidInputError(f"{path}: tensor {fqn[:80]!r} {piece.reason}")
         if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or tuple(piece.shape) != sizes:
             shown = f"a {piece.dtype} tensor of {list(piece.shape)}" if isinstance(piece, torch.Tensor) else "no tensor"
             raise InvalidInputError(
                 f"{path}: chunk {list(offsets)} of tensor {fqn[:80]!r} holds {shown} ({_nbytes(piece)} bytes), where "
-                f"{where} claims a {dtype} chunk of {list(sizes)} ({_volume(sizes) * dtype.itemsize} bytes)"
+                f"{where} claims a {dtype} chunk of {list(sizes)} ({math.prod(sizes) * dtype.itemsize} bytes)"
             )
         pieces.append((offsets, piece))
-    if len(pieces) == 1 and tuple(pieces[0][1].shape) == size:
+    if not whole:
         return pieces[0][1]
-    whole = torch.empty(size, dtype=dtype)
+    made = torch.empty(size, dtype=dtype)
     for offsets, piece in pieces:
-        target = whole
+        target = made
         for dim, (start, length) in enumerate(zip(offsets, piece.shape, strict=True)):
             target = target.narrow(dim, start, length)
         target.copy_(piece)
-    return whole
+    return made
 
 
 def _nbytes(value: Any) -> int:
@@ -306,8 +356,11 @@ def _nested(flat: dict[str, Any], planner: Any, where: str) -> dict[str, Any]:
 
 def _place(root: dict[str, Any], path: list[Any], value: Any, what: str) -> None:
     for key in path:
-        if not (isinstance(key, str) or (type(key) is int and 0 <= key < MAX_LIST_INDEX)):
-            raise InvalidInputError(f"{what} holds {str(key)[:40]!r}, neither a name nor a list index below the limit")
+        if isinstance(key, str):
+            _name(key, f"{what}: a key")
+        elif type(key) is not int or not 0 <= key < MAX_LIST_INDEX:
+            shown = f"the index {key}" if type(key) is int else _kind(key)
+            raise InvalidInputError(f"{what} holds {shown}, neither a name nor a list index below the limit")
     if not isinstance(path[0], str):
         raise InvalidInputError(f"{what} starts with an index, not a name")
     container: Any = root
