@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from client.cli import inspect, manage, retention, transfer
+from client.cli.common import echo
 from client.cli.server import db_app, serve
 
 #: The distribution ``pyproject.toml`` names: ``--version`` prints its installed version.
@@ -47,7 +48,7 @@ def installed_version() -> str:
 def _print_version(value: bool) -> None:
     """``--version``: print the installed version and exit 0 before any command runs."""
     if value:
-        typer.echo(f"ckptstore {installed_version()}")
+        echo(f"ckptstore {installed_version()}")
         raise typer.Exit()
 
 

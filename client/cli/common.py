@@ -1,5 +1,6 @@
 """What every ``ckptstore`` command shares: the client from the environment, RUN@REF targets,
-error reporting, sizes and aligned tables.
+error reporting, sizes and aligned tables, and :func:`echo`, through which every command prints
+(control characters in what it prints written as escapes: :mod:`client.cli.shown`).
 
 Torch-free at import, like every module of :mod:`client.cli`: the server image runs ``ckptstore
 serve`` and ``ckptstore db`` without torch.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
+from client.cli.shown import shown, shown_lines
 from service.errors import CheckpointError, InvalidInputError, InvalidNameError
 from service.format.names import LATEST, parse_ref, validate_run_id
 from service.secrets_mask import mask_urls
@@ -94,12 +96,25 @@ def parse_size(text: str) -> int:
     return value
 
 
-def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    """Print ``error: message`` on stderr, any URL in it with its secrets masked, and exit with ``code``.
+def echo(text: str = "", *, err: bool = False) -> None:
+    """Print ``text`` on stdout (``err``: stderr), every control character in it but its newlines
+    written as an escape (:func:`client.cli.shown.shown_lines`); every command prints through here."""
+    typer.echo(shown_lines(text), err=err)
 
-    Messages quote foreign text (S3's names its endpoint URL, credentials and all).
+
+def error_line(message: str) -> str:
+    """``error: message`` as one line: any URL with its secrets masked, every control character
+    (newlines included) written as an escape."""
+    return f"error: {shown(mask_urls(message))}"
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    """Print ``error: message`` on stderr (:func:`error_line`) and exit with ``code``.
+
+    Messages quote foreign text (S3's names its endpoint URL, credentials and all; an import's, the
+    names of the files it was given).
     """
-    typer.echo(f"error: {mask_urls(message)}", err=True)
+    typer.echo(error_line(message), err=True)
     raise typer.Exit(code)
 
 
@@ -227,8 +242,8 @@ def _token() -> str | None:
 
 
 def echo_json(value: Any) -> None:
-    """Print ``value`` as indented JSON on stdout."""
-    typer.echo(json.dumps(value, indent=2))
+    """Print ``value`` as indented JSON on stdout (ASCII: every other character written as ``\\uXXXX``)."""
+    echo(json.dumps(value, indent=2, ensure_ascii=True))
 
 
 def size(n: int) -> str:
@@ -244,12 +259,14 @@ def size(n: int) -> str:
 def table(
     headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[int] = (), indent: str = ""
 ) -> None:
-    """Print ``rows`` under ``headers`` in aligned columns; columns in ``right`` are right-aligned."""
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    """Print ``rows`` under ``headers`` in aligned columns; columns in ``right`` are right-aligned.
+
+    A cell is one line, as :func:`client.cli.shown.shown` writes it (escapes counted in its width)."""
+    cells = [[shown(str(c)) for c in headers]] + [["-" if c is None else shown(str(c)) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         parts = [
             cell.rjust(width) if index in right else cell.ljust(width)
             for index, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
-        typer.echo((indent + "  ".join(parts)).rstrip())
+        echo((indent + "  ".join(parts)).rstrip())

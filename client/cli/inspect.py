@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from client import keys
-from client.cli.common import echo_json, open_client, parse_target, reported, server_url, size, table
+from client.cli.common import echo, echo_json, open_client, parse_target, reported, server_url, size, table
+from client.cli.shown import shown
 from service.errors import NotFoundError
 from service.format.names import validate_run_id
 from service.records import RunInfo, VersionInfo
@@ -71,7 +72,7 @@ def _print_summary(info: VersionInfo) -> None:
         ("tensors", f"{info.tensors_total} ({info.tensors_new} new)"),
     ]
     for label, value in rows:
-        typer.echo(f"{label:<9} {value}")
+        echo(f"{label:<9} {shown(value)}")
 
 
 def _print_tensors(manifest: Manifest) -> None:
@@ -79,8 +80,8 @@ def _print_tensors(manifest: Manifest) -> None:
     for entry in manifest.tensors:
         grouped.setdefault(_section(entry.key)[0], []).append(entry)
     for title, entries in grouped.items():
-        typer.echo("")
-        typer.echo(f"{title}: {len(entries)} tensors, {size(sum(e.nbytes for e in entries))}")
+        echo("")
+        echo(f"{shown(title)}: {len(entries)} tensors, {size(sum(e.nbytes for e in entries))}")
         rows = [
             (
                 _section(e.key)[1],
@@ -96,7 +97,7 @@ def _print_tensors(manifest: Manifest) -> None:
         table(("NAME", "DTYPE", "SHAPE", "PLACEMENT", "DEVICE", "TRAINABLE", "SIZE"), rows, right=(6,), indent="  ")
     for section in manifest.state:
         if not any(entry.key.startswith(f"{section}/") for entry in manifest.tensors):
-            typer.echo(f"\n{STATE_TITLES.get(section, section)}: no tensors (JSON state only)")
+            echo(f"\n{shown(STATE_TITLES.get(section, section))}: no tensors (JSON state only)")
 
 
 def show(
@@ -126,7 +127,7 @@ def _value(value: Any) -> str:
 
 
 def _print_diff(result: VersionDiff) -> None:
-    typer.echo(f"{result.run_a}@{result.version_a} -> {result.run_b}@{result.version_b}")
+    echo(f"{result.run_a}@{result.version_a} -> {result.run_b}@{result.version_b}")
     totals = [(status, t.count, size(t.nbytes)) for status, t in result.totals.items()]
     table(("STATUS", "TENSORS", "BYTES"), totals, right=(1, 2))
     columns = {
@@ -137,17 +138,17 @@ def _print_diff(result: VersionDiff) -> None:
     for status, (headers, row) in columns.items():
         changes = [c for c in result.tensors if c.status == status]
         if changes:
-            typer.echo(f"\n{status} tensors ({len(changes)}):")
+            echo(f"\n{status} tensors ({len(changes)}):")
             table(headers, [row(c) for c in changes], right=(len(headers) - 1,), indent="  ")
     if result.values:
-        typer.echo(f"\nvalues ({len(result.values)}):")
+        echo(f"\nvalues ({len(result.values)}):")
         table(
             ("PATH", "BEFORE", "AFTER"),
             [(v.path, _value(v.before), _value(v.after)) for v in result.values],
             indent="  ",
         )
     if not result.values and all(t.count == 0 for s, t in result.totals.items() if s != "unchanged"):
-        typer.echo("\nno differences")
+        echo("\nno differences")
 
 
 def diff(
@@ -193,12 +194,12 @@ def _print_versions(versions: list[VersionInfo]) -> None:
     none; at most :data:`MAX_METRIC_COLUMNS`, a note on stderr naming those left out), sizes,
     dedup, time and tags."""
     names = sorted({name for v in versions for name in v.metrics})
-    shown, hidden = names[:MAX_METRIC_COLUMNS], names[MAX_METRIC_COLUMNS:]
+    columns, hidden = names[:MAX_METRIC_COLUMNS], names[MAX_METRIC_COLUMNS:]
     rows = [
         (
             v.version,
             v.step,
-            *(metric_value(v.metrics[name]) if name in v.metrics else None for name in shown),
+            *(metric_value(v.metrics[name]) if name in v.metrics else None for name in columns),
             size(v.bytes_total),
             size(v.bytes_new),
             f"{v.dedup_ratio:.1%}",
@@ -207,11 +208,11 @@ def _print_versions(versions: list[VersionInfo]) -> None:
         )
         for v in versions
     ]
-    headers = ("VERSION", "STEP", *shown, "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS")
-    table(headers, rows, right=tuple(range(len(shown) + 5)))
+    headers = ("VERSION", "STEP", *columns, "LOGICAL", "NEW", "DEDUP", "CREATED", "TAGS")
+    table(headers, rows, right=tuple(range(len(columns) + 5)))
     if hidden:
-        listed = ", ".join(hidden[:5]) + (", ..." if len(hidden) > 5 else "")
-        typer.echo(f"note: {len(hidden)} more metrics not shown ({listed}); --json lists every metric", err=True)
+        listed = ", ".join(shown(name) for name in hidden[:5]) + (", ..." if len(hidden) > 5 else "")
+        echo(f"note: {len(hidden)} more metrics not shown ({listed}); --json lists every metric", err=True)
 
 
 def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] | None:

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from client.cli.common import UsageProblem, echo_json, open_client, parse_target, reported, size
+from client.cli.common import UsageProblem, echo, echo_json, open_client, parse_target, reported, size
+from client.cli.shown import shown
 from service.format.names import validate_run_id, validate_tag
 from service.records import GcReport
 
@@ -39,7 +40,7 @@ def tag(
         validate_tag(name)
         with open_client() as ckpt:
             version = ckpt.tag(parsed.run_id, parsed.ref, name)
-    typer.echo(f"{parsed.run_id}@{name} -> version {version}")
+    echo(f"{parsed.run_id}@{name} -> version {version}")
 
 
 def untag(
@@ -52,7 +53,7 @@ def untag(
         validate_tag(name)
         with open_client() as ckpt:
             ckpt.untag(run_id, name)
-    typer.echo(f"removed tag {name} from {run_id}")
+    echo(f"removed tag {name} from {run_id}")
 
 
 def rm(
@@ -66,11 +67,11 @@ def rm(
             # Resolve first and delete by number: 'latest' or a tag may move while we ask.
             version = ckpt.transport.resolve(parsed.run_id, parsed.ref)
             if not yes:
-                typer.confirm(f"Delete version {version} of run {parsed.run_id!r}? This cannot be undone", abort=True)
+                typer.confirm(
+                    shown(f"Delete version {version} of run {parsed.run_id!r}? This cannot be undone"), abort=True
+                )
             ckpt.delete(parsed.run_id, version)
-    typer.echo(
-        f"deleted {parsed.run_id}@{version}; shards only it referenced stay stored until `ckptstore gc` reclaims them"
-    )
+    echo(f"deleted {parsed.run_id}@{version}; shards only it referenced stay stored until `ckptstore gc` reclaims them")
 
 
 def gc(
@@ -125,11 +126,11 @@ def gc(
         echo_json(report.model_dump(mode="json"))
         return
     verb = "would sweep" if report.dry_run else "swept"
-    typer.echo(
+    echo(
         f"{verb} {report.shards_swept} shards ({report.tensors_swept} tensors, {size(report.bytes_swept)}) "
         f"in {report.seconds:.2f} s"
     )
-    typer.echo(
+    echo(
         f"kept {report.shards_kept} shards, {report.shards_in_grace} of them unreferenced but within "
         f"the {grace.strip()} grace period"
     )
@@ -137,22 +138,22 @@ def gc(
     if report.orphan_blobs:
         what = f"{report.orphan_blobs} blobs ({size(report.orphan_bytes)}) have no shard record"
         if report.orphans_swept:
-            typer.echo(f"{what}; deleted {report.orphans_swept}")
+            echo(f"{what}; deleted {report.orphans_swept}")
         else:
-            typer.echo(f"{what}; `ckptstore gc --orphans` deletes them while no save is uploading")
+            echo(f"{what}; `ckptstore gc --orphans` deletes them while no save is uploading")
     if report.stale_uploads:
         what = (
             f"{report.stale_uploads} unfinished uploads ({size(report.stale_upload_bytes)} in parts) "
             f"had nothing added for longer than the grace period"
         )
         if report.uploads_aborted:
-            typer.echo(f"{what}; aborted {report.uploads_aborted}")
+            echo(f"{what}; aborted {report.uploads_aborted}")
         elif orphans and report.dry_run:
-            typer.echo(f"{what}; would abort them")
+            echo(f"{what}; would abort them")
         else:
-            typer.echo(f"{what}; `ckptstore gc --orphans` aborts them")
+            echo(f"{what}; `ckptstore gc --orphans` aborts them")
     if report.dry_run:
-        typer.echo("dry run: nothing was deleted")
+        echo("dry run: nothing was deleted")
 
 
 def _echo_rewrites(report: GcReport, *, compress: bool, compact: bool) -> None:
@@ -160,13 +161,13 @@ def _echo_rewrites(report: GcReport, *, compress: bool, compact: bool) -> None:
     if compress:
         before, after = report.bytes_before_compression, report.bytes_after_compression
         share = f" ({after / before:.2f}x)" if before else ""
-        typer.echo(
+        echo(
             f"{'would compress' if report.dry_run else 'compressed'} {report.tensors_compressed} tensors of "
             f"{report.versions_compressed} versions ({report.tensors_as_deltas} as deltas): {size(before)} "
             f"stored in {size(after)}{share}; the raw copies go once the grace period has passed"
         )
     if compact:
-        typer.echo(
+        echo(
             f"{'would compact' if report.dry_run else 'compacted'} {report.shards_compacted} shards: "
             f"{size(report.bytes_compacted)} freed once the grace period has passed"
         )

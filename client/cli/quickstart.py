@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from client.api import Client
+from client.cli.common import echo
 from client.connection import default_home
 
 RUN_ID = "quickstart"
@@ -35,16 +36,16 @@ def run() -> None:
     model = AdaptedMLP()
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     home = default_home()
-    print(f"embedded store: {home}")
+    echo(f"embedded store: {home}")
     with Client(home=home) as store:
-        print(f"{'version':>7}  {'logical':>12}  {'new bytes':>12}  {'dedup':>6}  {'seconds':>7}")
+        echo(f"{'version':>7}  {'logical':>12}  {'new bytes':>12}  {'dedup':>6}  {'seconds':>7}")
         for round_ in range(3):
             for _ in range(5):
                 optim.zero_grad()
                 model(torch.randn(16, 1024)).pow(2).mean().backward()
                 optim.step()
             saved = store.save(RUN_ID, model, optim, step=(round_ + 1) * 5, metrics={"round": float(round_)})
-            print(
+            echo(
                 f"{saved.version:>7}  {_mib(saved.bytes_total)}  {_mib(saved.bytes_new)}  "
                 f"{saved.dedup_ratio:>6.1%}  {saved.seconds:>7.3f}"
             )
@@ -55,11 +56,11 @@ def run() -> None:
             torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True)
         )
         step_device = fresh_optim.state[fresh.up.weight]["step"].device
-        print(
+        echo(
             f"loaded version {loaded.version} (step {loaded.step}) strictly in {loaded.seconds:.3f}s: "
             f"{'identical' if same else 'DIFFERENT'} weights; Adam's step on {step_device}"
         )
         versions = store.versions(RUN_ID)
-        print(f"run {RUN_ID!r} now has {len(versions)} versions in {home}")
+        echo(f"run {RUN_ID!r} now has {len(versions)} versions in {home}")
     if not same:
         raise SystemExit(1)

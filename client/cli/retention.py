@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from client.cli.common import UsageProblem, echo_json, open_client, reported
+from client.cli.common import UsageProblem, echo, echo_json, open_client, reported
+from client.cli.shown import shown
 from service.errors import InvalidInputError
 from service.format.names import validate_run_id
 from service.records import RetentionPolicy
@@ -18,17 +19,17 @@ def _versions(numbers: list[int]) -> str:
 
 
 def _print(record: RetentionPolicy, removed: list[int] | None) -> None:
-    typer.echo(f"run:    {record.run_id}")
-    typer.echo(f"policy: {Policy.of(record).describe()}")
+    echo(f"run:    {record.run_id}")
+    echo(f"policy: {Policy.of(record).describe()}")
     if removed is not None:
-        typer.echo(f"removed versions: {_versions(removed) or 'none'}")
+        echo(f"removed versions: {_versions(removed) or 'none'}")
         if removed:
-            typer.echo("their shards stay stored until `ckptstore gc` reclaims them")
+            echo("their shards stay stored until `ckptstore gc` reclaims them")
     elif record.would_remove:
         listed = _versions(record.would_remove)
-        typer.echo(f"not kept: versions {listed} (removed at the next commit, or now with --apply)")
+        echo(f"not kept: versions {listed} (removed at the next commit, or now with --apply)")
     elif Policy.of(record).active:
-        typer.echo("not kept: none (the policy keeps every version as the run stands)")
+        echo("not kept: none (the policy keeps every version as the run stands)")
 
 
 def retention(
@@ -82,7 +83,8 @@ def retention(
             if apply:
                 if record.would_remove and not yes:
                     listed = _versions(record.would_remove)
-                    typer.confirm(f"Remove versions {listed} of run {run_id!r} now? This cannot be undone", abort=True)
+                    question = f"Remove versions {listed} of run {run_id!r} now? This cannot be undone"
+                    typer.confirm(shown(question), abort=True)
                 removed = ckpt.apply_retention(run_id)
                 record = ckpt.retention(run_id)
     if as_json:

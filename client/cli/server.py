@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from service.secrets_mask import mask_url, mask_urls
+from client.cli.common import echo, error_line
+from service.secrets_mask import mask_url
 
 
 def serve(
@@ -41,11 +42,9 @@ def serve(
 
             application = app_from_env()
     except CheckpointError as exc:
-        typer.echo(f"error: {mask_urls(str(exc))}", err=True)
+        echo(error_line(str(exc)), err=True)
         raise typer.Exit(2) from exc
-    typer.echo(
-        f"ckptstore serving {mask_url(settings.resolved_database_url)} on http://{settings.host}:{settings.port}"
-    )
+    echo(f"ckptstore serving {mask_url(settings.resolved_database_url)} on http://{settings.host}:{settings.port}")
     from service.api.server import run, server_config
 
     run(server_config(application if settings.workers == 1 else "service.api.server:app_from_env", settings))
@@ -73,13 +72,13 @@ def db_upgrade() -> None:
         after = current_revision(database)
         database.dispose()
     except CheckpointError as exc:
-        typer.echo(f"error: {mask_urls(str(exc))}", err=True)
+        echo(error_line(str(exc)), err=True)
         raise typer.Exit(1) from exc
     where = mask_url(url)
     if before == after:
-        typer.echo(f"{where}: already at revision {after} (head {head_revision()})")
+        echo(f"{where}: already at revision {after} (head {head_revision()})")
     else:
-        typer.echo(f"{where}: upgraded from {before or 'an empty database'} to {after}")
+        echo(f"{where}: upgraded from {before or 'an empty database'} to {after}")
 
 
 @db_app.command("current")
@@ -95,6 +94,6 @@ def db_current() -> None:
         current = current_revision(database)
         database.dispose()
     except CheckpointError as exc:
-        typer.echo(f"error: {mask_urls(str(exc))}", err=True)
+        echo(error_line(str(exc)), err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"current: {current or 'none'}  head: {head_revision()}")
+    echo(f"current: {current or 'none'}  head: {head_revision()}")

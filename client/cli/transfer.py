@@ -16,6 +16,7 @@ from client.cli.common import (
     EXIT_USAGE,
     UsageProblem,
     check_folder,
+    echo,
     echo_json,
     open_client,
     open_saving_client,
@@ -26,6 +27,7 @@ from client.cli.common import (
     table,
     writing_into,
 )
+from client.cli.shown import shown
 from service.format.names import validate_run_id
 
 
@@ -101,15 +103,16 @@ def export(
                 )
         finally:
             bar.close()
-    typer.echo(
-        f"exported {result.run_id}@{result.version} to {directory}: {result.tensors} tensors, {size(result.bytes)} "
+    written = shown(str(directory))
+    echo(
+        f"exported {result.run_id}@{result.version} to {written}: {result.tensors} tensors, {size(result.bytes)} "
         f"in {result.seconds:.2f} s"
     )
     for name in result.files:
-        typer.echo(f"  {name}")
+        echo(f"  {shown(name)}")
     if not (directory / "config.json").exists():
-        typer.echo(
-            f"note: {directory} has no config.json; transformers' from_pretrained needs the model's own config there",
+        echo(
+            f"note: {written} has no config.json; transformers' from_pretrained needs the model's own config there",
             err=True,
         )
 
@@ -131,8 +134,9 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
                 result = export_dcp(ckpt.transport, parsed.run_id, parsed.ref, directory)
             else:
                 raise UsageProblem(f"--format {as_format!r}: use hf, peft or dcp (dcp takes no --keys)")
-    typer.echo(
-        f"exported {result.run_id}@{result.version} to {directory} as {as_format}: {result.tensors} tensors, "
+    written = shown(str(directory))
+    echo(
+        f"exported {result.run_id}@{result.version} to {written} as {as_format}: {result.tensors} tensors, "
         f"{size(result.bytes)} in {result.seconds:.2f} s"
     )
 
@@ -191,17 +195,18 @@ def import_(
     if as_json:
         echo_json({"run_id": result.run_id, "version": result.version, **report, "bytes": result.bytes_total})
         return
-    typer.echo(
-        f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {source} as "
+    echo(
+        f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {shown(str(source))} as "
         f"{result.run_id}@{result.version}: {size(result.bytes_new)} new, {result.dedup_ratio:.1%} already stored, "
         f"in {result.seconds:.2f} s"
     )
     for line in import_lines(report):
-        typer.echo(line)
+        echo(line)
 
 
 def import_lines(report: dict) -> list[str]:
-    """What an import stored and, by key, what it left out, for people."""
+    """What an import stored and, by key, what it left out, for people: one line each, every name
+    from the source as :func:`client.cli.shown.shown` writes it."""
     stored = [f"model: {report['model_tensors']} tensors"]
     if report["optimizer_parameters"] is not None:
         stored.append(f"optimizer: state of {report['optimizer_parameters']} parameters")
@@ -210,11 +215,11 @@ def import_lines(report: dict) -> list[str]:
     if report["step"] is not None:
         stored.append(f"step {report['step']}")
     if report["metrics"]:
-        stored.append("metrics " + ", ".join(f"{k}={v:.6g}" for k, v in sorted(report["metrics"].items())))
+        stored.append("metrics " + ", ".join(f"{shown(k)}={v:.6g}" for k, v in sorted(report["metrics"].items())))
     if report["extra"]:
-        stored.append("extra " + ", ".join(report["extra"]))
+        stored.append("extra " + ", ".join(shown(str(key)) for key in report["extra"]))
     lines = ["  stored: " + "; ".join(stored)]
-    lines += [f"  left out: {key} ({why})" for key, why in report["left_out"].items()]
+    lines += [f"  left out: {shown(str(key))} ({shown(str(why))})" for key, why in report["left_out"].items()]
     return lines
 
 
@@ -254,11 +259,11 @@ def verify(
         if report.problems:
             rows = [(f"{p.run_id}@{p.version or '?'}", p.key or "-", p.shard_id, p.problem) for p in report.problems]
             table(("VERSION", "KEY", "SHARD", "PROBLEM"), rows)
-        typer.echo(
+        echo(
             f"verified {report.versions} versions: {report.tensors} tensors, {report.digests} distinct, "
             f"{size(report.bytes)} re-read and re-hashed in {report.seconds:.2f} s"
         )
-        typer.echo(f"store: {where}")
+        echo(f"store: {where}")
     if report.problems:
-        typer.echo(f"error: {len(report.problems)} problems found in stored tensors", err=True)
+        echo(f"error: {len(report.problems)} problems found in stored tensors", err=True)
         raise typer.Exit(EXIT_FAILED)
