@@ -32,6 +32,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from client.formats.pickle_types import shown
 from service.errors import InvalidInputError
 
 #: Most links one open may follow (the kernel's own bound on a path's links).
@@ -150,7 +151,7 @@ def inside(root: Path, name: object, *, named_in: str) -> Path:
     """
     if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
         raise InvalidInputError(
-            f"{named_in}: {str(name)[:120]!r} is not a plain file name; a source names only its own files, "
+            f"{named_in}: {shown(name, 120)} is not a plain file name; a source names only its own files, "
             f"never a place outside {root}"
         )
     relative = PurePosixPath(name)

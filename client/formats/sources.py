@@ -36,6 +36,7 @@ import torch
 from client.formats import confined, lightning_ckpt
 from client.formats.dcp_folder import read_dcp_folder
 from client.formats.json_text import large_integers, parse_json
+from client.formats.pickle_types import shown
 from client.formats.torch_dicts import read_layout, tensor_dict
 from client.formats.torch_files import read_torch_file
 from client.formats.torch_globals import RefusedTensor
@@ -105,17 +106,37 @@ def exists(path: Path) -> bool:
 def check_tensors(value: Any, where: str) -> None:
     """Refuse a tensor anywhere in ``value`` that could not be made over its bytes, naming its path.
 
-    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too.
+    ``value`` was measured by the pickle reader (bounded size and depth), so this walk is too; a
+    node's path is spelled out only for the node refused (one string per node would cost the
+    tree's size times its depth).
     """
-    stack: list[tuple[Any, str]] = [(value, where)]
+    # (node, index of its parent's entry, the key or index that reached it)
+    seen: list[tuple[Any, int, Any]] = [(value, -1, None)]
+    stack = [0]
     while stack:
-        node, path = stack.pop()
+        at = stack.pop()
+        node = seen[at][0]
         if isinstance(node, RefusedTensor):
-            raise InvalidInputError(f"{path}: {node.reason}")
+            raise InvalidInputError(f"{_path_of(seen, at, where)}: {node.reason}")
         if isinstance(node, dict):
-            stack.extend((v, f"{path}[{str(k)[:40]!r}]") for k, v in node.items())
+            children: Any = node.items()
         elif isinstance(node, (list, tuple)):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+            children = enumerate(node)
+        else:
+            continue
+        for key, child in children:
+            if isinstance(child, (dict, list, tuple, RefusedTensor)):
+                stack.append(len(seen))
+                seen.append((child, at, key))
+
+
+def _path_of(seen: list[tuple[Any, int, Any]], at: int, where: str) -> str:
+    """``where`` followed by the keys from the root to entry ``at`` of :func:`check_tensors`'s walk."""
+    keys = []
+    while at > 0:
+        _, at, key = seen[at]
+        keys.append(f"[{key}]" if type(key) is int else f"[{shown(key)}]")
+    return where + "".join(reversed(keys))
 
 
 def tensor_bytes(imported: Imported) -> int:
