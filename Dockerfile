@@ -19,7 +19,7 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY client ./client
 COPY migrations ./migrations
-RUN pip install . && python -c "import service.api.server, service.db.schema; import importlib.util as u; assert u.find_spec('torch') is None" \
+RUN pip install . && python -c "import ckptstore.service.api.server, ckptstore.service.db.schema; import importlib.util as u; assert u.find_spec('torch') is None" \
     && ckptstore serve --help > /dev/null && ckptstore db upgrade --help > /dev/null
 
 USER ckptstore

@@ -14,7 +14,7 @@ import torch
 from common import RUN_ID, Bench, Row, fresh_folder, timed
 from torch import nn
 
-from client import Client
+from ckptstore.client import Client
 
 ALL_CHANGED = "save_all_changed"
 

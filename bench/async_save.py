@@ -42,8 +42,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from client import Client
-from client.saving.cadence import RUN_LENGTH
+from ckptstore.client import Client
+from ckptstore.client.saving.cadence import RUN_LENGTH
 
 os.environ.setdefault("CKPTSTORE_DISABLE_PROGRESS_BARS", "1")
 warnings.filterwarnings("ignore", message=".*single process.*")

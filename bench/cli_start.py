@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-LS = "from client.cli import app; app(['ls'], prog_name='ckptstore')"
+LS = "from ckptstore.client.cli import app; app(['ls'], prog_name='ckptstore')"
 SEED = (
     "import sys, torch, client\n"
     "with client.Client(home=sys.argv[1]) as c:\n"

@@ -318,7 +318,10 @@ def served(home: Path) -> Iterator[str]:
     env["CKPTSTORE_WORKERS"] = str(SERVER_WORKERS)
     env.pop("CKPTSTORE_URL", None)
     server = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "ckptstore.client.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -55,11 +55,11 @@ import transformers
 import zstandard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from client import Client
-from service import compression
-from service.format import encoding
-from service.records import GcReport, TensorLocation
-from service.store import Store
+from ckptstore.client import Client
+from ckptstore.service import compression
+from ckptstore.service.format import encoding
+from ckptstore.service.records import GcReport, TensorLocation
+from ckptstore.service.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import files_under, fresh_folder, scratch_dir, timed  # noqa: E402

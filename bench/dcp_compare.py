@@ -79,8 +79,8 @@ def rank_main(rank: int, rendezvous: str, root: str, size_bytes: int, rounds: in
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    import client
-    from client.distributed import StoreReader, StoreWriter
+    from ckptstore import client
+    from ckptstore.client.distributed import StoreReader, StoreWriter
 
     os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")

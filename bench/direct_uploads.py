@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from client import Client
+from ckptstore.client import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Shape, build_model, layers_for  # noqa: E402

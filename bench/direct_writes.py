@@ -37,7 +37,7 @@ from common import (  # noqa: E402
 )
 from torch import nn  # noqa: E402
 
-from client import Client  # noqa: E402
+from ckptstore.client import Client  # noqa: E402
 
 os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
 RUN_ID = "bench"

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Shape, build_model, fsync_path, layers_for  # noqa: E402
 
-from client import Client  # noqa: E402
+from ckptstore.client import Client  # noqa: E402
 
 os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
 MIB = 1 << 20

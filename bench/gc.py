@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"
 
 from shardkit import body, build_shard, entry, raw  # noqa: E402
 
-from service.blobs import LocalBlobStore  # noqa: E402
-from service.db import Database, schema  # noqa: E402
-from service.db.models import utcnow  # noqa: E402
-from service.store import Store  # noqa: E402
+from ckptstore.service.blobs import LocalBlobStore  # noqa: E402
+from ckptstore.service.db import Database, schema  # noqa: E402
+from ckptstore.service.db.models import utcnow  # noqa: E402
+from ckptstore.service.store import Store  # noqa: E402
 
 
 def postgres_store(url: str, home: Path) -> tuple[Store, str]:

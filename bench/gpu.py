@@ -70,7 +70,7 @@ from common import (  # noqa: E402
 from dcp_compare import drop_cached  # noqa: E402
 from report import add_ratios, machine_info, run_text  # noqa: E402
 
-from client import Client  # noqa: E402
+from ckptstore.client import Client  # noqa: E402
 
 RUN = "bench"
 #: Set in the environment of the run this script starts again with ``libcudart.so`` on the loader path.

@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import served  # noqa: E402
 
-from client import Client  # noqa: E402
-from client.loading.reader import TensorReader  # noqa: E402
-from client.transport import Transport  # noqa: E402
+from ckptstore.client import Client  # noqa: E402
+from ckptstore.client.loading.reader import TensorReader  # noqa: E402
+from ckptstore.client.transport import Transport  # noqa: E402
 
 os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
 

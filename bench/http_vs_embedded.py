@@ -58,8 +58,8 @@ import boto3
 import psutil
 import torch
 
-from client import Client
-from service.write_probe import CACHE_NAME
+from ckptstore.client import Client
+from ckptstore.service.write_probe import CACHE_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_start import compile_bytecode  # noqa: E402
@@ -69,8 +69,8 @@ MIB = 1 << 20
 RUN = "bench"
 READER = """
 import sys, time
-from client import Client
-from service.write_probe import CACHE_NAME
+from ckptstore.client import Client
+from ckptstore.service.write_probe import CACHE_NAME
 started = time.perf_counter()
 with Client(sys.argv[1]) as ckpt:
     state = ckpt.load(sys.argv[2]).state_dict
@@ -81,7 +81,7 @@ print(time.perf_counter() - started, sum(t.numel() * t.element_size() for t in s
 FIRST_LOAD = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
-from client import Client
+from ckptstore.client import Client
 from http_vs_embedded import fp32_model
 target = fp32_model(int(sys.argv[2]), "zeros")
 where = sys.argv[1]
@@ -162,7 +162,10 @@ def served(home: Path, s3: str | None, **settings: str) -> Iterator[tuple[str, p
         boto3.client("s3", endpoint_url=s3).create_bucket(Bucket=bucket)
         env.update(CKPTSTORE_BLOBS=f"s3://{bucket}/ckpt", AWS_ENDPOINT_URL=s3)
     server = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "ckptstore.client.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:

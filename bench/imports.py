@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MIB, Shape, build_model, layers_for  # noqa: E402
 
-from client.formats.importing import read_checkpoint  # noqa: E402
+from ckptstore.client.formats.importing import read_checkpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

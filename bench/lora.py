@@ -31,7 +31,7 @@ from common import (
 )
 from torch import nn
 
-from client import Client
+from ckptstore.client import Client
 
 #: Share of the model's parameters the LoRA adapters train (the rank is chosen to match it).
 LORA_SHARE = 0.01

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from common import RUN_ID, fsync_path, fsync_tree, optim_tensors, served, state_tensors, timed, touch
 from torch import nn
 
-from client import Client
+from ckptstore.client import Client
 
 
 class Method:

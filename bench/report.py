@@ -25,8 +25,8 @@ from lora import lora_line
 from methods import METHODS
 from save_load import floor_line
 
-from client import Client
-from service.format.sharding import DEFAULT_SHARD_BYTES
+from ckptstore.client import Client
+from ckptstore.service.format.sharding import DEFAULT_SHARD_BYTES
 
 
 def add_ratios(rows: list[Row]) -> None:

@@ -41,14 +41,14 @@ import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from client import Client
-from service.api import pages_data
-from service.api.app import create_app
-from service.format.bounds import MAX_SIZES_PER_QUERY
-from service.format.manifest import ManifestBody, TensorEntry
-from service.settings import Settings
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+from ckptstore.client import Client
+from ckptstore.service.api import pages_data
+from ckptstore.service.api.app import create_app
+from ckptstore.service.format.bounds import MAX_SIZES_PER_QUERY
+from ckptstore.service.format.manifest import ManifestBody, TensorEntry
+from ckptstore.service.settings import Settings
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_start import compile_bytecode  # noqa: E402

@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.format.digest import shard_id, tensor_digest  # noqa: E402
-from service.format.safetensors_header import encode_header  # noqa: E402
+from ckptstore.service.format.digest import shard_id, tensor_digest  # noqa: E402
+from ckptstore.service.format.safetensors_header import encode_header  # noqa: E402
 
 
 def shard(nbytes: int) -> tuple[str, bytes]:
@@ -58,7 +58,7 @@ def serve(home: Path, settings: dict[str, str]) -> tuple[subprocess.Popen[bytes]
     env.update(CKPTSTORE_HOME=str(home), CKPTSTORE_PORT=str(port), CKPTSTORE_HOST="127.0.0.1")
     env.update({f"CKPTSTORE_{name.upper()}": value for name, value in settings.items()})
     server = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve"],
+        [sys.executable, "-m", "ckptstore.client.cli", "serve"],
         cwd=ROOT,
         env=env,
         stdout=open(home / "serve.log", "wb"),  # noqa: SIM115

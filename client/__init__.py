@@ -1,6 +1,6 @@
 """ckptstore's Python client: save and load PyTorch checkpoints with correct placement.
 
-    import client
+    from ckptstore import client
     client.save("my-run", model, optim, step=100)
     client.load("my-run", model=model, optim=optim, device="cuda")
 
@@ -29,8 +29,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from client import connection
-from service.errors import (
+from ckptstore.client import connection
+from ckptstore.service.errors import (
     CheckpointError,
     ConflictError,
     IntegrityError,
@@ -44,31 +44,31 @@ from service.errors import (
     StateMismatchError,
     StorageError,
 )
-from service.records import RunInfo, VersionInfo
+from ckptstore.service.records import RunInfo, VersionInfo
 
 if TYPE_CHECKING:
     import torch
 
-    from client.api import Client
-    from client.connection import Connection
-    from client.results import LoadResult, SaveResult
-    from client.saving.snapshot import SaveHandle
+    from ckptstore.client.api import Client
+    from ckptstore.client.connection import Connection
+    from ckptstore.client.results import LoadResult, SaveResult
+    from ckptstore.client.saving.snapshot import SaveHandle
 
 # Imported on first use (all but Connection import torch), so torch-free tools (the server image, the
 # ``ckptstore serve`` command) can import this package.
 _LAZY = {
-    "Client": "client.api",
-    "Connection": "client.connection",
-    "LoadResult": "client.results",
-    "SaveHandle": "client.saving.snapshot",
-    "SaveResult": "client.results",
+    "Client": "ckptstore.client.api",
+    "Connection": "ckptstore.client.connection",
+    "LoadResult": "ckptstore.client.results",
+    "SaveHandle": "ckptstore.client.saving.snapshot",
+    "SaveResult": "ckptstore.client.results",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'client' has no attribute {name!r}")
+    raise AttributeError(f"module 'ckptstore.client' has no attribute {name!r}")
 
 
 __all__ = [
@@ -115,7 +115,7 @@ def default_client() -> Client:
     with _clients_lock:
         if settings not in _clients:
             url, token = settings[:2]
-            from client.api import Client
+            from ckptstore.client.api import Client
 
             _clients[settings] = Client(url, token=token)
         return _clients[settings]

@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from client import keys
-from client.connection import Connection
-from client.gc_pause import paused_collection
-from client.loading import restore, selection
-from client.loading.readahead import local_reads
-from client.loading.reader import TensorReader
-from client.progress import byte_bar
-from client.results import LoadResult, SaveResult
-from client.saving import save_process
-from client.saving.background import BackgroundSaves
-from client.saving.cadence import Background, background_mode
-from client.saving.hashing import DigestCache, SaveLedger
-from client.saving.save_process import SaveProcess
-from client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
-from client.saving.shared_staging import SharedSnapshot
-from client.saving.snapshot import SaveHandle
-from client.state import (
+from ckptstore.client import keys
+from ckptstore.client.connection import Connection
+from ckptstore.client.gc_pause import paused_collection
+from ckptstore.client.loading import restore, selection
+from ckptstore.client.loading.readahead import local_reads
+from ckptstore.client.loading.reader import TensorReader
+from ckptstore.client.progress import byte_bar
+from ckptstore.client.results import LoadResult, SaveResult
+from ckptstore.client.saving import save_process
+from ckptstore.client.saving.background import BackgroundSaves
+from ckptstore.client.saving.cadence import Background, background_mode
+from ckptstore.client.saving.hashing import DigestCache, SaveLedger
+from ckptstore.client.saving.save_process import SaveProcess
+from ckptstore.client.saving.saver import SaveRun, SaveSettings, Snapshot, check_step_and_metrics
+from ckptstore.client.saving.shared_staging import SharedSnapshot
+from ckptstore.client.saving.snapshot import SaveHandle
+from ckptstore.client.state import (
     FlatState,
     FlattenCache,
     TensorRecord,
@@ -37,12 +37,12 @@ from client.state import (
     flatten_named_optimizer,
     flatten_other,
 )
-from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
-from service.format.names import validate_run_id, validate_tag
-from service.format.sharding import DEFAULT_SHARD_BYTES
+from ckptstore.service.errors import InvalidInputError, StateEncodingError, StateMismatchError
+from ckptstore.service.format.names import validate_run_id, validate_tag
+from ckptstore.service.format.sharding import DEFAULT_SHARD_BYTES
 
 if TYPE_CHECKING:
-    from service.format.manifest import Manifest
+    from ckptstore.service.format.manifest import Manifest
 
 UPLOADS_IN_FLIGHT = 2
 
@@ -54,7 +54,7 @@ def _sharded(model: torch.nn.Module) -> bool:
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not (distributed and isinstance(model, torch.nn.Module)):  # not a module: flatten says why
         return False
-    from client.distributed.training import is_sharded
+    from ckptstore.client.distributed.training import is_sharded
 
     return is_sharded(model)
 
@@ -231,7 +231,7 @@ class Client(Connection):
                     "blocking=False is not supported for a sharded model; use "
                     "torch.distributed.checkpoint.async_save with client.distributed.StoreWriter"
                 )
-            from client.distributed import training
+            from ckptstore.client.distributed import training
 
             if (keep_last, keep_best, metric, mode) != (None, None, None, None) and torch.distributed.get_rank() == 0:
                 self._use_retention(run_id, keep_last, keep_best, metric, mode)
@@ -390,7 +390,9 @@ class Client(Connection):
     def _widths(self) -> tuple[int, int]:
         """(reads in parallel, shards sent at once): a server spreads requests over its workers;
         a local store reads on one thread per four cores, up to four (see :func:`local_reads`)."""
-        if (http := sys.modules.get("client.http.transport")) and isinstance(self.transport, http.HttpTransport):
+        if (http := sys.modules.get("ckptstore.client.http.transport")) and isinstance(
+            self.transport, http.HttpTransport
+        ):
             return http.HTTP_READS_IN_PARALLEL, http.HTTP_UPLOADS_IN_FLIGHT  # an embedded client never imports httpx
         return local_reads(os.cpu_count() or 1), UPLOADS_IN_FLIGHT
 
@@ -469,7 +471,7 @@ class Client(Connection):
             raise InvalidInputError(f"dtype must be a floating dtype, not {dtype}")
         patterns = selection.check_patterns(keys)
         if model is not None and _sharded(model):  # every rank loads its shards (client.distributed)
-            from client.distributed import training
+            from ckptstore.client.distributed import training
 
             if patterns is not None:
                 raise InvalidInputError("keys= is not supported for a sharded model; load every tensor")

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
-from service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
-from service.retention_rules import Policy, check_policy
+from ckptstore.service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
+from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
+from ckptstore.service.retention_rules import Policy, check_policy
 
 if TYPE_CHECKING:
-    from client.transport import Transport
+    from ckptstore.client.transport import Transport
 
 DEFAULT_HOME = "~/.ckptstore"
 
@@ -37,7 +37,7 @@ def provide_default_client(factory: Callable[[], Connection]) -> None:
 def default_connection() -> Connection:
     """The process's default client, from the environment (see :func:`client.default_client`)."""
     if _default_client is None:  # only a module loaded outside its package gets here
-        raise RuntimeError("no default client is provided: import client first")
+        raise RuntimeError("no default client is provided: import ckptstore.client first")
     return _default_client()
 
 
@@ -66,11 +66,11 @@ def open_transport(
     if url:
         if not url.startswith(("http://", "https://")):
             raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")
-        from client.http.transport import HttpTransport
+        from ckptstore.client.http.transport import HttpTransport
 
         return HttpTransport(url, token, retry_seconds=retry_seconds)
-    from service.factory import open_store
-    from service.settings import local_settings
+    from ckptstore.service.factory import open_store
+    from ckptstore.service.settings import local_settings
 
     return open_store(local_settings(home), require_current_schema=True, create=create)
 
@@ -160,7 +160,7 @@ class Connection:
         go once the grace period has passed; on a terminal a bar counts the bytes visited (a
         server's collection shows none). A server asks for an admin token.
         """
-        from client.progress import byte_bar  # here: only a compressing collection shows a bar
+        from ckptstore.client.progress import byte_bar  # here: only a compressing collection shows a bar
 
         self._settle()
         here = compress and not getattr(self.transport, "remote", False)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from client.keys import escape
-from service.errors import StateEncodingError
-from service.format.manifest import TENSOR_REF
+from ckptstore.client.keys import escape
+from ckptstore.service.errors import StateEncodingError
+from ckptstore.service.format.manifest import TENSOR_REF
 
 TUPLE, FLOAT, DICT, DTYPE, DEVICE = "__tuple__", "__float__", "__dict__", "__dtype__", "__device__"
 MARKERS = {TENSOR_REF, TUPLE, FLOAT, DICT, DTYPE, DEVICE}

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from client import keys
-from service.errors import StateEncodingError
+from ckptstore.client import keys
+from ckptstore.service.errors import StateEncodingError
 
 #: (module, class, the attribute holding the wrapped model) of every wrapper whose part is dropped.
 _WRAPPERS = (

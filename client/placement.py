@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from service.errors import StateMismatchError
-from service.format.manifest import TensorEntry
+from ckptstore.service.errors import StateMismatchError
+from ckptstore.service.format.manifest import TensorEntry
 
 HOST = torch.device("cpu")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from service.records import RunInfo, VersionInfo
+from ckptstore.service.records import RunInfo, VersionInfo
 
 
 @dataclass(frozen=True)

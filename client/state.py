@@ -16,11 +16,11 @@ from typing import Any, cast
 
 import torch
 
-from client import jsonstate, keys, names
-from client.placement import group_places_step_on_device
-from client.tensors import check_storable
-from service.errors import StateEncodingError, StateMismatchError
-from service.format.manifest import Placement
+from ckptstore.client import jsonstate, keys, names
+from ckptstore.client.placement import group_places_step_on_device
+from ckptstore.client.tensors import check_storable
+from ckptstore.service.errors import StateEncodingError, StateMismatchError
+from ckptstore.service.format.manifest import Placement
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from service.errors import StateEncodingError
-from service.format.manifest import DTypeName
+from ckptstore.service.errors import StateEncodingError
+from ckptstore.service.format.manifest import DTypeName
 
 TORCH_TO_NAME: dict[torch.dtype, DTypeName] = {
     torch.bool: "BOOL",

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from service.format.manifest import Manifest, ManifestBody
-from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
-from service.shard_writer import UnhashedTensor
+from ckptstore.service.format.manifest import Manifest, ManifestBody
+from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from ckptstore.service.shard_writer import UnhashedTensor
 
 
 class Transport(Protocol):

@@ -14,8 +14,8 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 from sqlalchemy.engine import Connection
 
-from service.db.models import Base, UTCDateTime
-from service.settings import Settings
+from ckptstore.service.db.models import Base, UTCDateTime
+from ckptstore.service.settings import Settings
 
 config = context.config
 target_metadata = Base.metadata

@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Literal
 
-from service.errors import AuthenticationError, InvalidInputError, PermissionDeniedError
+from ckptstore.service.errors import AuthenticationError, InvalidInputError, PermissionDeniedError
 
 Scope = Literal["read", "write", "admin"]
 SCOPE_RANK: dict[str, int] = {"read": 1, "write": 2, "admin": 3}

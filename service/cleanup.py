@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from service.blobs import BlobStore, LocalBlobStore
+from ckptstore.service.blobs import BlobStore, LocalBlobStore
 
 #: The age after which a temporary file is taken to be abandoned.
 STALE_SECONDS = 3600.0

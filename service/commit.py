@@ -10,21 +10,21 @@ from sqlalchemy import Text, bindparam, insert, select, type_coerce, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import ColumnElement, Exists
 
-from service.db import Database
-from service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
-from service.db.session import insert_new, rows_in
-from service.db.shapes import ShapeCache
-from service.errors import ConflictError, InvalidManifestError, MissingTensorsError, format_list
-from service.format.bounds import INT64_MAX, MAX_VERSION
-from service.format.digest import tensor_digest
-from service.format.manifest import ManifestBody, TensorEntry, stamp
-from service.format.names import validate_commit_key, validate_run_id, validate_tag
-from service.format.parts import head_json, split
-from service.gc import hold_shared
-from service.listings import SUMMARY_COLUMNS
-from service.manifest_parts import count_versions, known_parts, store_parts
-from service.records import VersionInfo
-from service.retention import apply_policy
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
+from ckptstore.service.db.session import insert_new, rows_in
+from ckptstore.service.db.shapes import ShapeCache
+from ckptstore.service.errors import ConflictError, InvalidManifestError, MissingTensorsError, format_list
+from ckptstore.service.format.bounds import INT64_MAX, MAX_VERSION
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.manifest import ManifestBody, TensorEntry, stamp
+from ckptstore.service.format.names import validate_commit_key, validate_run_id, validate_tag
+from ckptstore.service.format.parts import head_json, split
+from ckptstore.service.gc import hold_shared
+from ckptstore.service.listings import SUMMARY_COLUMNS
+from ckptstore.service.manifest_parts import count_versions, known_parts, store_parts
+from ckptstore.service.records import VersionInfo
+from ckptstore.service.retention import apply_policy
 
 BATCH = 500
 

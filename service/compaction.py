@@ -37,17 +37,17 @@ from pathlib import Path
 from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.blobs import BlobStore
-from service.compression import Compression
-from service.db import Database
-from service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, table, utcnow
-from service.direct_file import ALIGNMENT
-from service.encoded_compaction import LivePayload, repack
-from service.errors import IntegrityError, InvalidInputError, NotFoundError
-from service.format.safetensors_header import ShardHeader
-from service.gc import check_grace, collect, hold_exclusive
-from service.records import GcReport
-from service.shard_writer import UnhashedTensor
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.compression import Compression
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, table, utcnow
+from ckptstore.service.direct_file import ALIGNMENT
+from ckptstore.service.encoded_compaction import LivePayload, repack
+from ckptstore.service.errors import IntegrityError, InvalidInputError, NotFoundError
+from ckptstore.service.format.safetensors_header import ShardHeader
+from ckptstore.service.gc import check_grace, collect, hold_exclusive
+from ckptstore.service.records import GcReport
+from ckptstore.service.shard_writer import UnhashedTensor
 
 #: Stores tensors as one new shard, in the order given, and returns its header and each digest.
 WriteShard = Callable[[Sequence[UnhashedTensor]], tuple[ShardHeader, list[str]]]

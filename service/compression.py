@@ -44,23 +44,23 @@ from pathlib import Path
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from service import lookup
-from service.blobs import BlobStore
-from service.compression_memory import BufferPool, RecentTensors
-from service.db import Database
-from service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
-from service.db.session import insert_missing, insert_new
-from service.direct_file import DirectFileWriter
-from service.encoded_reads import ReadInto, chain_of, read_raw
-from service.encoding_choice import choose
-from service.errors import IntegrityError, NotFoundError, StorageError
-from service.format.digest import shard_id as blob_id_of
-from service.format.dtypes import itemsize
-from service.format.encoding import DELTAS
-from service.format.safetensors_header import header_bytes
-from service.gc import hold_exclusive
-from service.manifest_parts import part_bodies
-from service.records import TensorLocation
+from ckptstore.service import lookup
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.compression_memory import BufferPool, RecentTensors
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
+from ckptstore.service.db.session import insert_missing, insert_new
+from ckptstore.service.direct_file import DirectFileWriter
+from ckptstore.service.encoded_reads import ReadInto, chain_of, read_raw
+from ckptstore.service.encoding_choice import choose
+from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError
+from ckptstore.service.format.digest import shard_id as blob_id_of
+from ckptstore.service.format.dtypes import itemsize
+from ckptstore.service.format.encoding import DELTAS
+from ckptstore.service.format.safetensors_header import header_bytes
+from ckptstore.service.gc import hold_exclusive
+from ckptstore.service.manifest_parts import part_bodies
+from ckptstore.service.records import TensorLocation
 
 #: Tensors smaller than this stay raw: the gain is small and every encoded tensor costs a load a decode.
 MIN_BYTES = 64 << 10

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from service.format.manifest import Manifest, TensorEntry
+from ckptstore.service.format.manifest import Manifest, TensorEntry
 
 
 class TensorChange(BaseModel):

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select
 
-from service.blobs import BlobStore
-from service.blobs.base import StagingArea, UploadPlan, check_blob_id, check_staging_token
-from service.db import Database
-from service.db.models import Shard, Tensor
-from service.errors import (
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.blobs.base import StagingArea, UploadPlan, check_blob_id, check_staging_token
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Shard, Tensor
+from ckptstore.service.errors import (
     DirectUploadsUnavailableError,
     IntegrityError,
     InvalidInputError,
@@ -56,10 +56,10 @@ from service.errors import (
     PayloadTooLargeError,
     StorageError,
 )
-from service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader
-from service.ingest import INGEST_ATTEMPTS, record_shard
-from service.receiver import ShardVerifier
-from service.records import ShardReceipt
+from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader
+from ckptstore.service.ingest import INGEST_ATTEMPTS, record_shard
+from ckptstore.service.receiver import ShardVerifier
+from ckptstore.service.records import ShardReceipt
 
 #: Pieces the staged object is read back in for verification.
 VERIFY_CHUNK_BYTES = 8 << 20

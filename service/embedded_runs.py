@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
 
-from service.records import RunInfo, VersionInfo, tags_by_version
-from service.revisions import head_revision
+from ckptstore.service.records import RunInfo, VersionInfo, tags_by_version
+from ckptstore.service.revisions import head_revision
 
 _RUNS = """
 SELECT runs.id, runs.created_at, runs.updated_at, count(versions.version), max(versions.version),

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from service import lookup
-from service.blobs import BlobStore
-from service.compression import Encoded, write_encoded_shard
-from service.db import Database
-from service.encoded_reads import check_digest, decode_into, fetch_chain
-from service.errors import NotFoundError
-from service.format.digest import tensor_digest
+from ckptstore.service import lookup
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.compression import Encoded, write_encoded_shard
+from ckptstore.service.db import Database
+from ckptstore.service.encoded_reads import check_digest, decode_into, fetch_chain
+from ckptstore.service.errors import NotFoundError
+from ckptstore.service.format.digest import tensor_digest
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from service.errors import IntegrityError
-from service.format.digest import TensorHasher, tensor_digest
-from service.format.dtypes import itemsize
-from service.format.encoding import (
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.format.digest import TensorHasher, tensor_digest
+from ckptstore.service.format.dtypes import itemsize
+from ckptstore.service.format.encoding import (
     PayloadHead,
     block_count,
     check_chain,
@@ -28,7 +28,7 @@ from service.format.encoding import (
     head_bytes,
     parse_head,
 )
-from service.records import TensorLocation
+from ckptstore.service.records import TensorLocation
 
 #: Reads ``len(buffer)`` bytes of a shard from an offset into ``buffer``.
 ReadInto = Callable[[str, int, memoryview], None]

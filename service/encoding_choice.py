@@ -7,7 +7,7 @@ keyframe's.
 
 from __future__ import annotations
 
-from service.format import encoding
+from ckptstore.service.format import encoding
 
 #: An encoding must save at least this share of a tensor's bytes to be stored.
 MIN_GAIN = 0.03

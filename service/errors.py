@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from service.secrets_mask import mask_urls
+from ckptstore.service.secrets_mask import mask_urls
 
 
 class CheckpointError(Exception):

@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from service.blobs import BlobStore, LocalBlobStore
-from service.db import Database
-from service.errors import InvalidInputError, NotFoundError
-from service.secrets_mask import mask_url
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.blobs import BlobStore, LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.secrets_mask import mask_url
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 
 #: Where a store can be named from; quoted by every refusal to open one that is not there.
 WHERE_TO_POINT = (
@@ -33,7 +33,7 @@ def open_blob_store(url: str, settings: Settings) -> BlobStore:
     if parsed.scheme == "file":
         return LocalBlobStore(Path(unquote(parsed.path)))
     if parsed.scheme == "s3":
-        from service.blobs.s3 import S3BlobStore
+        from ckptstore.service.blobs.s3 import S3BlobStore
 
         return S3BlobStore(
             parsed.netloc,
@@ -79,7 +79,7 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
     else:
         database = Database(settings.resolved_database_url)
         if require_current_schema:
-            from service.db.schema import require_current
+            from ckptstore.service.db.schema import require_current
 
             try:
                 require_current(database)

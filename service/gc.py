@@ -62,13 +62,13 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.orm import Session, aliased
 
-from service.blobs import BlobStore, StaleUploads
-from service.db import Database
-from service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, TensorNeed, utcnow
-from service.db.session import insert_new
-from service.errors import InvalidInputError
-from service.manifest_parts import delete_parts, unlisted_parts
-from service.records import GcReport
+from ckptstore.service.blobs import BlobStore, StaleUploads
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, TensorNeed, utcnow
+from ckptstore.service.db.session import insert_new
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.manifest_parts import delete_parts, unlisted_parts
+from ckptstore.service.records import GcReport
 
 GC_LOCK = "gc"
 #: Unreferenced shards younger than this, or with a tensor reported present this recently, stay.

@@ -18,20 +18,20 @@ from typing import Any
 
 from sqlalchemy import bindparam, select
 
-from service.blobs import BlobStore
-from service.db import Database
-from service.db.models import Shard, Tensor
-from service.db.session import insert_columns, insert_new
-from service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
-from service.format.digest import TensorHasher
-from service.format.dtypes import DTYPES, byte_length
-from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
-from service.format.sharding import SHARD_METADATA
-from service.gc import hold_shared
-from service.receiver import ShardReceiver
-from service.records import ShardReceipt
-from service.shard_writer import UnhashedTensor, WrittenShard, write_shard
-from service.unhashed_receiver import UnhashedReceiver
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Shard, Tensor
+from ckptstore.service.db.session import insert_columns, insert_new
+from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
+from ckptstore.service.format.digest import TensorHasher
+from ckptstore.service.format.dtypes import DTYPES, byte_length
+from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
+from ckptstore.service.format.sharding import SHARD_METADATA
+from ckptstore.service.gc import hold_shared
+from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.shard_writer import UnhashedTensor, WrittenShard, write_shard
+from ckptstore.service.unhashed_receiver import UnhashedReceiver
 
 #: A shard re-uploaded while a sweep deletes it is stored again; this many tries at most.
 INGEST_ATTEMPTS = 3

@@ -13,10 +13,10 @@ from typing import Any
 from sqlalchemy import bindparam, case, func, literal, select, union
 from sqlalchemy.orm import Session
 
-from service.db import Database
-from service.db.models import Run, Tag, Version, table
-from service.records import RunInfo, VersionInfo, tags_by_version
-from service.versions import require_run, resolve_ref
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Run, Tag, Version, table
+from ckptstore.service.records import RunInfo, VersionInfo, tags_by_version
+from ckptstore.service.versions import require_run, resolve_ref
 
 _VERSIONS = table(Version)
 _TAGS = table(Tag)

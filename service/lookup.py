@@ -14,15 +14,15 @@ from datetime import datetime
 from sqlalchemy import Text, bindparam, select, type_coerce, update
 from sqlalchemy.orm import Session
 
-from service.db import Database
-from service.db.models import Tensor, table, utcnow
-from service.db.session import rows_in
-from service.db.shapes import ShapeCache
-from service.errors import InvalidInputError, NotFoundError
-from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
-from service.format.digest import all_digests, is_digest
-from service.gc import hold_shared
-from service.records import TensorLocation
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Tensor, table, utcnow
+from ckptstore.service.db.session import rows_in
+from ckptstore.service.db.shapes import ShapeCache
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
+from ckptstore.service.format.digest import all_digests, is_digest
+from ckptstore.service.gc import hold_shared
+from ckptstore.service.records import TensorLocation
 
 #: Digests per ``IN`` list of one statement.
 QUERY_BATCH = 500

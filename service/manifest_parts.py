@@ -19,10 +19,10 @@ from typing import Any
 from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.orm import Session
 
-from service.db.models import ManifestPart, PartBody, PartRef, Version, table
-from service.db.session import insert_missing, rows_in
-from service.errors import StorageError
-from service.format.parts import Part, assemble
+from ckptstore.service.db.models import ManifestPart, PartBody, PartRef, Version, table
+from ckptstore.service.db.session import insert_missing, rows_in
+from ckptstore.service.errors import StorageError
+from ckptstore.service.format.parts import Part, assemble
 
 BATCH = 500
 

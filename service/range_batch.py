@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from service.errors import NotFoundError, PayloadTooLargeError, RangeNotSatisfiableError
-from service.store import Store
+from ckptstore.service.errors import NotFoundError, PayloadTooLargeError, RangeNotSatisfiableError
+from ckptstore.service.store import Store
 
 #: Most ranges in one batch: a load's batch covers at most this many pieces.
 MAX_RANGES = 4096

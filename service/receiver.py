@@ -15,10 +15,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from service.direct_file import DirectFileWriter
-from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError, StorageError
-from service.format.digest import TensorHasher, tensor_digest
-from service.format.safetensors_header import (
+from ckptstore.service.direct_file import DirectFileWriter
+from ckptstore.service.errors import (
+    IntegrityError,
+    InvalidInputError,
+    InvalidShardError,
+    PayloadTooLargeError,
+    StorageError,
+)
+from ckptstore.service.format.digest import TensorHasher, tensor_digest
+from ckptstore.service.format.safetensors_header import (
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
     HeaderEntry,

@@ -13,13 +13,13 @@ from __future__ import annotations
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.db import Database
-from service.db.models import RetentionPolicy as PolicyRow
-from service.db.models import Tag, Version
-from service.manifest_parts import release_versions
-from service.records import RetentionPolicy
-from service.retention_rules import Mode, Policy, versions_to_remove
-from service.versions import lock_run, require_run
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import RetentionPolicy as PolicyRow
+from ckptstore.service.db.models import Tag, Version
+from ckptstore.service.manifest_parts import release_versions
+from ckptstore.service.records import RetentionPolicy
+from ckptstore.service.retention_rules import Mode, Policy, versions_to_remove
+from ckptstore.service.versions import lock_run, require_run
 
 DELETE_BATCH = 500
 

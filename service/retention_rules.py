@@ -24,9 +24,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from service.errors import InvalidInputError
-from service.format.names import METRIC_PATTERN
-from service.records import RetentionPolicy
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.names import METRIC_PATTERN
+from ckptstore.service.records import RetentionPolicy
 
 Mode = Literal["min", "max"]
 #: Why a version is kept: one of the last N, one of the best K, tagged, or the newest.

@@ -11,8 +11,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import service.migrations
-from service.errors import StorageError
+from ckptstore.service import migrations
+from ckptstore.service.errors import StorageError
 
 _REVISION = re.compile(r"^revision(?:\s*:[^=\n]*)?\s*=\s*[\"']([^\"']+)[\"']", re.MULTILINE)
 _DOWN = re.compile(r"^down_revision(?:\s*:[^=\n]*)?\s*=\s*(?:None|[\"']([^\"']+)[\"'])", re.MULTILINE)
@@ -20,7 +20,7 @@ _DOWN = re.compile(r"^down_revision(?:\s*:[^=\n]*)?\s*=\s*(?:None|[\"']([^\"']+)
 
 def migrations_dir() -> Path:
     """The folder holding ``env.py`` and ``versions/``, wherever the package is installed."""
-    return Path(service.migrations.__file__).parent
+    return Path(migrations.__file__).parent
 
 
 @lru_cache(maxsize=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 DEFAULT_HOME = Path("~/.ckptstore")
 #: The embedded store's SQLite file in its home folder.

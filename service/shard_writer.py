@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from service.direct_file import ALIGNMENT, DEFAULT_IN_FLIGHT, DirectFileWriter
-from service.format.digest import TensorHasher, tensor_digest
-from service.format.safetensors_header import ShardHeader, header_bytes, header_size, laid_out_entries
-from service.receiver import staging_error
+from ckptstore.service.direct_file import ALIGNMENT, DEFAULT_IN_FLIGHT, DirectFileWriter
+from ckptstore.service.format.digest import TensorHasher, tensor_digest
+from ckptstore.service.format.safetensors_header import ShardHeader, header_bytes, header_size, laid_out_entries
+from ckptstore.service.receiver import staging_error
 
 
 class UnhashedTensor(NamedTuple):

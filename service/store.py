@@ -18,31 +18,31 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from service import direct_uploads, ingest, lookup
-from service.blobs import BlobStore, LocalBlobStore
-from service.blobs.base import READ_CHUNK_BYTES
-from service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
-from service.db import Database
-from service.encoded_reads import read_tensor
-from service.errors import InvalidInputError, NotFoundError
-from service.format.digest import is_digest
-from service.format.names import LATEST, validate_run_id
-from service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
-from service.gc import DEFAULT_GRACE_SECONDS, collect
-from service.listings import list_runs, list_versions, overview, version_summary
-from service.manifest_parts import manifest_text
-from service.receiver import ShardReceiver
-from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
-from service.retention import apply_now, current_policy, replace_policy
-from service.retention_rules import check_policy
-from service.secrets_mask import mask_url
-from service.settings import METADATA_FILE, Settings
-from service.shard_writer import UnhashedTensor
-from service.versions import remove_tag, remove_version, resolve_ref, set_tag
-from service.write_probe import choose_direct_writes
+from ckptstore.service import direct_uploads, ingest, lookup
+from ckptstore.service.blobs import BlobStore, LocalBlobStore
+from ckptstore.service.blobs.base import READ_CHUNK_BYTES
+from ckptstore.service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
+from ckptstore.service.db import Database
+from ckptstore.service.encoded_reads import read_tensor
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.format.digest import is_digest
+from ckptstore.service.format.names import LATEST, validate_run_id
+from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
+from ckptstore.service.gc import DEFAULT_GRACE_SECONDS, collect
+from ckptstore.service.listings import list_runs, list_versions, overview, version_summary
+from ckptstore.service.manifest_parts import manifest_text
+from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from ckptstore.service.retention import apply_now, current_policy, replace_policy
+from ckptstore.service.retention_rules import check_policy
+from ckptstore.service.secrets_mask import mask_url
+from ckptstore.service.settings import METADATA_FILE, Settings
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.versions import remove_tag, remove_version, resolve_ref, set_tag
+from ckptstore.service.write_probe import choose_direct_writes
 
 if TYPE_CHECKING:
-    from service.format.manifest import Manifest, ManifestBody
+    from ckptstore.service.format.manifest import Manifest, ManifestBody
 
 # Committing, compacting and parsing manifests import the manifest models when first called,
 # so that `ckptstore ls` starts without pydantic's schemas.
@@ -228,7 +228,7 @@ class Store:
     ) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new), once for each
         ``commit_key``: :func:`service.commit.commit` (which lists what it raises)."""
-        from service.commit import commit
+        from ckptstore.service.commit import commit
 
         return commit(self.db, run_id, body, tags=tags, commit_key=commit_key)
 
@@ -256,8 +256,8 @@ class Store:
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
         if compact_below is None and not compress:
             return collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
-        from service.compaction import compact_and_collect
-        from service.compression import COMPACT_AFTER_COMPRESSION, compressor
+        from ckptstore.service.compaction import compact_and_collect
+        from ckptstore.service.compression import COMPACT_AFTER_COMPRESSION, compressor
 
         deltas, staging, direct = self.deltas_per_keyframe, self.staging_dir, self.direct_writes
         compressing = compressor(self.db, self.blobs, staging, deltas, dry_run, on_bytes, direct) if compress else None
@@ -276,7 +276,7 @@ class Store:
 
     def manifest(self, run_id: str, ref: int | str = LATEST) -> Manifest:
         """The manifest of the version ``ref`` names."""
-        from service.format.manifest import manifest_from_json
+        from ckptstore.service.format.manifest import manifest_from_json
 
         with self.db.transaction() as session:
             version = resolve_ref(session, validate_run_id(run_id), ref)

@@ -24,14 +24,20 @@ import json
 import struct
 from pathlib import Path
 
-from service.direct_file import ALIGNMENT, DirectFileWriter
-from service.errors import InvalidInputError, PayloadTooLargeError
-from service.format.digest import TensorHasher
-from service.format.dtypes import DTYPES, byte_length
-from service.format.safetensors_header import PREFIX_BYTES, ShardHeader, header_bytes, header_size, laid_out_entries
-from service.format.sharding import MAX_TENSORS_PER_SHARD, SHARD_METADATA
-from service.receiver import UPLOAD_IN_FLIGHT, ReceiveSpace, advance, staging_error, take_prefixed
-from service.shard_writer import WrittenShard
+from ckptstore.service.direct_file import ALIGNMENT, DirectFileWriter
+from ckptstore.service.errors import InvalidInputError, PayloadTooLargeError
+from ckptstore.service.format.digest import TensorHasher
+from ckptstore.service.format.dtypes import DTYPES, byte_length
+from ckptstore.service.format.safetensors_header import (
+    PREFIX_BYTES,
+    ShardHeader,
+    header_bytes,
+    header_size,
+    laid_out_entries,
+)
+from ckptstore.service.format.sharding import MAX_TENSORS_PER_SHARD, SHARD_METADATA
+from ckptstore.service.receiver import UPLOAD_IN_FLIGHT, ReceiveSpace, advance, staging_error, take_prefixed
+from ckptstore.service.shard_writer import WrittenShard
 
 #: Most dimensions of one tensor in a layout.
 MAX_DIMENSIONS = 64

@@ -11,12 +11,12 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.db import Database
-from service.db.models import Run, Tag, Version
-from service.db.session import insert_new
-from service.errors import NotFoundError
-from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
-from service.manifest_parts import release_versions
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Run, Tag, Version
+from ckptstore.service.db.session import insert_new
+from ckptstore.service.errors import NotFoundError
+from ckptstore.service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
+from ckptstore.service.manifest_parts import release_versions
 
 
 def lock_run(session: Session, run_id: str, *, create: bool = False) -> None:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from service.direct_file import DEFAULT_IN_FLIGHT, DirectFileWriter
+from ckptstore.service.direct_file import DEFAULT_IN_FLIGHT, DirectFileWriter
 
 #: Bytes written per measurement: enough to get past the device's own write cache.
 PROBE_BYTES = 32 << 20

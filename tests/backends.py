@@ -14,8 +14,8 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from service.db import Database
-from service.db.models import Base
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Base
 
 # Variables that would point boto3 at a real account, profile or endpoint, or change its checksums.
 AWS_VARIABLES_TO_CLEAR = (

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.db import Database, schema
+from ckptstore.service.db import Database, schema
 from tests.backends import POSTGRES_URL, PostgresDatabases, moto_server
 
 os.environ.setdefault("CKPTSTORE_DISABLE_PROGRESS_BARS", "1")

@@ -12,6 +12,13 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The one installed name: ``ckptstore.client.api`` is the repository's ``client/api.py``.
+PACKAGE = "ckptstore."
+
+
+def repo_name(target: str) -> str:
+    """An imported module's name as the repository lays it out (``ckptstore.client.x`` -> ``client.x``)."""
+    return target[len(PACKAGE) :] if target.startswith(PACKAGE) else target
 
 #: The client's packages by job; the modules directly in client/ are the floor.
 ROOMS = ("saving", "loading", "http", "formats", "distributed", "integrations", "cli")
@@ -41,13 +48,13 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             targets += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
+            base = repo_name(node.module or "")
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     found = set()
-    for target in targets:
+    for target in map(repo_name, targets):
         while target and target not in known:
             target = target.rpartition(".")[0]
         if target and target != name:
@@ -66,9 +73,9 @@ def third_party_imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(repo_name(alias.name).split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.add(node.module.split(".")[0])
+            found.add(repo_name(node.module).split(".")[0])
     return found
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from service.api.server import http_protocol, server_config, tune_uvicorn
-from service.settings import Settings
+from ckptstore.service.api.server import http_protocol, server_config, tune_uvicorn
+from ckptstore.service.settings import Settings
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.db.schema import head_revision
+from ckptstore.service.db.schema import head_revision
 
 ROOT = Path(__file__).resolve().parents[1]
 

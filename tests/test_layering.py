@@ -36,9 +36,9 @@ import importlib, pkgutil, sys
 blocked = sys.argv[1].split(",")
 for name in blocked:
     sys.modules[name] = None  # any import of these now raises ImportError
-import service
-names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
-names = [n for n in names if sys.argv[2] == "all" or not n.startswith("service.api")]
+from ckptstore import service
+names = [m.name for m in pkgutil.walk_packages(service.__path__, "ckptstore.service.")]
+names = [n for n in names if sys.argv[2] == "all" or not n.startswith("ckptstore.service.api")]
 for name in names:
     importlib.import_module(name)
 print(len(names))
@@ -54,11 +54,11 @@ def probe(blocked: str, which: str) -> int:
 
 
 def test_the_engine_imports_without_torch_fastapi_or_client() -> None:
-    assert probe("torch,numpy,client,fastapi,starlette,uvicorn", "core") >= 15
+    assert probe("torch,numpy,ckptstore.client,fastapi,starlette,uvicorn", "core") >= 15
 
 
 def test_the_whole_service_imports_without_torch_or_client() -> None:
-    assert probe("torch,numpy,client", "all") >= 25
+    assert probe("torch,numpy,ckptstore.client", "all") >= 25
 
 
 #: The one reader of pickled bytes: an allow-list interpreter that never imports or calls what
@@ -113,18 +113,25 @@ def test_one_reader_of_pickled_data_in_the_product() -> None:
 #: torch side unimportable, as in the server image: any import of them raises ImportError.
 TORCH_FREE_CLI = """
 import importlib.abc, sys
-BLOCKED = ("torch", "numpy", "client.api")
+BLOCKED = ("torch", "numpy", "ckptstore.client.api")
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             raise ImportError(f"{name} may not be imported by the server's commands")
         return None
 sys.meta_path.insert(0, Refuse())
-from client.cli import app
+from ckptstore.client.cli import app
 app(sys.argv[1:], prog_name="ckptstore")
 """
 #: The engine's modules and libraries a client over HTTP does not need.
-ENGINE = ("sqlalchemy", "alembic", "service.store", "service.factory", "service.db", "service.retention")
+ENGINE = (
+    "sqlalchemy",
+    "alembic",
+    "ckptstore.service.store",
+    "ckptstore.service.factory",
+    "ckptstore.service.db",
+    "ckptstore.service.retention",
+)
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 #: Bound on the server's start: far above what it takes, only so a hung child fails the test.
 START_TIMEOUT = 120.0
@@ -210,10 +217,10 @@ def test_ckptstore_serve_answers_over_http_without_torch(tmp_path: Path) -> None
 
 
 def engine_modules_after(opening: str, *args: str) -> list[str]:
-    """Which of ENGINE a fresh interpreter holds after ``import client`` and ``opening`` (a client
+    """Which of ENGINE a fresh interpreter holds after ``from ckptstore import client`` and ``opening`` (a client
     expression, closed after), with ``args`` as its ``sys.argv[1:]``."""
     probe = (
-        "import sys, client, client.api\n"
+        "import sys\nimport ckptstore.client.api\nfrom ckptstore import client\n"
         f"client_ = {opening}\n"
         "client_.close()\n"
         "assert 'torch' in sys.modules\n"
@@ -230,7 +237,7 @@ def test_a_client_over_http_imports_no_engine(tmp_path: Path) -> None:
     assert engine_modules_after("client.Client('http://127.0.0.1:9')") == []
     # The probe has teeth: an embedded store is the engine itself.
     embedded = engine_modules_after("client.Client(home=sys.argv[1])", str(tmp_path / "home"))
-    assert {"sqlalchemy", "service.store", "service.factory"} <= set(embedded)
+    assert {"sqlalchemy", "ckptstore.service.store", "ckptstore.service.factory"} <= set(embedded)
 
 
 # -- the client's rooms and the arrows between them --------------------------------------------

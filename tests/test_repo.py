@@ -34,7 +34,7 @@ def test_readme_demo_command_installs_runs_the_quickstart_and_serves() -> None:
 def test_quickstart_runs_on_a_fresh_embedded_store(tmp_path: Path) -> None:
     env = {**os.environ, "CKPTSTORE_HOME": str(tmp_path / "home"), "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "client.cli", "quickstart"], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "ckptstore.client.cli", "quickstart"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert "identical weights" in done.stdout
@@ -42,7 +42,7 @@ def test_quickstart_runs_on_a_fresh_embedded_store(tmp_path: Path) -> None:
     dedup = [float(row[5].rstrip("%")) for row in lines]
     assert dedup[0] == 0.0 and all(d > 90.0 for d in dedup[1:]), done.stdout
     listing = subprocess.run(
-        [sys.executable, "-m", "client.cli", "ls", "quickstart", "--json"],
+        [sys.executable, "-m", "ckptstore.client.cli", "ls", "quickstart", "--json"],
         cwd=ROOT,
         env=env,
         capture_output=True,

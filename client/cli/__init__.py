@@ -17,9 +17,9 @@ from typing import Annotated
 
 import typer
 
-from client.cli import inspect, manage, retention, transfer
-from client.cli.common import echo
-from client.cli.server import db_app, serve
+from ckptstore.client.cli import inspect, manage, retention, transfer
+from ckptstore.client.cli.common import echo
+from ckptstore.client.cli.server import db_app, serve
 
 #: The distribution ``pyproject.toml`` names: ``--version`` prints its installed version.
 DISTRIBUTION = "ckptstore"
@@ -65,7 +65,7 @@ def main(
 @app.command()
 def quickstart() -> None:
     """Save and load a small adapter model on the embedded store, printing the dedup saving."""
-    from client.cli.quickstart import run
+    from ckptstore.client.cli.quickstart import run
 
     run()
 

@@ -1,5 +1,5 @@
 """``python -m client.cli``: the ``ckptstore`` command line."""
 
-from client.cli import app
+from ckptstore.client.cli import app
 
 app()

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from client.cli.shown import shown, shown_lines
-from service.errors import CheckpointError, InvalidInputError, InvalidNameError
-from service.format.names import LATEST, parse_ref, validate_run_id
-from service.secrets_mask import mask_urls
+from ckptstore.client.cli.shown import shown, shown_lines
+from ckptstore.service.errors import CheckpointError, InvalidInputError, InvalidNameError
+from ckptstore.service.format.names import LATEST, parse_ref, validate_run_id
+from ckptstore.service.secrets_mask import mask_urls
 
 if TYPE_CHECKING:
-    from client.api import Client
-    from client.connection import Connection
+    from ckptstore.client.api import Client
+    from ckptstore.client.connection import Connection
 
 #: Exit codes: 1 = the operation failed (or found problems), 2 = the command line was wrong.
 EXIT_FAILED = 1
@@ -204,7 +204,7 @@ def open_client(*, create: bool = False) -> Iterator[Connection]:
     yet (NotFoundError naming the variables to set) rather than report on an empty one it just
     made; ``create=True`` is for a command that saves (see :func:`open_saving_client`).
     """
-    from client.connection import Connection
+    from ckptstore.client.connection import Connection
 
     with Connection(server_url(), token=_token(), create=create) as opened:
         _impatient(opened)
@@ -215,7 +215,7 @@ def open_client(*, create: bool = False) -> Iterator[Connection]:
 def open_saving_client() -> Iterator[Client]:
     """A :class:`client.api.Client` (which imports torch) on the same store as :func:`open_client`,
     creating the store if it does not exist yet: for the commands that save tensors."""
-    from client.api import Client
+    from ckptstore.client.api import Client
 
     with Client(server_url(), token=_token(), create=True) as opened:
         _impatient(opened)

@@ -8,16 +8,16 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from client import keys
-from client.cli.common import echo, echo_json, open_client, parse_target, reported, server_url, size, table
-from client.cli.shown import shown
-from service.errors import NotFoundError
-from service.format.names import validate_run_id
-from service.records import RunInfo, VersionInfo
+from ckptstore.client import keys
+from ckptstore.client.cli.common import echo, echo_json, open_client, parse_target, reported, server_url, size, table
+from ckptstore.client.cli.shown import shown
+from ckptstore.service.errors import NotFoundError
+from ckptstore.service.format.names import validate_run_id
+from ckptstore.service.records import RunInfo, VersionInfo
 
 if TYPE_CHECKING:  # imported where used: ``ckptstore ls`` needs neither
-    from service.diff import VersionDiff
-    from service.format.manifest import Manifest, TensorEntry
+    from ckptstore.service.diff import VersionDiff
+    from ckptstore.service.format.manifest import Manifest, TensorEntry
 
 #: Key prefix -> section title, in the order sections are shown.
 SECTIONS = (
@@ -159,7 +159,7 @@ def diff(
     """Compare two versions: tensors changed, added and removed; hyperparameter and metric changes."""
     with reported():
         a, b = parse_target(older, "RUN@A"), parse_target(newer, "RUN@B")
-        from service.diff import diff_manifests
+        from ckptstore.service.diff import diff_manifests
 
         with open_client() as ckpt:
             result = diff_manifests(ckpt.transport.manifest(a.run_id, a.ref), ckpt.transport.manifest(b.run_id, b.ref))
@@ -222,12 +222,12 @@ def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] |
     other command opens it."""
     if server_url() is not None:
         return None
-    from service.settings import local_settings
+    from ckptstore.service.settings import local_settings
 
     database = local_settings().embedded_database  # an invalid CKPTSTORE_* setting is refused here too
     if database is None:
         return None
-    from service.embedded_runs import read_runs, read_versions
+    from ckptstore.service.embedded_runs import read_runs, read_versions
 
     return read_runs(database) if run_id is None else read_versions(database, run_id)
 

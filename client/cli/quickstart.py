@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from client.api import Client
-from client.cli.common import echo
-from client.connection import default_home
+from ckptstore.client.api import Client
+from ckptstore.client.cli.common import echo
+from ckptstore.client.connection import default_home
 
 RUN_ID = "quickstart"
 

@@ -6,12 +6,12 @@ from typing import Annotated, Literal
 
 import typer
 
-from client.cli.common import UsageProblem, echo, echo_json, open_client, reported
-from client.cli.shown import shown
-from service.errors import InvalidInputError
-from service.format.names import validate_run_id
-from service.records import RetentionPolicy
-from service.retention_rules import Policy, check_policy
+from ckptstore.client.cli.common import UsageProblem, echo, echo_json, open_client, reported
+from ckptstore.client.cli.shown import shown
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.names import validate_run_id
+from ckptstore.service.records import RetentionPolicy
+from ckptstore.service.retention_rules import Policy, check_policy
 
 
 def _versions(numbers: list[int]) -> str:

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from client.cli.common import echo, error_line
-from service.secrets_mask import mask_url
+from ckptstore.client.cli.common import echo, error_line
+from ckptstore.service.secrets_mask import mask_url
 
 
 def serve(
@@ -26,10 +26,10 @@ def serve(
     """
     import os
 
-    from service.api.app import check_auth_setup
-    from service.auth import TokenSet
-    from service.errors import CheckpointError
-    from service.settings import Settings
+    from ckptstore.service.api.app import check_auth_setup
+    from ckptstore.service.auth import TokenSet
+    from ckptstore.service.errors import CheckpointError
+    from ckptstore.service.settings import Settings
 
     for name, value in (("HOST", host), ("PORT", port), ("WORKERS", workers)):
         if value is not None:
@@ -38,16 +38,16 @@ def serve(
         settings = Settings()
         check_auth_setup(TokenSet.parse(settings.tokens), settings.host)
         if settings.workers == 1:
-            from service.api.server import app_from_env
+            from ckptstore.service.api.server import app_from_env
 
             application = app_from_env()
     except CheckpointError as exc:
         echo(error_line(str(exc)), err=True)
         raise typer.Exit(2) from exc
     echo(f"ckptstore serving {mask_url(settings.resolved_database_url)} on http://{settings.host}:{settings.port}")
-    from service.api.server import run, server_config
+    from ckptstore.service.api.server import run, server_config
 
-    run(server_config(application if settings.workers == 1 else "service.api.server:app_from_env", settings))
+    run(server_config(application if settings.workers == 1 else "ckptstore.service.api.server:app_from_env", settings))
 
 
 db_app = typer.Typer(help="Manage the metadata database schema.", no_args_is_help=True)
@@ -56,10 +56,10 @@ db_app = typer.Typer(help="Manage the metadata database schema.", no_args_is_hel
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Migrate the configured database (CKPTSTORE_DATABASE_URL, else the embedded one) to the latest schema."""
-    from service.db import Database
-    from service.db.schema import current_revision, head_revision, upgrade
-    from service.errors import CheckpointError
-    from service.settings import Settings
+    from ckptstore.service.db import Database
+    from ckptstore.service.db.schema import current_revision, head_revision, upgrade
+    from ckptstore.service.errors import CheckpointError
+    from ckptstore.service.settings import Settings
 
     settings = Settings()
     url = settings.resolved_database_url
@@ -84,10 +84,10 @@ def db_upgrade() -> None:
 @db_app.command("current")
 def db_current() -> None:
     """Print the database's schema revision and the newest one this ckptstore knows."""
-    from service.db import Database
-    from service.db.schema import current_revision, head_revision
-    from service.errors import CheckpointError
-    from service.settings import Settings
+    from ckptstore.service.db import Database
+    from ckptstore.service.db.schema import current_revision, head_revision
+    from ckptstore.service.errors import CheckpointError
+    from ckptstore.service.settings import Settings
 
     try:
         database = Database(Settings().resolved_database_url)

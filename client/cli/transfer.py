@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from client.cli.common import (
+from ckptstore.client.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
     UsageProblem,
@@ -27,15 +27,15 @@ from client.cli.common import (
     table,
     writing_into,
 )
-from client.cli.shown import shown
-from service.format.names import validate_run_id
+from ckptstore.client.cli.shown import shown
+from ckptstore.service.format.names import validate_run_id
 
 
 class _Bar:
     """A byte bar whose total is set once known."""
 
     def __init__(self, description: str) -> None:
-        from client.progress import byte_bar  # here: tqdm is not for the commands that show no bar
+        from ckptstore.client.progress import byte_bar  # here: tqdm is not for the commands that show no bar
 
         self.bar = byte_bar(0, description)
 
@@ -78,7 +78,7 @@ def export(
     the model's config (a Trainer plug-in version or Trainer-folder import; never invented).
     Loadable by safetensors and, with config.json, by transformers' from_pretrained.
     """
-    from client.formats.exporting import export_version
+    from ckptstore.client.formats.exporting import export_version
 
     if as_format != "hf":
         _export_other(target, directory, as_format, peft_config, keys)
@@ -121,7 +121,7 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
     """``export --format peft|dcp`` (:mod:`client.formats.export_formats`)."""
     import json
 
-    from client.formats.export_formats import export_dcp, export_peft
+    from ckptstore.client.formats.export_formats import export_dcp, export_peft
 
     with reported():
         parsed = parse_target(target)
@@ -180,7 +180,7 @@ def import_(
     run code. A refused source stores nothing and exits with 2. Seed a base model once; every
     fine-tune saved later stores only what differs from it.
     """
-    from client.formats.importing import read_checkpoint, save_imported
+    from ckptstore.client.formats.importing import read_checkpoint, save_imported
 
     with reported(invalid_input=EXIT_USAGE):
         if "@" in run_id:
@@ -235,8 +235,8 @@ def verify(
     versions, tensors, distinct digests and bytes. --json prints ok, versions, tensors, digests,
     bytes, seconds, problems and store.
     """
-    from client.loading.verify import every_version
-    from client.loading.verify import verify as run_verify
+    from ckptstore.client.loading.verify import every_version
+    from ckptstore.client.loading.verify import verify as run_verify
 
     with reported():
         parsed = parse_target(target) if target is not None else None

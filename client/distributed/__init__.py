@@ -15,7 +15,7 @@ May import torch (``torch.distributed``), the top of ``client``, ``client.saving
 :class:`client.distributed.clients.StoreClient` protocol.
 """
 
-from client.distributed.reader import StoreReader
-from client.distributed.writer import StoreWriter
+from ckptstore.client.distributed.reader import StoreReader
+from ckptstore.client.distributed.writer import StoreWriter
 
 __all__ = ["StoreReader", "StoreWriter"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from client.connection import default_connection
-from client.saving.hashing import SaveLedger
-from client.saving.saver import SaveSettings
-from client.transport import Transport
+from ckptstore.client.connection import default_connection
+from ckptstore.client.saving.hashing import SaveLedger
+from ckptstore.client.saving.saver import SaveSettings
+from ckptstore.client.transport import Transport
 
 
 @runtime_checkable

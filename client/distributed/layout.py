@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from client import keys
-from client.jsonstate import MARKERS
-from service.errors import InvalidNameError, StateEncodingError
-from service.format.manifest import TENSOR_REF, Manifest, StateSection
-from service.format.names import validate_run_id
+from ckptstore.client import keys
+from ckptstore.client.jsonstate import MARKERS
+from ckptstore.service.errors import InvalidNameError, StateEncodingError
+from ckptstore.service.format.manifest import TENSOR_REF, Manifest, StateSection
+from ckptstore.service.format.names import validate_run_id
 
 SECTIONS = ("model", "optim", "scheduler", "extra")
 TREE_SECTIONS: tuple[StateSection, ...] = ("optim", "scheduler", "extra")

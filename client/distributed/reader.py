@@ -32,14 +32,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from client import jsonstate
-from client.distributed.clients import StoreClient, default_store_client
-from client.distributed.layout import ObjPath, fqn, names_a_run, stored_items
-from client.loading.reader import PieceSpec, TensorReader
-from client.tensors import NAME_TO_TORCH, is_plain_dense
-from service.errors import InvalidInputError, StateEncodingError, StateMismatchError
-from service.format.manifest import Manifest, TensorEntry
-from service.format.names import validate_run_id
+from ckptstore.client import jsonstate
+from ckptstore.client.distributed.clients import StoreClient, default_store_client
+from ckptstore.client.distributed.layout import ObjPath, fqn, names_a_run, stored_items
+from ckptstore.client.loading.reader import PieceSpec, TensorReader
+from ckptstore.client.tensors import NAME_TO_TORCH, is_plain_dense
+from ckptstore.service.errors import InvalidInputError, StateEncodingError, StateMismatchError
+from ckptstore.service.format.manifest import Manifest, TensorEntry
+from ckptstore.service.format.names import validate_run_id
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from client import keys, names
-from client.distributed.clients import StoreClient
-from client.distributed.reader import StoreReader
-from client.distributed.writer import StoreWriter
-from client.loading import restore
-from client.results import LoadResult, SaveResult
-from service.errors import CheckpointError, InvalidInputError
+from ckptstore.client import keys, names
+from ckptstore.client.distributed.clients import StoreClient
+from ckptstore.client.distributed.reader import StoreReader
+from ckptstore.client.distributed.writer import StoreWriter
+from ckptstore.client.loading import restore
+from ckptstore.client.results import LoadResult, SaveResult
+from ckptstore.service.errors import CheckpointError, InvalidInputError
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

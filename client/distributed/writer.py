@@ -27,20 +27,20 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from client import jsonstate
-from client.distributed.clients import StoreClient, default_store_client
-from client.distributed.layout import ObjPath, StateTrees, fqn, names_a_run, stored_path, tensor_key
-from client.placement import group_places_step_on_device
-from client.results import SaveResult
-from client.saving.hashing import SaveLedger
-from client.saving.saver import SaveRun, library_versions
-from client.state import FlatState, TensorRecord
-from client.tensors import TORCH_TO_NAME, dtype_name
-from service.errors import StateEncodingError
-from service.format.digest import tensor_digest
-from service.format.dtypes import dtype_class
-from service.format.manifest import TENSOR_REF, validate_body
-from service.format.names import validate_run_id, validate_tag
+from ckptstore.client import jsonstate
+from ckptstore.client.distributed.clients import StoreClient, default_store_client
+from ckptstore.client.distributed.layout import ObjPath, StateTrees, fqn, names_a_run, stored_path, tensor_key
+from ckptstore.client.placement import group_places_step_on_device
+from ckptstore.client.results import SaveResult
+from ckptstore.client.saving.hashing import SaveLedger
+from ckptstore.client.saving.saver import SaveRun, library_versions
+from ckptstore.client.state import FlatState, TensorRecord
+from ckptstore.client.tensors import TORCH_TO_NAME, dtype_name
+from ckptstore.service.errors import StateEncodingError
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.dtypes import dtype_class
+from ckptstore.service.format.manifest import TENSOR_REF, validate_body
+from ckptstore.service.format.names import validate_run_id, validate_tag
 
 #: Called by every rank once its chunks are stored, before it reports them (tests pause a rank
 #: here to kill it at the moment its bytes are stored but no version exists).

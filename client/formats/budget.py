@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 #: What an import may make, as a multiple of its source's bytes, unless the user raises it.
 DEFAULT_MAX_EXPANSION = 4.0

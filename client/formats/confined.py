@@ -32,8 +32,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from client.formats.pickle_types import shown
-from service.errors import InvalidInputError
+from ckptstore.client.formats.pickle_types import shown
+from ckptstore.service.errors import InvalidInputError
 
 #: Most links one open may follow (the kernel's own bound on a path's links).
 MAX_LINKS = 40

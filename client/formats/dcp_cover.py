@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 #: The largest size of one dimension: coordinates are computed in 64-bit integers.

@@ -34,13 +34,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from client.formats import budget, confined
-from client.formats.dcp_cover import check_cover, check_regions
-from client.formats.pickle_reader import read_pickle
-from client.formats.pickle_types import Global, GlobalTable, PickleLimits, Record
-from client.formats.torch_files import read_torch_bytes
-from client.formats.torch_globals import RefusedTensor
-from service.errors import InvalidInputError
+from ckptstore.client.formats import budget, confined
+from ckptstore.client.formats.dcp_cover import check_cover, check_regions
+from ckptstore.client.formats.pickle_reader import read_pickle
+from ckptstore.client.formats.pickle_types import Global, GlobalTable, PickleLimits, Record
+from ckptstore.client.formats.torch_files import read_torch_bytes
+from ckptstore.client.formats.torch_globals import RefusedTensor
+from ckptstore.service.errors import InvalidInputError
 
 METADATA = ".metadata"
 #: The largest ``.metadata`` read (it lists every chunk of every tensor).

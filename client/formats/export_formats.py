@@ -25,18 +25,18 @@ from typing import Any
 
 import torch
 
-from client.formats.exporting import (
+from ckptstore.client.formats.exporting import (
     FILE_METADATA,
     ExportResult,
     stored_json,
     write_safetensors,
     write_text_atomically,
 )
-from client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
-from client.loading import restore, selection
-from client.loading.reader import TensorReader
-from client.transport import Transport
-from service.errors import CheckpointError, InvalidInputError, StateMismatchError, StorageError
+from ckptstore.client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
+from ckptstore.client.loading import restore, selection
+from ckptstore.client.loading.reader import TensorReader
+from ckptstore.client.transport import Transport
+from ckptstore.service.errors import CheckpointError, InvalidInputError, StateMismatchError, StorageError
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "ADAPTER_KEYS", "export_dcp", "export_peft", "peft_file_name"]
 

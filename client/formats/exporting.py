@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client import jsonstate
-from client.loading import selection
-from client.loading.reader import TensorReader
-from client.tensors import byte_view, host_contiguous
-from client.transport import Transport
-from service.errors import InvalidInputError, StateMismatchError
-from service.format.manifest import TENSOR_REF, Manifest, TensorEntry
-from service.format.safetensors_header import encode_header, layout_order
+from ckptstore.client import jsonstate
+from ckptstore.client.loading import selection
+from ckptstore.client.loading.reader import TensorReader
+from ckptstore.client.tensors import byte_view, host_contiguous
+from ckptstore.client.transport import Transport
+from ckptstore.service.errors import InvalidInputError, StateMismatchError
+from ckptstore.service.format.manifest import TENSOR_REF, Manifest, TensorEntry
+from ckptstore.service.format.safetensors_header import encode_header, layout_order
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

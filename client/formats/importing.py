@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from client.api import Client
-from client.formats import budget, confined, peft_folder, sources
-from client.formats.json_text import check_structure, parse_json
-from client.results import SaveResult
-from client.tensors import NAME_TO_TORCH
-from service.errors import InvalidInputError
-from service.format.dtypes import itemsize
-from service.format.safetensors_header import entry_fields
+from ckptstore.client.api import Client
+from ckptstore.client.formats import budget, confined, peft_folder, sources
+from ckptstore.client.formats.json_text import check_structure, parse_json
+from ckptstore.client.results import SaveResult
+from ckptstore.client.tensors import NAME_TO_TORCH
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.dtypes import itemsize
+from ckptstore.service.format.safetensors_header import entry_fields
 
 SINGLE_FILE = "model.safetensors"
 BIN_FILE = "pytorch_model.bin"

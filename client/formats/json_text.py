@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import InvalidInputError
-from service.format.jsondoc import strict_decoder
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.jsondoc import strict_decoder
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Any, TypedDict
 
 import torch
 
-from client.formats.torch_dicts import tensor_dict, unstorable
-from service.errors import InvalidInputError
-from service.format.names import METRIC_PATTERN
+from ckptstore.client.formats.torch_dicts import tensor_dict, unstorable
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.names import METRIC_PATTERN
 
 VERSION_KEY = "pytorch-lightning_version"
 WEIGHTS_KEY = "state_dict"

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from client.formats import confined
-from client.formats.json_text import parse_json
-from client.formats.sources import Imported, exists
-from service.errors import InvalidInputError
+from ckptstore.client.formats import confined
+from ckptstore.client.formats.json_text import parse_json
+from ckptstore.client.formats.sources import Imported, exists
+from ckptstore.service.errors import InvalidInputError
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

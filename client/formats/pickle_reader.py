@@ -32,9 +32,9 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from client.formats.pickle_tree import finish_value
-from client.formats.pickle_types import Built, Global, GlobalTable, PickleLimits, shown
-from service.errors import InvalidInputError
+from ckptstore.client.formats.pickle_tree import finish_value
+from ckptstore.client.formats.pickle_types import Built, Global, GlobalTable, PickleLimits, shown
+from ckptstore.service.errors import InvalidInputError
 
 
 class _Mark:

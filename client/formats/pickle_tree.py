@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from client.formats.pickle_types import Built, PickleLimits, Record
-from service.errors import InvalidInputError
+from ckptstore.client.formats.pickle_types import Built, PickleLimits, Record
+from ckptstore.service.errors import InvalidInputError
 
 
 def _children(node: Any) -> Iterator[Any] | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from client.formats import confined, lightning_ckpt
-from client.formats.dcp_folder import read_dcp_folder
-from client.formats.json_text import large_integers, parse_json
-from client.formats.pickle_types import shown
-from client.formats.torch_dicts import read_layout, tensor_dict
-from client.formats.torch_files import read_torch_file
-from client.formats.torch_globals import RefusedTensor
-from service.errors import InvalidInputError
+from ckptstore.client.formats import confined, lightning_ckpt
+from ckptstore.client.formats.dcp_folder import read_dcp_folder
+from ckptstore.client.formats.json_text import large_integers, parse_json
+from ckptstore.client.formats.pickle_types import shown
+from ckptstore.client.formats.torch_dicts import read_layout, tensor_dict
+from ckptstore.client.formats.torch_files import read_torch_file
+from ckptstore.client.formats.torch_globals import RefusedTensor
+from ckptstore.service.errors import InvalidInputError
 
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 TRAINER_STATE = "trainer_state.json"

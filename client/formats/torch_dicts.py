@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from client import jsonstate, keys
-from client.formats.pickle_types import shown
-from client.formats.torch_globals import RefusedTensor
-from client.tensors import check_storable
-from service.errors import InvalidInputError, StateEncodingError
-from service.format.names import METRIC_PATTERN
+from ckptstore.client import jsonstate, keys
+from ckptstore.client.formats.pickle_types import shown
+from ckptstore.client.formats.torch_globals import RefusedTensor
+from ckptstore.client.tensors import check_storable
+from ckptstore.service.errors import InvalidInputError, StateEncodingError
+from ckptstore.service.format.names import METRIC_PATTERN
 
 MODEL_KEYS = ("model_state_dict", "state_dict", "model", "net")
 OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optim")

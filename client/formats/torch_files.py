@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from client.formats import confined
-from client.formats.pickle_reader import read_pickle
-from client.formats.pickle_tree import finish_value
-from client.formats.pickle_types import PickleLimits, shown
-from client.formats.torch_globals import MAX_STORAGES, Storage, TorchFile, itemsize
-from client.formats.zip_members import ZIP_MAGIC, Region, member_regions
-from service.errors import InvalidInputError
+from ckptstore.client.formats import confined
+from ckptstore.client.formats.pickle_reader import read_pickle
+from ckptstore.client.formats.pickle_tree import finish_value
+from ckptstore.client.formats.pickle_types import PickleLimits, shown
+from ckptstore.client.formats.torch_globals import MAX_STORAGES, Storage, TorchFile, itemsize
+from ckptstore.client.formats.zip_members import ZIP_MAGIC, Region, member_regions
+from ckptstore.service.errors import InvalidInputError
 
 #: The largest ``data.pkl`` (or legacy pickle) read: the structure, not the tensors' bytes.
 MAX_PICKLE_BYTES = 256 << 20

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from client.formats import budget
-from client.formats.pickle_types import Built, Global, GlobalTable, shown
-from service.errors import InvalidInputError
+from ckptstore.client.formats import budget
+from ckptstore.client.formats.pickle_types import Built, Global, GlobalTable, shown
+from ckptstore.service.errors import InvalidInputError
 
 #: Most storages one file may hold.
 MAX_STORAGES = 1 << 20

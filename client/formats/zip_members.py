@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
 
-from client.formats import confined
-from client.formats.pickle_types import shown
-from service.errors import InvalidInputError
+from ckptstore.client.formats import confined
+from ckptstore.client.formats.pickle_types import shown
+from ckptstore.service.errors import InvalidInputError
 
 ZIP_MAGIC = b"PK\x03\x04"
 LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")

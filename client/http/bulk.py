@@ -33,9 +33,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from client.http.route import Route
-from service.errors import IntegrityError
-from service.receive_mark import ReceiveMark
+from ckptstore.client.http.route import Route
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.receive_mark import ReceiveMark
 
 #: A pooled connection idle for longer is closed, not reused. A server closes a connection left
 #: idle past its keep-alive timeout (uvicorn's and ``ckptstore serve``'s default: 5 s), and a
@@ -46,7 +46,7 @@ from service.receive_mark import ReceiveMark
 IDLE_REUSE_SECONDS = 2.0
 
 if TYPE_CHECKING:
-    from client.http.retry import Reply
+    from ckptstore.client.http.retry import Reply
 
 
 @dataclass

@@ -22,11 +22,11 @@ import time
 from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
-from client.http.bulk import BulkHttp, carries
-from client.http.route import route_for
-from client.http.session import HttpSession
-from service.errors import CheckpointError, InvalidInputError
-from service.secrets_mask import mask_url, mask_urls
+from ckptstore.client.http.bulk import BulkHttp, carries
+from ckptstore.client.http.route import route_for
+from ckptstore.client.http.session import HttpSession
+from ckptstore.service.errors import CheckpointError, InvalidInputError
+from ckptstore.service.secrets_mask import mask_url, mask_urls
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from client.http.bulk import BulkHttp, carries
-from client.http.retry import NETWORK_ERRORS, RETRY_STATUSES
-from client.http.route import Route, route_for
-from client.http.session import CONNECT_SECONDS, HttpSession
-from service.errors import CheckpointError, ConflictError, InvalidInputError, NotFoundError, StorageError
-from service.records import ShardReceipt
-from service.secrets_mask import mask_url
+from ckptstore.client.http.bulk import BulkHttp, carries
+from ckptstore.client.http.retry import NETWORK_ERRORS, RETRY_STATUSES
+from ckptstore.client.http.route import Route, route_for
+from ckptstore.client.http.session import CONNECT_SECONDS, HttpSession
+from ckptstore.service.errors import CheckpointError, ConflictError, InvalidInputError, NotFoundError, StorageError
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.secrets_mask import mask_url
 
 log = logging.getLogger(__name__)
 

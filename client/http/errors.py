@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import json
 
-from client.http.retry import Reply
-from service.errors import CheckpointError, MissingTensorsError, StateMismatchError, StorageError, error_class_for_code
+from ckptstore.client.http.retry import Reply
+from ckptstore.service.errors import (
+    CheckpointError,
+    MissingTensorsError,
+    StateMismatchError,
+    StorageError,
+    error_class_for_code,
+)
 
 
 def raise_for_error(reply: Reply) -> None:

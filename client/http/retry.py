@@ -28,8 +28,8 @@ from typing import Protocol, TypeVar
 
 import httpx
 
-from client.http.route import Route
-from service.errors import InvalidInputError, StorageError
+from ckptstore.client.http.route import Route
+from ckptstore.service.errors import InvalidInputError, StorageError
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 #: What a broken, refused or cut connection raises, through httpx or through the bulk connections.

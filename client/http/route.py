@@ -19,7 +19,7 @@ from urllib.request import getproxies
 
 import httpx
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

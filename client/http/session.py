@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 import httpx
 
-from client.http import bulk as bulk_wire
-from client.http.bulk import BulkHttp, BulkWire, HttpxBulk, carries
-from client.http.errors import raise_for_error
-from client.http.retry import Reply, RetryPolicy
-from client.http.route import Route, route_for
+from ckptstore.client.http import bulk as bulk_wire
+from ckptstore.client.http.bulk import BulkHttp, BulkWire, HttpxBulk, carries
+from ckptstore.client.http.errors import raise_for_error
+from ckptstore.client.http.retry import Reply, RetryPolicy
+from ckptstore.client.http.route import Route, route_for
 
 R = TypeVar("R", bound=Reply)
 

@@ -25,20 +25,20 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
-from client.http.direct_reads import DirectReads
-from client.http.direct_uploads import uploads_for
-from client.http.retry import RetryPolicy
-from client.http.session import HttpSession
-from client.http.unhashed_uploads import hashed_shard, send_unhashed
-from service import __version__
-from service.errors import CheckpointError, IntegrityError, NotFoundError, RangeNotSatisfiableError
-from service.format.digest import shard_id as digest_shard_id
-from service.format.manifest import Manifest, ManifestBody, manifest_from_json
-from service.format.names import validate_commit_key, validate_run_id
-from service.format.sharding import MAX_SIZES_PER_REQUEST
-from service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
-from service.secrets_mask import mask_url
-from service.shard_writer import UnhashedTensor
+from ckptstore.client.http.direct_reads import DirectReads
+from ckptstore.client.http.direct_uploads import uploads_for
+from ckptstore.client.http.retry import RetryPolicy
+from ckptstore.client.http.session import HttpSession
+from ckptstore.client.http.unhashed_uploads import hashed_shard, send_unhashed
+from ckptstore.service import __version__
+from ckptstore.service.errors import CheckpointError, IntegrityError, NotFoundError, RangeNotSatisfiableError
+from ckptstore.service.format.digest import shard_id as digest_shard_id
+from ckptstore.service.format.manifest import Manifest, ManifestBody, manifest_from_json
+from ckptstore.service.format.names import validate_commit_key, validate_run_id
+from ckptstore.service.format.sharding import MAX_SIZES_PER_REQUEST
+from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from ckptstore.service.secrets_mask import mask_url
+from ckptstore.service.shard_writer import UnhashedTensor
 
 log = logging.getLogger(__name__)
 #: A range this large is read from the blob store directly when the server signs URLs; smaller

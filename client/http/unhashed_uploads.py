@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from client.http.session import HttpSession
-from service.errors import IntegrityError
-from service.format.digest import all_digests, tensor_digest
-from service.format.safetensors_header import header_bytes, layout_order
-from service.format.sharding import SHARD_METADATA
-from service.records import ShardReceipt, TensorsReceipt
-from service.shard_writer import UnhashedTensor, fingerprint
-from service.unhashed_receiver import encode_layout
+from ckptstore.client.http.session import HttpSession
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.format.digest import all_digests, tensor_digest
+from ckptstore.service.format.safetensors_header import header_bytes, layout_order
+from ckptstore.service.format.sharding import SHARD_METADATA
+from ckptstore.service.records import ShardReceipt, TensorsReceipt
+from ckptstore.service.shard_writer import UnhashedTensor, fingerprint
+from ckptstore.service.unhashed_receiver import encode_layout
 
 PATH = "/v1/shards"
 

@@ -1,6 +1,6 @@
 """Plug-ins for the trainers people use: Lightning, Hugging Face ``Trainer`` and Accelerate.
 
-Each framework has its own module, imported only when asked for, so ``import client`` never
+Each framework has its own module, imported only when asked for, so ``from ckptstore import client`` never
 imports a framework:
 
 - :mod:`client.integrations.lightning` — ``CkptstoreCheckpointIO`` for ``Trainer(plugins=[...])``,

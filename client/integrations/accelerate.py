@@ -34,12 +34,12 @@ import torch
 from accelerate import Accelerator
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from client.api import Client
-from client.integrations.rng import capture_rng, restore_rng
-from client.integrations.wrapped import inner_optimizer, inner_scheduler
-from client.results import LoadResult, SaveResult
-from service.errors import InvalidInputError, StateMismatchError
-from service.format.names import LATEST
+from ckptstore.client.api import Client
+from ckptstore.client.integrations.rng import capture_rng, restore_rng
+from ckptstore.client.integrations.wrapped import inner_optimizer, inner_scheduler
+from ckptstore.client.results import LoadResult, SaveResult
+from ckptstore.service.errors import InvalidInputError, StateMismatchError
+from ckptstore.service.format.names import LATEST
 
 #: Optimizer updates made by each optimizer (the optimizer Accelerate wraps) since this module was
 #: imported, or since :func:`load_state` set the count.
@@ -61,7 +61,7 @@ def optimizer_updates(optimizer: torch.optim.Optimizer) -> int:
 def _client(client: Client | None) -> Client:
     if client is not None:
         return client
-    from client import default_client
+    from ckptstore.client import default_client
 
     return default_client()
 

@@ -35,15 +35,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from client.api import Client
-from client.formats.lightning_ckpt import VERSION_KEY, WEIGHTS_KEY, monitored_metrics
-from client.integrations.optimizer_repair import repair_loaded_optimizer
-from client.integrations.paths import StoreRef, parse_store_path, tag_for_path
-from client.integrations.rng import capture_rng, restore_rng
-from client.integrations.trees import load_tree, save_tree
-from service.errors import InvalidInputError, NotFoundError
-from service.format.names import LATEST, validate_run_id
-from service.records import VersionInfo
+from ckptstore.client.api import Client
+from ckptstore.client.formats.lightning_ckpt import VERSION_KEY, WEIGHTS_KEY, monitored_metrics
+from ckptstore.client.integrations.optimizer_repair import repair_loaded_optimizer
+from ckptstore.client.integrations.paths import StoreRef, parse_store_path, tag_for_path
+from ckptstore.client.integrations.rng import capture_rng, restore_rng
+from ckptstore.client.integrations.trees import load_tree, save_tree
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.format.names import LATEST, validate_run_id
+from ckptstore.service.records import VersionInfo
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -70,7 +70,7 @@ class _StoreCheckpointIO:
     def client(self) -> Client:
         """The client versions go through."""
         if self._client is None:
-            from client import default_client
+            from ckptstore.client import default_client
 
             self._client = default_client()
         return self._client
@@ -258,7 +258,7 @@ def load_from_checkpoint(
             "(for a file, use the class's own load_from_checkpoint)"
         )
     if client is None:
-        from client import default_client
+        from ckptstore.client import default_client
 
         client = default_client()
     checkpoint = load_tree(client, ref, weights_key=WEIGHTS_KEY, map_location=map_location)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
-from service.errors import InvalidNameError
-from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
+from ckptstore.service.errors import InvalidNameError
+from ckptstore.service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
 
 SCHEME = "ckptstore://"
 _NOT_IN_TAGS = re.compile(r"[^A-Za-z0-9._-]")

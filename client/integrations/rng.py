@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.errors import StateMismatchError
+from ckptstore.service.errors import StateMismatchError
 
 
 def capture_rng() -> dict[str, Any]:

@@ -40,12 +40,12 @@ from transformers import (
 )
 from transformers.trainer_utils import SaveStrategy
 
-from client import jsonstate
-from client.api import Client
-from client.integrations.rng import capture_rng, from_trainer_layout, restore_rng
-from client.integrations.wrapped import inner_optimizer, inner_scheduler
-from service.errors import InvalidInputError, StateMismatchError
-from service.format.names import LATEST, METRIC_PATTERN, validate_run_id
+from ckptstore.client import jsonstate
+from ckptstore.client.api import Client
+from ckptstore.client.integrations.rng import capture_rng, from_trainer_layout, restore_rng
+from ckptstore.client.integrations.wrapped import inner_optimizer, inner_scheduler
+from ckptstore.service.errors import InvalidInputError, StateMismatchError
+from ckptstore.service.format.names import LATEST, METRIC_PATTERN, validate_run_id
 
 #: What the Trainer reads from a checkpoint folder besides the tensors (transformers' TRAINER_STATE_NAME).
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -57,7 +57,7 @@ _METRIC_RE = re.compile(METRIC_PATTERN)
 def _client(client: Client | None) -> Client:
     if client is not None:
         return client
-    from client import default_client
+    from ckptstore.client import default_client
 
     return default_client()
 

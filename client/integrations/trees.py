@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from client.api import Client
-from client.integrations.paths import StoreRef
-from client.results import SaveResult
-from service.errors import InvalidInputError, StateEncodingError
-from service.format.manifest import Manifest
+from ckptstore.client.api import Client
+from ckptstore.client.integrations.paths import StoreRef
+from ckptstore.client.results import SaveResult
+from ckptstore.service.errors import InvalidInputError, StateEncodingError
+from ckptstore.service.format.manifest import Manifest
 
 
 def save_tree(

@@ -21,9 +21,9 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from service.encoded_reads import chain_of
-from service.errors import IntegrityError
-from service.records import TensorLocation
+from ckptstore.service.encoded_reads import chain_of
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.records import TensorLocation
 
 #: ``will_read(shard_id, [(offset, length), ...])``: the hint a transport takes.
 WillRead = Callable[[str, Sequence[tuple[int, int]]], None]

@@ -7,7 +7,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from client.loading.plan import ReadUnit
+from ckptstore.client.loading.plan import ReadUnit
 
 #: Reads one unit into its pieces' views: ``read_scatter(shard_id, offset, views)``.
 ReadScatter = Callable[[str, int, Sequence[memoryview]], None]

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from client.loading.decoding import decode_threads, decoded
-from client.loading.plan import ReadUnit, batch_units, plan_reads
-from client.loading.readahead import run_ahead
-from client.tensors import NAME_TO_TORCH, byte_view
-from client.transport import Transport
-from service.encoded_reads import decode_into, fetch_chain
-from service.errors import IntegrityError, InvalidInputError
-from service.format.digest import TensorHasher, tensor_digest
-from service.format.manifest import DTypeName, Manifest, TensorEntry
-from service.records import TensorLocation
+from ckptstore.client.loading.decoding import decode_threads, decoded
+from ckptstore.client.loading.plan import ReadUnit, batch_units, plan_reads
+from ckptstore.client.loading.readahead import run_ahead
+from ckptstore.client.tensors import NAME_TO_TORCH, byte_view
+from ckptstore.client.transport import Transport
+from ckptstore.service.encoded_reads import decode_into, fetch_chain
+from ckptstore.service.errors import IntegrityError, InvalidInputError
+from ckptstore.service.format.digest import TensorHasher, tensor_digest
+from ckptstore.service.format.manifest import DTypeName, Manifest, TensorEntry
+from ckptstore.service.records import TensorLocation
 
 #: Largest single read. Over HTTP every request costs a round trip and restarts the
 #: server's disk read-ahead, so reads are large; 64 MiB still leaves a 1 GiB load sixteen

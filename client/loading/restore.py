@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from client import jsonstate, keys, names
-from client.loading import selection
-from client.loading.device_copy import DeviceCopier
-from client.loading.reader import TensorReader, plain_empty
-from client.loading.selection import ModelPlan
-from client.placement import device_for
-from client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
-from service.errors import StateMismatchError, format_list
+from ckptstore.client import jsonstate, keys, names
+from ckptstore.client.loading import selection
+from ckptstore.client.loading.device_copy import DeviceCopier
+from ckptstore.client.loading.reader import TensorReader, plain_empty
+from ckptstore.client.loading.selection import ModelPlan
+from ckptstore.client.placement import device_for
+from ckptstore.client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
+from ckptstore.service.errors import StateMismatchError, format_list
 
 
 def compare_keys(stored: set[str], expected: set[str]) -> tuple[list[str], list[str]]:

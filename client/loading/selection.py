@@ -15,9 +15,9 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from client import keys, names
-from service.errors import InvalidInputError
-from service.format.manifest import Manifest
+from ckptstore.client import keys, names
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.manifest import Manifest
 
 
 def check_patterns(patterns: Sequence[str] | None) -> list[str] | None:

@@ -27,15 +27,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from client.results import SaveResult
-from client.saving.cadence import Background, SaveCadence
-from client.saving.hashing import DigestCache
-from client.saving.save_process import SaveProcess
-from client.saving.saver import Snapshot
-from client.saving.shared_staging import DoesNotFit, SharedSnapshot, SharedStaging
-from client.saving.snapshot import SaveHandle, Staging
-from client.state import FlatState
-from service.errors import StorageError
+from ckptstore.client.results import SaveResult
+from ckptstore.client.saving.cadence import Background, SaveCadence
+from ckptstore.client.saving.hashing import DigestCache
+from ckptstore.client.saving.save_process import SaveProcess
+from ckptstore.client.saving.saver import Snapshot
+from ckptstore.client.saving.shared_staging import DoesNotFit, SharedSnapshot, SharedStaging
+from ckptstore.client.saving.snapshot import SaveHandle, Staging
+from ckptstore.client.state import FlatState
+from ckptstore.service.errors import StorageError
 
 #: Snapshots of at most this many staged bytes may be taken while the save before them runs.
 OVERLAP_BYTES = 256 * 2**20
@@ -237,7 +237,7 @@ class BackgroundSaves:
 
 
 #: The top-level modules whose frames a warning skips: this package, and contextlib's decorators.
-_OURS = ("client", "contextlib")
+_OURS = ("ckptstore", "contextlib")
 
 
 def _callers_level() -> int:

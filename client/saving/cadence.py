@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 #: Background saves this close together (seconds, from call to call) are a loop saving often.
 CLOSE_SECONDS = 10.0

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from client.tensors import NUMPY_NATIVE, byte_view, dtype_name, host_contiguous
-from service.format.digest import tensor_digest
+from ckptstore.client.tensors import NUMPY_NATIVE, byte_view, dtype_name, host_contiguous
+from ckptstore.service.format.digest import tensor_digest
 
 #: Tensors below this size are hashed in the calling thread (see :func:`digest_all`).
 INLINE_BYTES = 1 << 20

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from service.format.sharding import ShardPacker
+from ckptstore.service.format.sharding import ShardPacker
 
 T = TypeVar("T")
 

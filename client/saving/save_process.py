@@ -34,39 +34,34 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from client.connection import open_transport
-from client.results import SaveResult
-from client.saving.hashing import DigestCache, SaveLedger
-from client.saving.packed_staging import views
-from client.saving.saver import SaveRun, SaveSettings, Snapshot
-from client.saving.shared_staging import SharedSnapshot
-from client.state import FlatState, TensorRecord
-from client.tensors import NAME_TO_TORCH, dtype_name
-from service.errors import CheckpointError, MissingTensorsError, StorageError, error_class_for_code
-from service.secrets_mask import mask_urls
+from ckptstore.client.connection import open_transport
+from ckptstore.client.results import SaveResult
+from ckptstore.client.saving.hashing import DigestCache, SaveLedger
+from ckptstore.client.saving.packed_staging import views
+from ckptstore.client.saving.saver import SaveRun, SaveSettings, Snapshot
+from ckptstore.client.saving.shared_staging import SharedSnapshot
+from ckptstore.client.state import FlatState, TensorRecord
+from ckptstore.client.tensors import NAME_TO_TORCH, dtype_name
+from ckptstore.service.errors import CheckpointError, MissingTensorsError, StorageError, error_class_for_code
+from ckptstore.service.secrets_mask import mask_urls
 
-#: The folder this client's ``client`` package is in: the helper imports the same one.
-PACKAGE_ROOT = Path(os.path.abspath(__file__)).parents[2]
-#: How the helper starts: ``python -c _LAUNCH ROOT FD``, :data:`BOOTSTRAP` then :func:`main`.
-#: ``python -m`` would put the working folder first on its path, where a folder named ``client``
-#: (a project's own, an older checkout of this one) would be imported in place of the client's
-#: package. So the working folder is dropped, and ROOT is put first only where the path lacks it,
-#: links followed (a checkout run from its own folder): an installed package's site-packages must
-#: not come before the standard library.
+#: How the helper starts: ``python -c _LAUNCH FD``, :data:`BOOTSTRAP` then :func:`main`.
+#: ``python -m`` would put the working folder first on its path, where a folder named
+#: ``ckptstore`` (a project's own, a checkout of this one) would be imported in place of the
+#: installed package, so the working folder is dropped: the helper imports ckptstore from where the
+#: installation put it (site-packages, or an editable install's finder), as the client did.
 BOOTSTRAP = (
     "'ckptstore save process'; "  # what ps and top show first
     # Ctrl-C in a terminal interrupts every process of the foreground job, this one too; the client
     # decides when the helper ends (its end line), so a save under way finishes, as on its thread.
     "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "import os, sys; root = sys.argv.pop(1); sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-    "real = os.path.realpath; sys.path[:0] = [] if real(root) in map(real, sys.path) else [root]; "
+    "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
 )
-_LAUNCH = BOOTSTRAP + "from client.saving.save_process import main; main()"
+_LAUNCH = BOOTSTRAP + "from ckptstore.client.saving.save_process import main; main()"
 #: Seconds ``close`` waits for the helper to finish after it was asked to (:data:`END`).
 CLOSE_SECONDS = 30.0
 #: Shared files the helper keeps mapped: a client alternates between two (see client.saving.background).
@@ -186,7 +181,7 @@ class SaveProcess:
         read, write = os.pipe()
         env = {**os.environ, "CKPTSTORE_DISABLE_PROGRESS_BARS": "1"}
         process = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, str(PACKAGE_ROOT), str(write)],
+            [sys.executable, "-c", _LAUNCH, str(write)],
             stdin=subprocess.PIPE,
             pass_fds=(write,),
             env=env,

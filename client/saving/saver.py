@@ -24,21 +24,29 @@ from typing import Any
 
 import torch
 
-from client.progress import byte_bar
-from client.results import SaveResult
-from client.saving.hashing import DigestCache, SaveLedger, Taken, cached_digests, digest_all, marks_of, samples
-from client.saving.plan import SavePlan, plan_save
-from client.saving.upload import ShardUploader
-from client.state import FlatState, TensorRecord
-from client.tensors import dtype_name
-from client.transport import Transport
-from service import __version__
-from service.errors import MissingTensorsError
-from service.format.bounds import MAX_SIZES_PER_QUERY
-from service.format.dtypes import dtype_class
-from service.format.manifest import ManifestBody, validate_body
-from service.format.sharding import MAX_TENSORS_PER_SHARD
-from service.records import VersionInfo
+from ckptstore.client.progress import byte_bar
+from ckptstore.client.results import SaveResult
+from ckptstore.client.saving.hashing import (
+    DigestCache,
+    SaveLedger,
+    Taken,
+    cached_digests,
+    digest_all,
+    marks_of,
+    samples,
+)
+from ckptstore.client.saving.plan import SavePlan, plan_save
+from ckptstore.client.saving.upload import ShardUploader
+from ckptstore.client.state import FlatState, TensorRecord
+from ckptstore.client.tensors import dtype_name
+from ckptstore.client.transport import Transport
+from ckptstore.service import __version__
+from ckptstore.service.errors import MissingTensorsError
+from ckptstore.service.format.bounds import MAX_SIZES_PER_QUERY
+from ckptstore.service.format.dtypes import dtype_class
+from ckptstore.service.format.manifest import ManifestBody, validate_body
+from ckptstore.service.format.sharding import MAX_TENSORS_PER_SHARD
+from ckptstore.service.records import VersionInfo
 
 #: Stands in for digests while a save's manifest is checked before its tensors are hashed.
 PLACEHOLDER_DIGEST = "0" * 64

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from client.tensors import byte_view, dtype_name, host_contiguous
-from service.format.digest import shard_id
-from service.format.safetensors_header import header_bytes, layout_order
-from service.format.sharding import SHARD_METADATA
+from ckptstore.client.tensors import byte_view, dtype_name, host_contiguous
+from ckptstore.service.format.digest import shard_id
+from ckptstore.service.format.safetensors_header import header_bytes, layout_order
+from ckptstore.service.format.sharding import SHARD_METADATA
 
 
 @dataclass

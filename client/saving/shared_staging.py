@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from client.saving.hashing import DigestCache
-from client.saving.packed_staging import LIMIT_BYTES, gather_and_transfer, places, views
-from client.saving.saver import Snapshot
-from client.saving.snapshot import check_shape, to_stage
-from client.state import FlatState
+from ckptstore.client.saving.hashing import DigestCache
+from ckptstore.client.saving.packed_staging import LIMIT_BYTES, gather_and_transfer, places, views
+from ckptstore.client.saving.saver import Snapshot
+from ckptstore.client.saving.snapshot import check_shape, to_stage
+from ckptstore.client.state import FlatState
 
 _numbers = itertools.count()
 

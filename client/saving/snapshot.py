@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from client.results import SaveResult
-from client.saving.hashing import DigestCache, Taken, marks_of
-from client.saving.packed_staging import PackedStaging
-from client.saving.saver import Snapshot
-from client.state import FlatState
-from client.tensors import dtype_name
-from service.errors import InvalidManifestError
-from service.format.dtypes import shape_problem
+from ckptstore.client.results import SaveResult
+from ckptstore.client.saving.hashing import DigestCache, Taken, marks_of
+from ckptstore.client.saving.packed_staging import PackedStaging
+from ckptstore.client.saving.saver import Snapshot
+from ckptstore.client.state import FlatState
+from ckptstore.client.tensors import dtype_name
+from ckptstore.service.errors import InvalidManifestError
+from ckptstore.service.format.dtypes import shape_problem
 
 
 class SaveHandle:

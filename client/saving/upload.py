@@ -19,13 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from client.saving.gather import byte_views
-from client.saving.plan import SeparatePacker, balanced_shard_bytes
-from client.saving.shards import build_shard
-from client.tensors import dtype_name
-from client.transport import Transport
-from service.records import ShardReceipt
-from service.shard_writer import UnhashedTensor
+from ckptstore.client.saving.gather import byte_views
+from ckptstore.client.saving.plan import SeparatePacker, balanced_shard_bytes
+from ckptstore.client.saving.shards import build_shard
+from ckptstore.client.tensors import dtype_name
+from ckptstore.client.transport import Transport
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.shard_writer import UnhashedTensor
 
 
 class ShardUploader:

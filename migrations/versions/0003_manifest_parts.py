@@ -21,8 +21,8 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from service.format.manifest import manifest_from_json
-from service.format.parts import assemble, head_json, split
+from ckptstore.service.format.manifest import manifest_from_json
+from ckptstore.service.format.parts import assemble, head_json, split
 
 revision = "0003"
 down_revision = "0002"

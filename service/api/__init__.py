@@ -6,6 +6,6 @@ open no stored file themselves: every read and write of a checkpoint goes throug
 and its errors become HTTP answers in one place (:mod:`service.api.errors`).
 """
 
-from service.api.app import create_app
+from ckptstore.service.api.app import create_app
 
 __all__ = ["create_app"]

@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service import __version__
-from service.api import (
+from ckptstore.service import __version__
+from ckptstore.service.api import (
     docs,
     pages,
     redact,
@@ -19,16 +19,16 @@ from service.api import (
     routes_runs,
     routes_uploads,
 )
-from service.api.errors import install_error_handlers
-from service.api.metrics import Metrics
-from service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
-from service.api.same_site import SameSiteGuard, parse_allowed_hosts
-from service.api.streaming import Streamer
-from service.api.warm_up import warm_up
-from service.auth import TokenSet, is_loopback
-from service.errors import AuthenticationError
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api.errors import install_error_handlers
+from ckptstore.service.api.metrics import Metrics
+from ckptstore.service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
+from ckptstore.service.api.same_site import SameSiteGuard, parse_allowed_hosts
+from ckptstore.service.api.streaming import Streamer
+from ckptstore.service.api.warm_up import warm_up
+from ckptstore.service.auth import TokenSet, is_loopback
+from ckptstore.service.errors import AuthenticationError
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 
 __all__ = ["MAX_HEADER_BYTES", "check_auth_setup", "create_app"]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.api.schemas import MAX_DIGESTS, CommitRequest, DigestList, RangeBatch
-from service.errors import InvalidInputError
-from service.range_batch import MAX_RANGES
+from ckptstore.service.api.schemas import MAX_DIGESTS, CommitRequest, DigestList, RangeBatch
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.range_batch import MAX_RANGES
 
 SETTING = "CKPTSTORE_MAX_JSON_BYTES"
 #: ``"<64 hex>",`` plus a newline and indentation for each digest, and the braces around them.

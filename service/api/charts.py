@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from service.api.pages_format import human_size, short
+from ckptstore.service.api.pages_format import human_size, short
 
 WIDTH, HEIGHT = 480, 210
 LEFT, RIGHT, TOP, BOTTOM = 62, 14, 12, 34

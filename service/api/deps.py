@@ -6,12 +6,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from service.api.metrics import Metrics
-from service.api.streaming import Streamer
-from service.auth import Scope, TokenSet
-from service.errors import InvalidInputError
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api.metrics import Metrics
+from ckptstore.service.api.streaming import Streamer
+from ckptstore.service.auth import Scope, TokenSet
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 
 QUERY_TOKEN_NAMES = {"token", "access_token", "api_key", "apikey", "key"}
 

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import (
+from ckptstore.service.errors import (
     CheckpointError,
     MissingTensorsError,
     RangeNotSatisfiableError,

@@ -12,9 +12,9 @@ import time
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_response
-from service.api.metrics import Metrics
-from service.errors import PayloadTooLargeError
+from ckptstore.service.api.errors import error_response
+from ckptstore.service.api.metrics import Metrics
+from ckptstore.service.errors import PayloadTooLargeError
 
 MAX_HEADER_BYTES = 64 << 10
 

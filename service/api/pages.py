@@ -26,15 +26,15 @@ from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import __version__
-from service.api import pages_data, pages_format, redact
-from service.api.deps import QUERY_TOKEN_NAMES, StoreDep, StreamerDep
-from service.api.errors import public_message
-from service.api.pages_runs import plural
-from service.api.tensor_values import MAX_COMPARED_BYTES
-from service.auth import MAX_TOKEN_CHARS, TokenSet
-from service.errors import AuthenticationError, CheckpointError, InvalidInputError, PermissionDeniedError
-from service.format.manifest import manifest_to_json
+from ckptstore.service import __version__
+from ckptstore.service.api import pages_data, pages_format, redact
+from ckptstore.service.api.deps import QUERY_TOKEN_NAMES, StoreDep, StreamerDep
+from ckptstore.service.api.errors import public_message
+from ckptstore.service.api.pages_runs import plural
+from ckptstore.service.api.tensor_values import MAX_COMPARED_BYTES
+from ckptstore.service.auth import MAX_TOKEN_CHARS, TokenSet
+from ckptstore.service.errors import AuthenticationError, CheckpointError, InvalidInputError, PermissionDeniedError
+from ckptstore.service.format.manifest import manifest_to_json
 
 log = logging.getLogger("ckptstore.pages")
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from service.api import tensor_values
-from service.api.pages_format import delta, full_json, human_size, number, percent, reading_json, shape, when
-from service.api.pages_index import RunsIndex, runs_index
-from service.api.pages_runs import (
+from ckptstore.service.api import tensor_values
+from ckptstore.service.api.pages_format import delta, full_json, human_size, number, percent, reading_json, shape, when
+from ckptstore.service.api.pages_index import RunsIndex, runs_index
+from ckptstore.service.api.pages_runs import (
     PER_PAGE,
     Order,
     RetentionView,
@@ -30,14 +30,14 @@ from service.api.pages_runs import (
     run_url,
     version_url,
 )
-from service.api.streaming import PIECE_BYTES
-from service.diff import TensorChange, VersionDiff, diff_manifests
-from service.encoded_reads import iter_decoded
-from service.errors import InvalidInputError, NotFoundError
-from service.format.manifest import Manifest, TensorEntry
-from service.format.names import parse_ref
-from service.records import VersionInfo
-from service.store import Store
+from ckptstore.service.api.streaming import PIECE_BYTES
+from ckptstore.service.diff import TensorChange, VersionDiff, diff_manifests
+from ckptstore.service.encoded_reads import iter_decoded
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.format.manifest import Manifest, TensorEntry
+from ckptstore.service.format.names import parse_ref
+from ckptstore.service.records import VersionInfo
+from ckptstore.service.store import Store
 
 __all__ = [
     "PER_PAGE",
@@ -136,7 +136,8 @@ class VersionPage:
         parts = [f'"{self.info.run_id}"', f"version={version}", "model=model"]  # run ids need no escaping
         parts += ["optim=optim"] if self.has("optim") else []
         parts += ["scheduler=scheduler"] if self.has("scheduler") else []
-        return f"import client\n\nloaded = client.load({', '.join(parts)})\nprint(loaded.step, loaded.metrics)"
+        call = f"loaded = client.load({', '.join(parts)})"
+        return f"from ckptstore import client\n\n{call}\nprint(loaded.step, loaded.metrics)"
 
     def cli_snippet(self, server: str) -> str:
         """Shell commands that show this version and write it out as a Hugging Face folder."""

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.api.pages_runs import Order, metric_name, query_url, run_url
-from service.errors import InvalidInputError
-from service.records import VersionInfo
-from service.store import Store
+from ckptstore.service.api.pages_runs import Order, metric_name, query_url, run_url
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.records import VersionInfo
+from ckptstore.service.store import Store
 
 #: A run's main metric when the page names none: the first of these its newest version reports,
 #: else the first of its metrics by name.

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import quote, urlencode
 
-from service import listings
-from service.api.charts import Chart, line_chart, storage_chart
-from service.errors import InvalidInputError, NotFoundError
-from service.format.names import METRIC_PATTERN, validate_run_id
-from service.listings import VersionFilter
-from service.records import VersionInfo
-from service.retention_rules import Policy, keep_reasons
-from service.store import Store
+from ckptstore.service import listings
+from ckptstore.service.api.charts import Chart, line_chart, storage_chart
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.format.names import METRIC_PATTERN, validate_run_id
+from ckptstore.service.listings import VersionFilter
+from ckptstore.service.records import VersionInfo
+from ckptstore.service.retention_rules import Policy, keep_reasons
+from ckptstore.service.store import Store
 
 Order = Literal["asc", "desc"]
 #: Sortable columns of the run page besides ``metric:<name>``, and the listing column of each.

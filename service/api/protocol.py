@@ -58,8 +58,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from service.api import sendfile
-from service.api.socket_body import offer
+from ckptstore.service.api import sendfile
+from ckptstore.service.api.socket_body import offer
 
 #: Defaults of the read timeouts, for a uvicorn Config that does not carry them
 #: (see :class:`service.api.server.ServerConfig`, which takes them from the settings).

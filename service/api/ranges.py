@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from service.errors import InvalidInputError, RangeNotSatisfiableError
+from ckptstore.service.errors import InvalidInputError, RangeNotSatisfiableError
 
 #: One range: ``bytes=first-[last]`` or the suffix ``bytes=-length``. ASCII digits only, 19 at most
 #: (any larger number is past every shard and would not fit the store's integers).

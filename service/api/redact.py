@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
-from service.secrets_mask import mask_urls
+from ckptstore.service.secrets_mask import mask_urls
 
 MASK = "***"
 #: A query parameter name this long or longer may be a token (tokens have at least 16 characters).

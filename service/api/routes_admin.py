@@ -11,10 +11,10 @@ from typing import Annotated
 from fastapi import APIRouter, Body
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import CanAdmin, StoreDep
-from service.api.schemas import GcRequest
-from service.api.strict_json import StrictJSONRoute
-from service.records import GcReport
+from ckptstore.service.api.deps import CanAdmin, StoreDep
+from ckptstore.service.api.schemas import GcRequest
+from ckptstore.service.api.strict_json import StrictJSONRoute
+from ckptstore.service.records import GcReport
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["admin"])
 NO_OPTIONS = GcRequest()

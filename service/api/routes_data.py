@@ -8,20 +8,28 @@ from fastapi import APIRouter, Header, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service import range_batch
-from service.api import ranges, sendfile
-from service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
-from service.api.metrics import Metrics
-from service.api.schemas import DigestList, MissingResponse, RangeBatch, ReadUrls, ShardList, SizeList, SizesHeld
-from service.api.sendfile import FileAnswer, FileSpans
-from service.api.socket_body import offered
-from service.api.streaming import PIECE_BYTES
-from service.api.strict_json import StrictJSONRoute
-from service.api.uploads import receive_shard, receive_unhashed
-from service.format.digest import DIGEST_PATTERN
-from service.records import ShardReceipt, TensorLocation, TensorsReceipt
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service import range_batch
+from ckptstore.service.api import ranges, sendfile
+from ckptstore.service.api.deps import CanRead, CanWrite, MetricsDep, SettingsDep, StoreDep, StreamerDep
+from ckptstore.service.api.metrics import Metrics
+from ckptstore.service.api.schemas import (
+    DigestList,
+    MissingResponse,
+    RangeBatch,
+    ReadUrls,
+    ShardList,
+    SizeList,
+    SizesHeld,
+)
+from ckptstore.service.api.sendfile import FileAnswer, FileSpans
+from ckptstore.service.api.socket_body import offered
+from ckptstore.service.api.streaming import PIECE_BYTES
+from ckptstore.service.api.strict_json import StrictJSONRoute
+from ckptstore.service.api.uploads import receive_shard, receive_unhashed
+from ckptstore.service.format.digest import DIGEST_PATTERN
+from ckptstore.service.records import ShardReceipt, TensorLocation, TensorsReceipt
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["data"])
 #: The OpenAPI description of a request body of raw bytes.

@@ -6,8 +6,8 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from service import __version__
-from service.api.deps import MetricsDep, StoreDep, StreamerDep
+from ckptstore.service import __version__
+from ckptstore.service.api.deps import MetricsDep, StoreDep, StreamerDep
 
 router = APIRouter(tags=["ops"])
 

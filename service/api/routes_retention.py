@@ -13,10 +13,10 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import CanAdmin, CanRead, StoreDep
-from service.api.schemas import RemovedVersions, RetentionRequest
-from service.api.strict_json import StrictJSONRoute
-from service.records import RetentionPolicy
+from ckptstore.service.api.deps import CanAdmin, CanRead, StoreDep
+from ckptstore.service.api.schemas import RemovedVersions, RetentionRequest
+from ckptstore.service.api.strict_json import StrictJSONRoute
+from ckptstore.service.records import RetentionPolicy
 
 router = APIRouter(prefix="/v1/runs", route_class=StrictJSONRoute, tags=["retention"])
 RunId = Annotated[str, Path(max_length=128, description="A run id.")]

@@ -8,11 +8,11 @@ from fastapi import APIRouter, Header, Path
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import CanAdmin, CanRead, CanWrite, StoreDep
-from service.api.schemas import CommitRequest, ResolvedVersion, TagRequest
-from service.api.strict_json import StrictJSONRoute
-from service.format.manifest import Manifest, manifest_to_json
-from service.records import RunInfo, VersionInfo
+from ckptstore.service.api.deps import CanAdmin, CanRead, CanWrite, StoreDep
+from ckptstore.service.api.schemas import CommitRequest, ResolvedVersion, TagRequest
+from ckptstore.service.api.strict_json import StrictJSONRoute
+from ckptstore.service.format.manifest import Manifest, manifest_to_json
+from ckptstore.service.records import RunInfo, VersionInfo
 
 router = APIRouter(prefix="/v1/runs", route_class=StrictJSONRoute, tags=["runs"])
 RunId = Annotated[str, Path(max_length=128, description="A run id.")]

@@ -15,12 +15,12 @@ from fastapi import APIRouter, Path, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import CanWrite, SettingsDep, StoreDep
-from service.api.strict_json import StrictJSONRoute
-from service.blobs.base import STAGING_TOKEN_PATTERN
-from service.format.bounds import INT64_MAX
-from service.format.digest import DIGEST_PATTERN
-from service.records import ShardReceipt
+from ckptstore.service.api.deps import CanWrite, SettingsDep, StoreDep
+from ckptstore.service.api.strict_json import StrictJSONRoute
+from ckptstore.service.blobs.base import STAGING_TOKEN_PATTERN
+from ckptstore.service.format.bounds import INT64_MAX
+from ckptstore.service.format.digest import DIGEST_PATTERN
+from ckptstore.service.records import ShardReceipt
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["data"])
 ShardId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="A shard id (64 lowercase hex characters).")]

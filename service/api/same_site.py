@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api.errors import error_response
-from service.errors import PermissionDeniedError
+from ckptstore.service.api.errors import error_response
+from ckptstore.service.errors import PermissionDeniedError
 
 #: Methods that change nothing: a cross-site page may navigate to them (links to run pages).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

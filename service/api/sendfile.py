@@ -43,7 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.errors import CheckpointError, StorageError
+from ckptstore.service.errors import CheckpointError, StorageError
 
 log = logging.getLogger("ckptstore.server")
 

@@ -14,11 +14,11 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
 
-from service.api.app import create_app
-from service.direct_file import warm_buffers
-from service.factory import open_store
-from service.receiver import UPLOAD_IN_FLIGHT
-from service.settings import Settings
+from ckptstore.service.api.app import create_app
+from ckptstore.service.direct_file import warm_buffers
+from ckptstore.service.factory import open_store
+from ckptstore.service.receiver import UPLOAD_IN_FLIGHT
+from ckptstore.service.settings import Settings
 
 log = logging.getLogger("ckptstore.server")
 
@@ -77,10 +77,10 @@ def http_protocol() -> str:
     """uvicorn's ``http`` setting: its httptools protocol that hands request bodies over without
     copying them (:mod:`service.api.protocol`), or uvicorn's own choice without httptools."""
     try:
-        import service.api.protocol  # noqa: F401  (imports httptools)
+        import ckptstore.service.api.protocol  # noqa: F401  (imports httptools)
     except ImportError:
         return "auto"
-    return "service.api.protocol:PiecewiseBodyProtocol"
+    return "ckptstore.service.api.protocol:PiecewiseBodyProtocol"
 
 
 class ServerConfig(uvicorn.Config):
@@ -115,7 +115,7 @@ def log_config() -> dict[str, Any]:
     (``ckptstore.*``, written through uvicorn's default handler) included.
     """
     config = copy.deepcopy(LOGGING_CONFIG)
-    config["filters"] = {"redact": {"()": "service.api.redact.RedactTokens"}}
+    config["filters"] = {"redact": {"()": "ckptstore.service.api.redact.RedactTokens"}}
     for handler in config["handlers"].values():
         handler["filters"] = ["redact"]
     config["loggers"]["ckptstore"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
@@ -126,7 +126,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> ServerConfi
     """How ``ckptstore serve`` runs uvicorn for ``settings``: the service's HTTP protocol, the
     limits and timeouts of the settings, and logs that never carry a token.
 
-    ``app`` is the application, or ``"service.api.server:app_from_env"`` for several workers.
+    ``app`` is the application, or ``"ckptstore.service.api.server:app_from_env"`` for several workers.
     """
     options: dict[str, Any] = {
         "host": settings.host,

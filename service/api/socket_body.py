@@ -43,8 +43,8 @@ from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
-from service.errors import InvalidInputError, RequestTimeoutError
-from service.receive_mark import ReceiveMark
+from ckptstore.service.errors import InvalidInputError, RequestTimeoutError
+from ckptstore.service.receive_mark import ReceiveMark
 
 #: The scope extension under which a request's :class:`SocketBody` is offered.
 EXTENSION = "ckptstore.socket_body"

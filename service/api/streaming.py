@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from service.errors import ServerBusyError
+from ckptstore.service.errors import ServerBusyError
 
 #: The most bytes a streamed answer reads from blob storage at a time; it holds two at most. A
 #: client must take what it was sent within the write timeout: 1 MiB in 30 s, about 35 KB a second.

@@ -26,12 +26,12 @@ from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.api.body_limits import BodyLimit, limit_for
-from service.api.deps import ScopeCheck
-from service.api.errors import not_json_message
-from service.api.heap import gc_paused, in_body_thread, release, release_later
-from service.errors import InvalidInputError, PayloadTooLargeError, UnsupportedMediaTypeError
-from service.format.jsondoc import parse_json
+from ckptstore.service.api.body_limits import BodyLimit, limit_for
+from ckptstore.service.api.deps import ScopeCheck
+from ckptstore.service.api.errors import not_json_message
+from ckptstore.service.api.heap import gc_paused, in_body_thread, release, release_later
+from ckptstore.service.errors import InvalidInputError, PayloadTooLargeError, UnsupportedMediaTypeError
+from ckptstore.service.format.jsondoc import parse_json
 
 #: Where the middleware puts the ``max_json_bytes`` setting, the ceiling of every JSON body.
 CEILING_KEY = "ckptstore.max_json_bytes"

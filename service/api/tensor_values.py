@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from itertools import compress, filterfalse
 from operator import ne, sub
 
-from service.api.streaming import PIECE_BYTES
-from service.format.dtypes import itemsize
-from service.format.manifest import TensorEntry
-from service.store import Store
+from ckptstore.service.api.streaming import PIECE_BYTES
+from ckptstore.service.format.dtypes import itemsize
+from ckptstore.service.format.manifest import TensorEntry
+from ckptstore.service.store import Store
 
 #: Bytes of each version one page reads to compare values, at most.
 MAX_COMPARED_BYTES = 32 << 20

@@ -16,10 +16,10 @@ from typing import Protocol
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from service.api.socket_body import SocketBody
-from service.errors import InvalidInputError, PayloadTooLargeError
-from service.records import ShardReceipt, TensorsReceipt
-from service.store import Store
+from ckptstore.service.api.socket_body import SocketBody
+from ckptstore.service.errors import InvalidInputError, PayloadTooLargeError
+from ckptstore.service.records import ShardReceipt, TensorsReceipt
+from ckptstore.service.store import Store
 
 WRITE_BYTES = 4 << 20
 

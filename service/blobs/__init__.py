@@ -4,8 +4,8 @@ It may import boto3 and botocore (the S3 store only), :mod:`service.errors` and
 :mod:`service.format`; never the metadata database, the store or its job modules.
 """
 
-from service.blobs.base import BlobStore, StaleUploads
-from service.blobs.local import LocalBlobStore
-from service.blobs.memory import MemoryBlobStore
+from ckptstore.service.blobs.base import BlobStore, StaleUploads
+from ckptstore.service.blobs.local import LocalBlobStore
+from ckptstore.service.blobs.memory import MemoryBlobStore
 
 __all__ = ["BlobStore", "LocalBlobStore", "MemoryBlobStore", "StaleUploads"]

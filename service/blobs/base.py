@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from service.errors import InvalidInputError
-from service.format.digest import is_digest
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.digest import is_digest
 
 READ_CHUNK_BYTES = 4 << 20
 

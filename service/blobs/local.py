@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from service.blobs.base import BlobStore, check_blob_id, flat_bytes
-from service.errors import IntegrityError, NotFoundError, StorageError
-from service.format.digest import is_digest
+from ckptstore.service.blobs.base import BlobStore, check_blob_id, flat_bytes
+from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError
+from ckptstore.service.format.digest import is_digest
 
 #: Most buffers one ``preadv`` call takes (the kernel's IOV_MAX on Linux).
 _IOV_MAX = 1024

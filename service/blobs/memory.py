@@ -6,8 +6,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from service.blobs.base import BlobStore, check_blob_id, flat_bytes
-from service.errors import IntegrityError, NotFoundError
+from ckptstore.service.blobs.base import BlobStore, check_blob_id, flat_bytes
+from ckptstore.service.errors import IntegrityError, NotFoundError
 
 
 class MemoryBlobStore(BlobStore):

@@ -33,11 +33,11 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.blobs.base import READ_CHUNK_BYTES, BlobStore, StaleUploads, check_blob_id, flat_bytes
-from service.blobs.s3_staging import S3Staging
-from service.blobs.s3_uploads import abort_idle_uploads
-from service.errors import IntegrityError, InvalidInputError, NotFoundError, StorageError
-from service.format.digest import is_digest
+from ckptstore.service.blobs.base import READ_CHUNK_BYTES, BlobStore, StaleUploads, check_blob_id, flat_bytes
+from ckptstore.service.blobs.s3_staging import S3Staging
+from ckptstore.service.blobs.s3_uploads import abort_idle_uploads
+from ckptstore.service.errors import IntegrityError, InvalidInputError, NotFoundError, StorageError
+from ckptstore.service.format.digest import is_digest
 
 CHECKSUM_MODES = ("when_required", "when_supported")
 MIN_PART_BYTES = 5 << 20  # S3 refuses smaller parts (except the last one)

@@ -39,7 +39,7 @@ from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.blobs.base import (
+from ckptstore.service.blobs.base import (
     READ_CHUNK_BYTES,
     STAGING_TOKEN_PATTERN,
     StagingArea,
@@ -48,9 +48,9 @@ from service.blobs.base import (
     check_blob_id,
     check_staging_token,
 )
-from service.blobs.s3_uploads import abort_idle_uploads
-from service.errors import InvalidInputError, NotFoundError, PayloadTooLargeError, StorageError
-from service.format.digest import is_digest
+from ckptstore.service.blobs.s3_uploads import abort_idle_uploads
+from ckptstore.service.errors import InvalidInputError, NotFoundError, PayloadTooLargeError, StorageError
+from ckptstore.service.format.digest import is_digest
 
 #: The folder under the store's prefix that staged uploads live in.
 STAGING_FOLDER = "staging/"

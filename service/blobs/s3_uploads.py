@@ -21,9 +21,9 @@ from typing import Any
 from boto3.exceptions import Boto3Error
 from botocore.exceptions import BotoCoreError, ClientError
 
-from service.blobs.base import StaleUploads
-from service.errors import StorageError
-from service.format.digest import is_digest
+from ckptstore.service.blobs.base import StaleUploads
+from ckptstore.service.errors import StorageError
+from ckptstore.service.format.digest import is_digest
 
 _BOTO_ERRORS = (BotoCoreError, ClientError, Boto3Error)
 

@@ -6,6 +6,6 @@ It may import SQLAlchemy, Alembic and, of the engine, only :mod:`service.errors`
 schema's functions take any object with an engine (:class:`service.db.schema.Migratable`).
 """
 
-from service.db.session import Database
+from ckptstore.service.db.session import Database
 
 __all__ = ["Database"]

@@ -1,6 +1,6 @@
 """The metadata schema's revision: Alembic run in code, with no ``alembic.ini`` for users to keep.
 
-The migration scripts are installed as the package ``service.migrations`` (the repository's
+The migration scripts are installed as the package ``ckptstore.service.migrations`` (the repository's
 top-level ``migrations/`` folder). Embedded SQLite stores upgrade themselves when opened; a served
 PostgreSQL database is upgraded by its operator with ``ckptstore db upgrade``, and the service
 refuses to start on any other revision (:func:`require_current`).
@@ -8,7 +8,7 @@ refuses to start on any other revision (:func:`require_current`).
 To write a new migration against a scratch database at head::
 
     from alembic import command
-    from service.db import Database, schema
+    from ckptstore.service.db import Database, schema
     with Database(url).engine.begin() as connection:
         command.revision(schema.alembic_config(connection), "what changed", autogenerate=True)
 """
@@ -21,8 +21,8 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.errors import StorageError
-from service.revisions import head_revision, migrations_dir, revisions
+from ckptstore.service.errors import StorageError
+from ckptstore.service.revisions import head_revision, migrations_dir, revisions
 
 if TYPE_CHECKING:
     from alembic.config import Config

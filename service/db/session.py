@@ -16,10 +16,10 @@ from sqlalchemy.engine import Connection, CursorResult, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db import schema
-from service.db.models import Base, table
-from service.errors import CheckpointError, InvalidInputError, StorageError
-from service.secrets_mask import mask_url
+from ckptstore.service.db import schema
+from ckptstore.service.db.models import Base, table
+from ckptstore.service.errors import CheckpointError, InvalidInputError, StorageError
+from ckptstore.service.secrets_mask import mask_url
 
 #: Rows per executemany of an INSERT: bounds the parameter lists built at once.
 INSERT_BATCH = 500

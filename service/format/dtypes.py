@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from service.format.bounds import INT64_MAX
+from ckptstore.service.format.bounds import INT64_MAX
 
 DTypeClass = Literal["floating", "integer", "bool", "complex"]
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 import zstandard
 
-from service.errors import IntegrityError
+from ckptstore.service.errors import IntegrityError
 
 Encoding = Literal["raw", "grouped-zstd", "xor-grouped-zstd", "diff-grouped-zstd"]
 #: Encodings a tensor may be stored in; "raw" is a plain safetensors entry.

@@ -7,7 +7,7 @@ import json.scanner
 import math
 from typing import Any
 
-from service.errors import InvalidInputError
+from ckptstore.service.errors import InvalidInputError
 
 MAX_DEPTH = 128
 

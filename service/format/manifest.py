@@ -16,11 +16,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, ValidationError, model_validator
 
-from service.errors import InvalidManifestError
-from service.format.bounds import INT64_MAX
-from service.format.digest import DIGEST_PATTERN
-from service.format.dtypes import DTYPES, byte_length, element_count, shape_problem
-from service.format.names import MetricName, RunId
+from ckptstore.service.errors import InvalidManifestError
+from ckptstore.service.format.bounds import INT64_MAX
+from ckptstore.service.format.digest import DIGEST_PATTERN
+from ckptstore.service.format.dtypes import DTYPES, byte_length, element_count, shape_problem
+from ckptstore.service.format.names import MetricName, RunId
 
 FORMAT_VERSION = "ckptstore.manifest/1"
 TENSOR_REF = "__tensor__"

@@ -11,8 +11,8 @@ from typing import Annotated
 
 from pydantic import StringConstraints
 
-from service.errors import InvalidNameError, NotFoundError
-from service.format.bounds import MAX_VERSION
+from ckptstore.service.errors import InvalidNameError, NotFoundError
+from ckptstore.service.format.bounds import MAX_VERSION
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: Tags start with a letter so they can never be read as a version number.

@@ -29,7 +29,7 @@ from blake3 import blake3
 from pydantic_core import to_json
 
 if TYPE_CHECKING:
-    from service.format.manifest import Manifest, TensorEntry
+    from ckptstore.service.format.manifest import Manifest, TensorEntry
 
 #: An entry whose key's CRC-32 is 0 modulo this ends a part (once the part has MIN_ENTRIES).
 BOUNDARY_MODULUS = 16
@@ -46,7 +46,7 @@ def _entries_adapter() -> Any:
     splices text, and a listing command must not pay for the manifest models' import."""
     from pydantic import TypeAdapter
 
-    from service.format.manifest import TensorEntry
+    from ckptstore.service.format.manifest import TensorEntry
 
     return TypeAdapter(list[TensorEntry])
 

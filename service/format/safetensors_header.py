@@ -28,10 +28,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
-from service.errors import InvalidInputError, InvalidShardError
-from service.format.digest import is_digest, shard_id
-from service.format.dtypes import DTYPES, byte_length, itemsize, shape_problem
-from service.format.jsondoc import strict_decoder
+from ckptstore.service.errors import InvalidInputError, InvalidShardError
+from ckptstore.service.format.digest import is_digest, shard_id
+from ckptstore.service.format.dtypes import DTYPES, byte_length, itemsize, shape_problem
+from ckptstore.service.format.jsondoc import strict_decoder
 
 PREFIX_BYTES = 8
 #: Default cap on the JSON header; about 80,000 tensors per shard.

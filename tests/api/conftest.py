@@ -12,9 +12,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, Finished, Served
 from tests.servers import running_server
 

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from service.format.digest import shard_id
-from service.format.dtypes import dtype_class
-from service.format.safetensors_header import encode_header
+from ckptstore.service.format.digest import shard_id
+from ckptstore.service.format.dtypes import dtype_class
+from ckptstore.service.format.safetensors_header import encode_header
 from tests.service.shardkit import RawTensor as Tensor
 from tests.service.shardkit import raw
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import httpx
 
-from service.api import create_app
-from service.blobs import LocalBlobStore
-from service.db import Database, schema
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database, schema
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer, build_shard, commit_body, entry, tensor
 from tests.backends import PostgresDatabases
 from tests.servers import running_server

@@ -87,7 +87,7 @@ def serve_process(home: Path, **settings: str) -> Iterator[ServedProcess]:
     log = home / "serve.log"
     ports: queue.Queue[int | None] = queue.Queue()
     process = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve"],
+        [sys.executable, "-m", "ckptstore.client.cli", "serve"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

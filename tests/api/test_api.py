@@ -15,18 +15,18 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 
-from client.http.errors import raise_for_error
-from service import __version__, errors
-from service.api import create_app
-from service.api.errors import STORAGE_MESSAGE
-from service.api.socket_body import MIN_BODY_BYTES
-from service.blobs import LocalBlobStore
-from service.db import Database
-from service.errors import CheckpointError, error_class_for_code
-from service.format.digest import shard_id
-from service.format.safetensors_header import header_bytes
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client.http.errors import raise_for_error
+from ckptstore.service import __version__, errors
+from ckptstore.service.api import create_app
+from ckptstore.service.api.errors import STORAGE_MESSAGE
+from ckptstore.service.api.socket_body import MIN_BODY_BYTES
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.errors import CheckpointError, error_class_for_code
+from ckptstore.service.format.digest import shard_id
+from ckptstore.service.format.safetensors_header import header_bytes
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import Served, Shard, bearer, build_shard, commit_body, entry, tensor
 from tests.servers import running_server
 

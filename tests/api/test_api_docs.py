@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute, iter_route_contexts
 
-from service.api.deps import ScopeCheck
+from ckptstore.service.api.deps import ScopeCheck
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 _ROUTE = re.compile(r"^(GET|HEAD|POST|PUT|DELETE|PATCH) (/\S*)$")

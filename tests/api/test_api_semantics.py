@@ -19,12 +19,12 @@ import httpx
 import pytest
 from sqlalchemy import insert
 
-from service.api import create_app
-from service.blobs import LocalBlobStore
-from service.db import Database
-from service.db.models import Tag
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Tag
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer, is_json_error, raw_request, status_of
 from tests.api.served import SEEDED_BODY, SEEDED_RUN, SEEDED_SHARD, ServedStore, served_store
 from tests.backends import POSTGRES_URL, PostgresDatabases

@@ -20,13 +20,13 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 
-from service.api import create_app
-from service.api.deps import ScopeCheck
-from service.api.server import http_protocol
-from service.errors import AuthenticationError
-from service.format.manifest import validate_body
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.api.deps import ScopeCheck
+from ckptstore.service.api.server import http_protocol
+from ckptstore.service.errors import AuthenticationError
+from ckptstore.service.format.manifest import validate_body
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import (
     ADMIN_TOKEN,
     READ_TOKEN,
@@ -74,7 +74,7 @@ RANK = {None: 0, "read": 1, "write": 2, "admin": 3}
 CALLERS = [None, "read", "write", "admin"]
 
 SHARD = build_shard(tensor(1), tensor(2))
-from service.unhashed_receiver import encode_layout  # noqa: E402
+from ckptstore.service.unhashed_receiver import encode_layout  # noqa: E402
 
 PARAMS = {"shard_id": SHARD.shard_id, "run_id": "run-a", "ref": "1", "name": "best", "upload": "0" * 32}
 #: Routes a server on a local folder answers 409 (direct_uploads_unavailable) once the caller may use them.

@@ -26,12 +26,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from service.api.app import create_app
-from service.api.body_limits import DIGEST_LIST_BYTES, SMALL_BODY_BYTES
-from service.api.schemas import MAX_DIGESTS
-from service.db import Database, schema
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore.service.api.app import create_app
+from ckptstore.service.api.body_limits import DIGEST_LIST_BYTES, SMALL_BODY_BYTES
+from ckptstore.service.api.schemas import MAX_DIGESTS
+from ckptstore.service.db import Database, schema
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.api.kit import TOKEN_OF, TOKENS
 from tests.api.served_process import ServedProcess, serve_process
 from tests.backends import PostgresDatabases

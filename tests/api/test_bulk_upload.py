@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.errors import AuthenticationError, IntegrityError, PayloadTooLargeError, PermissionDeniedError
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.errors import AuthenticationError, IntegrityError, PayloadTooLargeError, PermissionDeniedError
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, files_under
 from tests.servers import running_server
 from tests.service.shardkit import RawTensor, build_shard

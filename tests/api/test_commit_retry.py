@@ -18,10 +18,10 @@ import httpx
 import pytest
 import torch
 
-from client import Client
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client import Client
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.servers import running_server
 
 

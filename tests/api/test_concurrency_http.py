@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.blobs import LocalBlobStore
-from service.db import Database
-from service.format.manifest import validate_body
-from service.records import VersionInfo
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.format.manifest import validate_body
+from ckptstore.service.records import VersionInfo
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, WRITE_TOKEN, Served, build_shard, commit_body, entry, tensor
 from tests.backends import empty_tables
 

@@ -20,12 +20,12 @@ import httpx
 import pytest
 import torch
 
-import client
-from service.api.app import create_app
-from service.errors import IntegrityError
-from service.factory import open_store
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.api.app import create_app
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 from tests.servers import running_server
 
@@ -204,7 +204,7 @@ def test_signed_urls_reach_no_log(
             direct._urls[shard] = (urlsplit(url)._replace(netloc=dead).geturl(), deadline)
             ckpt.load("run", model=_model(5))  # that read fails over to the server, logged masked
             assert served.shard_bytes_out() > 0
-    ours = ("client", "service", "uvicorn", "httpx", "httpcore")  # not the S3 stand-in's own access log
+    ours = ("ckptstore", "uvicorn", "httpx", "httpcore")  # not the S3 stand-in's own access log
     text = "\n".join(r.getMessage() for r in caplog.records if r.name.split(".")[0] in ours)
     assert "shard bytes from" in text  # the failed read was logged, its URL masked
     assert "X-Amz-Signature=" not in text.replace("X-Amz-Signature=***", "")

@@ -26,18 +26,18 @@ import httpx
 import pytest
 import torch
 
-from client.api import Client
-from client.http import direct_uploads
-from client.http.direct_uploads import DirectUploads, cut, shown, uploads_for
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.blobs.s3 import S3BlobStore, make_client
-from service.blobs.s3_staging import S3Staging
-from service.db import Database, schema
-from service.receiver import ShardReceiver
-from service.records import ShardReceipt
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client.api import Client
+from ckptstore.client.http import direct_uploads
+from ckptstore.client.http.direct_uploads import DirectUploads, cut, shown, uploads_for
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs.s3 import S3BlobStore, make_client
+from ckptstore.service.blobs.s3_staging import S3Staging
+from ckptstore.service.db import Database, schema
+from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, WRITE_TOKEN, bearer, build_shard, tensor
 from tests.backends import unfinished_uploads
 from tests.s3_gate import GateLog, s3_gate
@@ -427,7 +427,7 @@ def test_an_abandoned_upload_is_deleted_when_the_client_gives_up(make_rig: Calla
 VICTIM = textwrap.dedent(
     """
     import sys, torch
-    from client.api import Client
+    from ckptstore.client.api import Client
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1400, 1400) for _ in range(4)))
     with Client(sys.argv[1], token=sys.argv[2], shard_bytes=16 << 20) as client:

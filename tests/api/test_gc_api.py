@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.records import GcReport
-from service.store import Store
+from ckptstore.service.records import GcReport
+from ckptstore.service.store import Store
 from tests.api.kit import bearer, build_shard, commit_body, entry, is_json_error, tensor
 
 

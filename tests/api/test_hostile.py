@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.format.digest import tensor_digest
-from service.store import Store
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.store import Store
 from tests.api.kit import (
     Served,
     Shard,

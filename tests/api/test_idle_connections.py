@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from client import Client
-from client.http import bulk as bulk_wire
-from client.http.bulk import BulkHttp, still_open
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client import Client
+from ckptstore.client.http import bulk as bulk_wire
+from ckptstore.client.http.bulk import BulkHttp, still_open
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import eventually
 from tests.servers import running_server
 

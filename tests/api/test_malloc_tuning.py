@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # two subprocesses that churn multi-MiB buffers
 # how many pages the kernel had to fault in over the rounds after the first.
 CHURN = """
 import json, resource, sys
-from service.api.server import tune_malloc
+from ckptstore.service.api.server import tune_malloc
 tuned = tune_malloc() if sys.argv[1] == "tuned" else None
 def churn():
     pieces = [bytearray(4 << 20) for _ in range(4)]

@@ -23,8 +23,8 @@ import uvicorn
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.server import ServerState
 
-from service.api.protocol import BodyPieces, PiecewiseBodyProtocol, PiecewiseRequestCycle
-from service.api.server import BODY_BUFFER_BYTES, http_protocol, tune_uvicorn
+from ckptstore.service.api.protocol import BodyPieces, PiecewiseBodyProtocol, PiecewiseRequestCycle
+from ckptstore.service.api.server import BODY_BUFFER_BYTES, http_protocol, tune_uvicorn
 from tests.servers import running_server
 
 Message = dict[str, Any]
@@ -89,7 +89,7 @@ def read_response(sock: socket.socket, buffered: bytearray) -> tuple[int, dict[s
 
 
 def test_the_served_protocol_is_the_piecewise_one() -> None:
-    assert http_protocol() == "service.api.protocol:PiecewiseBodyProtocol"
+    assert http_protocol() == "ckptstore.service.api.protocol:PiecewiseBodyProtocol"
     config = uvicorn.Config(BodyEcho(), http=http_protocol())
     config.load()
     assert config.http_protocol_class is PiecewiseBodyProtocol

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from service.api import create_app
-from service.blobs import MemoryBlobStore
-from service.range_batch import MAX_BATCH_BYTES, MAX_RANGES, ByteRange, stream_batch
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import MemoryBlobStore
+from ckptstore.service.range_batch import MAX_BATCH_BYTES, MAX_RANGES, ByteRange, stream_batch
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, Shard, bearer, build_shard, is_json_error, tensor
 from tests.servers import running_server
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.format.manifest import validate_body
-from service.store import Store
+from ckptstore.service.format.manifest import validate_body
+from ckptstore.service.store import Store
 from tests.api.kit import bearer, build_shard, commit_body, entry, is_json_error, tensor
 
 SHARD = build_shard(tensor(1))

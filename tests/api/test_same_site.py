@@ -19,11 +19,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import client
-from service.api import create_app
-from service.api.same_site import host_name, is_loopback_name
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.api import create_app
+from ckptstore.service.api.same_site import host_name, is_loopback_name
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer
 from tests.servers import running_server
 

@@ -25,11 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.api import create_app, sendfile
-from service.api.sendfile import FileSpans, SegmentSender
-from service.errors import NotFoundError, StorageError
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app, sendfile
+from ckptstore.service.api.sendfile import FileSpans, SegmentSender
+from ckptstore.service.errors import NotFoundError, StorageError
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer, build_shard, tensor
 from tests.servers import running_server
 

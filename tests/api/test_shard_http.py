@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.api import create_app
-from service.blobs.s3 import S3BlobStore, make_client
-from service.db import Database, schema
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs.s3 import S3BlobStore, make_client
+from ckptstore.service.db import Database, schema
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer, build_shard, raw_request, tensor
 from tests.servers import running_server
 

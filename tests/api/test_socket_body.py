@@ -23,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service import direct_file
-from service.api import socket_body
-from service.api.socket_body import MIN_BODY_BYTES, RateWindow, offered
-from service.direct_file import BUFFER_BYTES
-from service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
-from service.receive_mark import LOW_WATER
-from service.settings import Settings
+from ckptstore.service import direct_file
+from ckptstore.service.api import socket_body
+from ckptstore.service.api.socket_body import MIN_BODY_BYTES, RateWindow, offered
+from ckptstore.service.direct_file import BUFFER_BYTES
+from ckptstore.service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
+from ckptstore.service.receive_mark import LOW_WATER
+from ckptstore.service.settings import Settings
 from tests.servers import running_server
 
 BIG = MIN_BODY_BYTES + BUFFER_BYTES + 12_345  # spans several buffers, the last one partial

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.api.streaming import PIECE_BYTES, ByteBudget, Streamer
-from service.errors import ServerBusyError
+from ckptstore.service.api.streaming import PIECE_BYTES, ByteBudget, Streamer
+from ckptstore.service.errors import ServerBusyError
 
 
 def run(coroutine: Coroutine[Any, Any, Any]) -> Any:

@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from service.api.app import create_app
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore.service.api.app import create_app
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.api.kit import TOKENS, bearer
 from tests.servers import running_server
 

@@ -23,17 +23,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import client.http.transport as http_transport
-from client import Client
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.api.socket_body import MIN_BODY_BYTES
-from service.errors import InvalidInputError, PermissionDeniedError
-from service.format.digest import tensor_digest
-from service.format.dtypes import DTYPES, byte_length
-from service.settings import Settings
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+import ckptstore.client.http.transport as http_transport
+from ckptstore.client import Client
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.api.socket_body import MIN_BODY_BYTES
+from ckptstore.service.errors import InvalidInputError, PermissionDeniedError
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.dtypes import DTYPES, byte_length
+from ckptstore.service.settings import Settings
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, eventually, files_under
 from tests.client.models import TinyNet, same_state
 from tests.client.upload_gate import SmallShardFirst

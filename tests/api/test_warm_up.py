@@ -15,11 +15,11 @@ import fastapi.routing
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import create_app
-from service.api.server import server_config
-from service.api.warm_up import NO_ROUTE
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.api.server import server_config
+from ckptstore.service.api.warm_up import NO_ROUTE
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 
 #: One request for a route of each router, in the order the app includes them, and a page.
 FIRST_REQUESTS = [
@@ -74,5 +74,5 @@ def test_without_the_start_the_first_requests_build_their_routes(
 
 
 def test_ckptstore_serve_runs_the_lifespan(tmp_path: Path) -> None:
-    config = server_config("service.api.server:app_from_env", Settings(home=tmp_path / "home"))
+    config = server_config("ckptstore.service.api.server:app_from_env", Settings(home=tmp_path / "home"))
     assert config.lifespan != "off"

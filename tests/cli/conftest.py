@@ -11,10 +11,10 @@ import pytest
 from click.testing import Result
 from typer.testing import CliRunner
 
-import client
-from client.cli import app
-from client.http.transport import HttpTransport
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.cli import app
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.store import Store
 from tests.client.conftest import Backend, backend, ckpt  # noqa: F401  (fixtures used by the CLI tests)
 
 

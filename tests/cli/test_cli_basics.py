@@ -17,10 +17,10 @@ import pytest
 import typer
 from typer.testing import CliRunner, Result
 
-from client.cli import app
-from client.cli.common import ANSWER_SECONDS, REACH_SECONDS, open_client
-from client.http.retry import DEFAULT_RETRY_SECONDS
-from client.http.transport import HttpTransport
+from ckptstore.client.cli import app
+from ckptstore.client.cli.common import ANSWER_SECONDS, REACH_SECONDS, open_client
+from ckptstore.client.http.retry import DEFAULT_RETRY_SECONDS
+from ckptstore.client.http.transport import HttpTransport
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -104,7 +104,7 @@ def run_against(port: int, *args: str) -> tuple[subprocess.CompletedProcess[str]
     env["CKPTSTORE_URL"] = f"http://admin:{SECRET}@127.0.0.1:{port}"
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "client.cli", *args],
+        [sys.executable, "-m", "ckptstore.client.cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

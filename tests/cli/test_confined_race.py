@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from client.formats import confined
-from client.formats.importing import read_checkpoint
-from service.errors import InvalidInputError
+from ckptstore.client.formats import confined
+from ckptstore.client.formats.importing import read_checkpoint
+from ckptstore.service.errors import InvalidInputError
 
 #: Reads per race, and the most seconds one race may take (whichever ends first).
 READS = 3000

@@ -14,8 +14,8 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from client.cli.common import UsageProblem, parse_size
-from client.formats.exporting import plan_files
+from ckptstore.client.cli.common import UsageProblem, parse_size
+from ckptstore.client.formats.exporting import plan_files
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal, train
 
@@ -177,7 +177,18 @@ def test_a_dcp_export_prints_no_torch_warnings(cli: Cli, tmp_path: Path) -> None
     out = tmp_path / "dcp"
     for _ in range(2):  # the second writes over the first, which torch also warns of
         done = subprocess.run(
-            [sys.executable, "-W", "default", "-m", "client.cli", "export", "run", str(out), "--format", "dcp"],
+            [
+                sys.executable,
+                "-W",
+                "default",
+                "-m",
+                "ckptstore.client.cli",
+                "export",
+                "run",
+                str(out),
+                "--format",
+                "dcp",
+            ],
             cwd=ROOT,
             env=env,
             capture_output=True,

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from client.integrations.transformers import CkptstoreCallback
+from ckptstore.client.integrations.transformers import CkptstoreCallback
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal
 from tests.client.test_lora import lora_llama, train_steps

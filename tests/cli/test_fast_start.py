@@ -15,22 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-import client
-from service.api.app import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.api.app import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.servers import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prints, at exit, which heavy modules the command imported: after the command's own output.
 HEAVY = ("torch", "numpy")
 #: What a listing never needs: the manifest models, committing and compaction.
-WRITE_SIDE = ("service.format.manifest", "service.commit", "service.compaction")
+WRITE_SIDE = ("ckptstore.service.format.manifest", "ckptstore.service.commit", "ckptstore.service.compaction")
 PROBE = (
     "import atexit, sys\n"
     "atexit.register(lambda: print('IMPORTED:' + ','.join(m for m in {watched!r} if m in sys.modules),"
     " file=sys.stderr))\n"
-    "from client.cli import app\n"
+    "from ckptstore.client.cli import app\n"
     "app()\n"
 )
 
@@ -119,7 +119,7 @@ def test_listings_import_nothing_of_the_write_path(tmp_path: Path, args: tuple[s
     # The probe tells the difference: showing a version parses its manifest.
     code, output, imported = run_cli(env, "show", "demo@2", watched=WRITE_SIDE)
     assert code == 0, output
-    assert "service.format.manifest" in imported
+    assert "ckptstore.service.format.manifest" in imported
 
 
 def test_a_command_that_saves_still_imports_torch(tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_a_command_that_saves_still_imports_torch(tmp_path: Path) -> None:
     assert "torch" in imported
 
 
-@pytest.mark.parametrize("module", ["client", "client.connection", "client.cli"])
+@pytest.mark.parametrize("module", ["ckptstore.client", "ckptstore.client.connection", "ckptstore.client.cli"])
 def test_the_torch_free_modules_import_without_torch(module: str) -> None:
     probe = f"import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; import {module}"
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=False)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal
 

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from service.blobs.s3 import S3BlobStore
+from ckptstore.service.blobs.s3 import S3BlobStore
 from tests.backends import leave_upload_unfinished, unfinished_uploads
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import client
+from ckptstore import client
 from tests.cli.conftest import Cli
 from tests.cli.test_export import assert_same_tensors, load_folder
 from tests.client.models import TinyNet

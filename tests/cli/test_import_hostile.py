@@ -26,9 +26,9 @@ import pytest
 import torch.distributed.checkpoint.api
 from typer.testing import CliRunner
 
-import client
-from client.cli import app
-from service.errors import InvalidInputError
+from ckptstore import client
+from ckptstore.client.cli import app
+from ckptstore.service.errors import InvalidInputError
 from tests.cli.conftest import Cli
 from tests.cli.hostile_case import Says
 from tests.cli.hostile_imports import BY_ID, CASES, MARKER, Case
@@ -154,7 +154,7 @@ def test_cli_refuses(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
 def test_python_api_raises_invalid_input(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case_id: str
 ) -> None:
-    from client.formats.importing import import_weights
+    from ckptstore.client.formats.importing import import_weights
 
     case = BY_ID[case_id]
     work = _work(tmp_path)
@@ -198,7 +198,7 @@ def run_bounded(work: Path, *args: str, answer: bytes | None = None) -> Bounded:
         PYTHONPATH=str(ROOT),
     )
     spec = {
-        "argv": [sys.executable, "-m", "client.cli", *args],
+        "argv": [sys.executable, "-m", "ckptstore.client.cli", *args],
         "hang_s": HANG_S,
         "kill_rss_mib": KILL_RSS_MIB,
         "max_file_bytes": MAX_FILE_BYTES,

@@ -18,9 +18,9 @@ pl = pytest.importorskip("lightning.pytorch")  # the .[lightning] extra; install
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from client.formats.torch_files import read_torch_file  # noqa: E402
-from client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
-from service.errors import InvalidInputError  # noqa: E402
+from ckptstore.client.formats.torch_files import read_torch_file  # noqa: E402
+from ckptstore.client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
+from ckptstore.service.errors import InvalidInputError  # noqa: E402
 from tests.cli.conftest import Cli  # noqa: E402
 from tests.cli.hostile_pickles import torch_archive, torch_saved  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from client.formats.importing import UNREAD_FILE, UNREAD_FOLDER
+from ckptstore.client.formats.importing import UNREAD_FILE, UNREAD_FOLDER
 from tests.cli.conftest import Cli
 
 

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from client.cli.shown import ESCAPED_CATEGORIES, shown, shown_lines
+from ckptstore.client.cli.shown import ESCAPED_CATEGORIES, shown, shown_lines
 from tests.cli import hostile_pickles as hp
 from tests.cli.conftest import Cli
 from tests.cli.hostile_walkarounds import CSI, ESCAPED_NAME, OSC, escape_in_name

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.formats.torch_dicts import name_optimizer_state, read_layout
-from service.errors import InvalidInputError
+from ckptstore.client.formats.torch_dicts import name_optimizer_state, read_layout
+from ckptstore.service.errors import InvalidInputError
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, batch
 from tests.client.wrapping import assert_bitwise, state_by_name

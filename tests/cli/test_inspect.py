@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from service.records import RunInfo, VersionInfo
+from ckptstore.service.records import RunInfo, VersionInfo
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, train
 
@@ -183,7 +183,10 @@ def test_bad_targets_are_clear_errors(cli: Cli) -> None:
 
 def test_the_cli_module_imports_without_torch() -> None:
     # The service image has no torch but runs `ckptstore serve` and `ckptstore db`.
-    probe = "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; from client.cli import app; app()"
+    probe = (
+        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; "
+        "from ckptstore.client.cli import app; app()"
+    )
     done = subprocess.run(
         [sys.executable, "-c", probe, "db", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
     )

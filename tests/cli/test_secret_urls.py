@@ -18,8 +18,8 @@ from click.testing import Result
 from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
-from client.cli import app
-from service.db import Database, schema
+from ckptstore.client.cli import app
+from ckptstore.service.db import Database, schema
 from tests.api.served_process import serve_process
 from tests.backends import PostgresDatabases
 

@@ -23,13 +23,13 @@ import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
-import client
-from client.cli import app
-from service.db import Database, schema
-from service.factory import open_store
-from service.format.dtypes import byte_length
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.cli import app
+from ckptstore.service.db import Database, schema
+from ckptstore.service.factory import open_store
+from ckptstore.service.format.dtypes import byte_length
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.backends import PostgresDatabases
 from tests.client.models import TinyNet, train
 
@@ -137,7 +137,7 @@ def test_verify_ls_and_gc_work_on_the_configured_postgres_and_s3_store(
 
     # The operator's command, as a separate process with the server's environment.
     done = subprocess.run(
-        [sys.executable, "-m", "client.cli", "verify", "--json"],
+        [sys.executable, "-m", "ckptstore.client.cli", "verify", "--json"],
         cwd=ROOT,
         env=dict(os.environ),
         capture_output=True,
@@ -232,7 +232,7 @@ def test_a_home_that_holds_no_store_is_refused_not_created(bare_env: Path, monke
 @pytest.mark.slow  # a subprocess importing the client
 def test_the_refusal_holds_in_a_separate_process(bare_env: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "client.cli", "verify", "--json"],
+        [sys.executable, "-m", "ckptstore.client.cli", "verify", "--json"],
         cwd=ROOT,
         env=dict(os.environ),
         capture_output=True,

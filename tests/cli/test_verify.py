@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from service.format.dtypes import byte_length
+from ckptstore.service.format.dtypes import byte_length
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, train
 from tests.client.test_integrity import rewrite, trainable_shard

@@ -11,12 +11,12 @@ from pathlib import Path
 import boto3
 import pytest
 
-import client
-from service.api import create_app
-from service.blobs import BlobStore
-from service.db import Database
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.backends import empty_tables
 from tests.servers import running_server
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from client.tensors import TORCH_TO_NAME
+from ckptstore.client.tensors import TORCH_TO_NAME
 
 #: Every dtype the format stores.
 STORABLE_DTYPES: list[torch.dtype] = list(TORCH_TO_NAME)

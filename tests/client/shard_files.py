@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from service.blobs import BlobStore
-from service.format.safetensors_header import read_header
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.format.safetensors_header import read_header
 
 
 def stored_digests(blobs: BlobStore) -> list[str]:

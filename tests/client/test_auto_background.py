@@ -18,13 +18,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import client
-from client import SaveHandle
-from client.saving import cadence, save_process
-from client.saving.cadence import SaveCadence, background_mode
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.client import SaveHandle
+from ckptstore.client.saving import cadence, save_process
+from ckptstore.client.saving.cadence import SaveCadence, background_mode
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN
 from tests.client.models import TinyNet, loaded_tiny, same_state, state_copy, train, trained_tiny
 from tests.servers import running_server

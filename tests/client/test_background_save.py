@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-import client
-from client.saving.snapshot import SaveHandle
-from service.errors import StorageError
+from ckptstore import client
+from ckptstore.client.saving.snapshot import SaveHandle
+from ckptstore.service.errors import StorageError
 from tests.client.conftest import Backend
 from tests.client.models import Adapter, TinyNet, tensors_equal, train
 from tests.faults.faulty import fail_staging_writes
@@ -173,7 +173,7 @@ def test_a_bad_metric_is_refused_by_save_itself(backend: Backend) -> None:
 
 SCRIPT = """
 import os, sys, threading, torch
-import client
+from ckptstore import client
 from tests.client.models import TinyNet, train
 ckpt = client.Client({where})
 model = TinyNet()
@@ -261,7 +261,7 @@ def test_a_snapshot_of_accelerator_tensors_only_reads_host_tensors_live_and_save
     """A blocking save of a model on a GPU copies only the accelerator tensors into staging
     (``host_too=False``); host tensors are read live, and the version is the one a plain save
     makes, frozen host weights taught to the digest cache as a plain save teaches them."""
-    from client.state import flatten
+    from ckptstore.client.state import flatten
 
     model = TinyNet(width=128)
     model.body[0].requires_grad_(False)  # 128 KiB frozen weight: the digest cache may hold it

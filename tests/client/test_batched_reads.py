@@ -11,12 +11,12 @@ import httpx
 import pytest
 import torch
 
-import client
-from client.loading.reader import BATCH_BYTES
-from service.api import create_app
-from service.errors import IntegrityError
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.loading.reader import BATCH_BYTES
+from ckptstore.service.api import create_app
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.client.conftest import Backend
 from tests.servers import running_server
 

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import pytest
 
-import client
-from client.http.transport import HttpTransport
+from ckptstore import client
+from ckptstore.client.http.transport import HttpTransport
 
 SHARD = "ab" * 32
 DATA = bytes(range(16))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import client
-from client import names
-from service.errors import StateMismatchError
+from ckptstore import client
+from ckptstore.client import names
+from ckptstore.service.errors import StateMismatchError
 from tests.client.models import TinyNet, tensors_equal
 from tests.client.wrapping import WRAPS, assert_bitwise, checkpointed, compiled, state_by_name, trained
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.client.models import TinyNet, batch, tensors_equal
 
 pytestmark = pytest.mark.cuda
@@ -68,7 +68,7 @@ def test_a_fused_optimizer_keeps_step_on_the_device(tmp_path: Path) -> None:
 
 
 def test_frozen_tensors_on_the_device_are_sampled_in_one_gather_and_changes_are_seen(tmp_path: Path) -> None:
-    from client.saving import hashing
+    from ckptstore.client.saving import hashing
 
     torch.manual_seed(0)
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.complex64]
@@ -160,7 +160,7 @@ def test_a_background_save_stores_the_state_before_steps_taken_at_once_on_anothe
 ) -> None:
     """The live tensors may change as soon as save returns, on any stream: the caller waited
     for the copies that read them (gathered on the device, or one transfer each past the limit)."""
-    from client.saving import packed_staging
+    from ckptstore.client.saving import packed_staging
 
     if not packed:
         monkeypatch.setattr(packed_staging, "LIMIT_BYTES", 1024)
@@ -232,7 +232,7 @@ def test_saves_from_the_device_that_come_often_move_to_a_save_process_losing_not
     """``background="auto"`` (the default) on a device: the first saves stage through the thread's
     pinned buffers, the run's fourth starts a save process, and the saves after it go through
     its shared file; every version holds the device state as it was when its save returned."""
-    from client.saving import cadence
+    from ckptstore.client.saving import cadence
 
     monkeypatch.delenv(cadence.VARIABLE, raising=False)
     model, optim = _trained(fused=False)

@@ -17,10 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.formats import budget
-from client.formats.dcp_cover import check_cover, check_regions
-from client.formats.dcp_folder import read_dcp_folder
-from service.errors import InvalidInputError
+from ckptstore.client.formats import budget
+from ckptstore.client.formats.dcp_cover import check_cover, check_regions
+from ckptstore.client.formats.dcp_folder import read_dcp_folder
+from ckptstore.service.errors import InvalidInputError
 from tests.cli import hostile_dcp_reuse as hostile
 from tests.cli import hostile_pickles as hp
 from tests.cli.import_kit import dcp_folder, metadata_of, point, storage_key

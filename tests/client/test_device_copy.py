@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import client
-from client.loading import readahead
-from client.loading.device_copy import DeviceCopier
+from ckptstore import client
+from ckptstore.client.loading import readahead
+from ckptstore.client.loading.device_copy import DeviceCopier
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 
@@ -60,9 +60,9 @@ def test_a_load_on_several_read_threads_reads_every_tensor_exactly(
 ) -> None:
     """Reads of units (large tensors cut in several) run on up to four threads out of order; the
     tensors come out whole, verified, in the model's own memory and in the optimizer's state."""
-    from client.loading import reader
+    from ckptstore.client.loading import reader
 
-    monkeypatch.setattr("client.api.os.cpu_count", lambda: cores)
+    monkeypatch.setattr("ckptstore.client.api.os.cpu_count", lambda: cores)
     monkeypatch.setattr(reader, "UNIT_BYTES", unit_bytes)
     torch.manual_seed(len(sizes))
     model = Layers(sizes)

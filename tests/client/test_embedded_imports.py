@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys, torch
-from client import Client
+from ckptstore.client import Client
 with Client(home=sys.argv[1]) as ckpt:
     model = torch.nn.Linear(8, 8)
     ckpt.save("run", model)
@@ -21,7 +21,8 @@ with Client(home=sys.argv[1]) as ckpt:
     loaded = torch.nn.Linear(8, 8)
     ckpt.load("run", model=loaded)
     assert torch.equal(loaded.weight, model.weight)
-print("IMPORTED:" + ",".join(sorted(name for name in sys.modules if name == "httpx" or name.startswith("client.http"))))
+http = sorted(name for name in sys.modules if name == "httpx" or name.startswith("ckptstore.client.http"))
+print("IMPORTED:" + ",".join(http))
 """
 
 

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from client import Client
-from client.state import FlatState, FlattenCache, flatten
+from ckptstore.client import Client
+from ckptstore.client.state import FlatState, FlattenCache, flatten
 
 Setup = tuple[nn.Module, torch.optim.Optimizer]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import client
+from ckptstore import client
 from tests.client.conftest import Backend
 from tests.faults.faulty import fail_staging_writes
 

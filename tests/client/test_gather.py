@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.saving.gather import GATHER_MAX_BYTES, byte_views
+from ckptstore.client.saving.gather import GATHER_MAX_BYTES, byte_views
 from tests.client.layouts import Storage, reference_bytes, storages
 
 

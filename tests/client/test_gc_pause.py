@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-import client
-from client.gc_pause import paused_collection
+from ckptstore import client
+from ckptstore.client.gc_pause import paused_collection
 
 
 @pytest.fixture(autouse=True)

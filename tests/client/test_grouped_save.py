@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from client import Client
-from client.saving.saver import SaveRun, SaveSettings
-from client.state import flatten
+from ckptstore.client import Client
+from ckptstore.client.saving.saver import SaveRun, SaveSettings
+from ckptstore.client.state import flatten
 from tests.client.conftest import Backend
 from tests.client.shard_files import stored_digests
 

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import client
-from client.saving import hashing
-from client.saving.hashing import CACHE_MIN_BYTES, DigestCache, digest_all
-from service.errors import StateEncodingError
+from ckptstore import client
+from ckptstore.client.saving import hashing
+from ckptstore.client.saving.hashing import CACHE_MIN_BYTES, DigestCache, digest_all
+from ckptstore.service.errors import StateEncodingError
 from tests.client.models import TinyNet
 
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-import client
-from client.http.retry import MAX_RETRY_AFTER_SECONDS, RetryPolicy
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.db import Database
-from service.factory import open_store
-from service.format.manifest import ManifestBody
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.client.http.retry import MAX_RETRY_AFTER_SECONDS, RetryPolicy
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.settings import Settings
 from tests.backends import empty_tables
 from tests.client.models import TinyNet
 from tests.servers import running_server

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import client
-from service.blobs import BlobStore
+from ckptstore import client
+from ckptstore.service.blobs import BlobStore
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet
 

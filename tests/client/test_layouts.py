@@ -31,14 +31,14 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-import client
-from client.formats.exporting import export_version
-from client.saving.hashing import DigestCache, digest_of
-from client.tensors import byte_view, check_storable, host_contiguous
-from service.api import create_app
-from service.db import Database
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.client.formats.exporting import export_version
+from ckptstore.client.saving.hashing import DigestCache, digest_of
+from ckptstore.client.tensors import byte_view, check_storable, host_contiguous
+from ckptstore.service.api import create_app
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.backends import empty_tables
 from tests.client.layouts import (
     Storage,

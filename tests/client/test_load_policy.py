@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.client.models import OPTIMIZERS, TinyNet, tensors_equal, train
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import client
-from client.saving import saver as saving
-from client.saving import upload as uploading
+from ckptstore import client
+from ckptstore.client.saving import saver as saving
+from ckptstore.client.saving import upload as uploading
 from tests.client.conftest import Backend
 from tests.client.models import tensors_equal
 

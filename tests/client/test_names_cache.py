@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 
-from client import Client
-from client.names import ModelNames, NamesCache, model_names
-from client.saving import hashing
+from ckptstore.client import Client
+from ckptstore.client.names import ModelNames, NamesCache, model_names
+from ckptstore.client.saving import hashing
 
 
 def build() -> nn.Module:

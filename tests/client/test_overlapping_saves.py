@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import client
-from client import SaveHandle
-from client.saving import background
-from service.errors import StorageError
+from ckptstore import client
+from ckptstore.client import SaveHandle
+from ckptstore.client.saving import background
+from ckptstore.service.errors import StorageError
 from tests.client.models import TinyNet, same_state, state_copy, train, trained_tiny
 
 

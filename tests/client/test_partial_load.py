@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import client
-from service.errors import InvalidInputError, StateMismatchError
+from ckptstore import client
+from ckptstore.service.errors import InvalidInputError, StateMismatchError
 from tests.client.models import TinyNet, tensors_equal
 from tests.client.test_lora import lora_llama, train_steps
 from tests.client.wrapping import compiled, trained

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.formats.pickle_reader import read_pickle
-from client.formats.pickle_types import PickleLimits
-from client.formats.torch_globals import TorchFile
-from service.errors import InvalidInputError
+from ckptstore.client.formats.pickle_reader import read_pickle
+from ckptstore.client.formats.pickle_types import PickleLimits
+from ckptstore.client.formats.torch_globals import TorchFile
+from ckptstore.service.errors import InvalidInputError
 
 TABLE = TorchFile("test.pt").globals_table()
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.client.models import OPTIMIZERS, TinyNet, train
 
 META = torch.device("meta")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from prodigyplus import ProdigyPlusScheduleFree
 from torch import nn
 
-import client
+from ckptstore import client
 from tests.client.models import tensors_equal
 
 pytestmark = pytest.mark.slow  # hypothesis draws of model widths and optimizer options

@@ -17,14 +17,14 @@ import httpx
 import pytest
 from httpx._utils import URLPattern, get_environment_proxies
 
-import client
-from client.http.bulk import BulkHttp, HttpxBulk
-from client.http.route import environment_proxy
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.db import Database
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.client.http.bulk import BulkHttp, HttpxBulk
+from ckptstore.client.http.route import environment_proxy
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.backends import empty_tables
 from tests.client.models import TinyNet, tensors_equal
 from tests.client.proxy_kit import ClientPorts, ForwardProxy, TlsFiles, make_tls_files, serving

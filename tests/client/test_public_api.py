@@ -1,4 +1,4 @@
-"""The public surface of ``import client`` and its environment-driven default client."""
+"""The public surface of ``from ckptstore import client`` and its environment-driven default client."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import client
+from ckptstore import client
 from tests.client.models import TinyNet
 
 EXPECTED = {
@@ -110,23 +110,25 @@ def test_home_defaults_to_the_user_folder(tmp_path: Path, monkeypatch: pytest.Mo
 #: What the README imports from the subpackages: these names stay where they are, whatever
 #: moves inside the client.
 SUBPACKAGE_NAMES = {
-    "client.distributed": {"StoreReader", "StoreWriter"},
-    "client.integrations.lightning": {"CkptstoreCheckpointIO", "ResumeStateCallback", "load_from_checkpoint"},
-    "client.integrations.transformers": {"CkptstoreCallback", "resume"},
-    "client.integrations.accelerate": {"save_state", "load_state"},
+    "ckptstore.client.distributed": {"StoreReader", "StoreWriter"},
+    "ckptstore.client.integrations.lightning": {"CkptstoreCheckpointIO", "ResumeStateCallback", "load_from_checkpoint"},
+    "ckptstore.client.integrations.transformers": {"CkptstoreCallback", "resume"},
+    "ckptstore.client.integrations.accelerate": {"save_state", "load_state"},
 }
 
 
 def test_the_sharded_path_exports_exactly_its_storage_pair() -> None:
-    import client.distributed
+    import ckptstore.client.distributed  # noqa: F401  (binds client.distributed for the name below)
+    from ckptstore import client
 
-    assert set(client.distributed.__all__) == SUBPACKAGE_NAMES["client.distributed"]
+    assert set(client.distributed.__all__) == SUBPACKAGE_NAMES["ckptstore.client.distributed"]
 
 
 def test_the_integrations_package_exports_nothing_but_its_framework_modules() -> None:
-    import client.integrations
+    import ckptstore.client.integrations  # noqa: F401  (binds client.integrations for the name below)
+    from ckptstore import client
 
-    # Each framework's module is imported on demand, so ``import client`` imports no framework.
+    # Each framework's module is imported on demand, so ``from ckptstore import client`` imports no framework.
     names = [n for n, v in vars(client.integrations).items() if not n.startswith("_") and not inspect.ismodule(v)]
     assert names == []
 

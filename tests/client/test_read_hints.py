@@ -17,13 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import client
-from client.loading import decoding
-from client.loading.read_hints import ReadHints, merged
-from client.loading.reader import TensorReader
-from client.transport import Transport
-from service.records import TensorLocation
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.loading import decoding
+from ckptstore.client.loading.read_hints import ReadHints, merged
+from ckptstore.client.loading.reader import TensorReader
+from ckptstore.client.transport import Transport
+from ckptstore.service.records import TensorLocation
+from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 from tests.service.compression_kit import FineTune, make_model
 

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import client
-import client.loading.reader as reader_module
-from client.loading.reader import TensorReader
+import ckptstore.client.loading.reader as reader_module
+from ckptstore import client
+from ckptstore.client.loading.reader import TensorReader
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet
 from tests.client.test_integrity import rewrite, trainable_shard

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.loading.plan import Piece, Stored, plan_reads
+from ckptstore.client.loading.plan import Piece, Stored, plan_reads
 
 
 def test_back_to_back_items_share_reads_and_big_ones_span_several() -> None:

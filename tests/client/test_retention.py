@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import client
-from service.api import create_app
-from service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.service.api import create_app
+from ckptstore.service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.api.kit import ADMIN_TOKEN, TOKENS, WRITE_TOKEN
 from tests.client.models import TinyNet
 from tests.servers import running_server

@@ -19,15 +19,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-import client
-from client.http.retry import DEFAULT_RETRY_SECONDS, MAX_PAUSE_SECONDS
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.api.server import http_protocol, tune_uvicorn
-from service.db import Database
-from service.factory import open_store
-from service.format.manifest import ManifestBody
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.client.http.retry import DEFAULT_RETRY_SECONDS, MAX_PAUSE_SECONDS
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.api.server import http_protocol, tune_uvicorn
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.settings import Settings
 from tests.backends import empty_tables
 from tests.client.models import TinyNet, tensors_equal
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.saving.plan import MIN_BALANCED_SHARD_BYTES, SeparatePacker, balanced_shard_bytes, plan_save
-from service.format.sharding import ShardPacker
+from ckptstore.client.saving.plan import MIN_BALANCED_SHARD_BYTES, SeparatePacker, balanced_shard_bytes, plan_save
+from ckptstore.service.format.sharding import ShardPacker
 
 
 def test_changed_tensors_of_a_store_that_takes_them_go_unhashed() -> None:

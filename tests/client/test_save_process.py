@@ -23,9 +23,9 @@ import pytest
 import torch
 from torch import nn
 
-import client
-from client import SaveHandle
-from client.saving import save_process, shared_staging
+from ckptstore import client
+from ckptstore.client import SaveHandle
+from ckptstore.client.saving import save_process, shared_staging
 from tests.client.models import Adapter, TinyNet, loaded_tiny, same_state, state_copy, tensors_equal, train
 
 
@@ -143,11 +143,12 @@ def test_closing_ends_the_save_process_while_another_process_holds_its_input(
 def test_the_save_process_imports_the_clients_package_whatever_folder_it_runs_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A folder named ``client`` in the working folder (a project's own package) is not what the
-    helper imports: it runs the package the client runs."""
+    """A folder named ``ckptstore`` or ``client`` in the working folder (a project's own package) is
+    not what the helper imports: it runs the package the client runs."""
     work = tmp_path / "project"
-    (work / "client").mkdir(parents=True)
-    (work / "client" / "__init__.py").write_text("raise ImportError('a project package of the same name')\n")
+    for name in ("ckptstore", "client"):
+        (work / name).mkdir(parents=True)
+        (work / name / "__init__.py").write_text("raise ImportError('a project package of the same name')\n")
     monkeypatch.chdir(work)
     model = TinyNet()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -178,29 +179,16 @@ def test_ctrl_c_in_the_terminal_leaves_the_save_process_to_the_client(tmp_path: 
     assert process.pid is None
 
 
-def test_the_helpers_path_puts_a_checkout_first_and_never_site_packages_or_the_working_folder(
-    tmp_path: Path,
-) -> None:
-    """The path the helper's bootstrap leaves: without the working folder; the package's folder
-    first where the path lacks it (a checkout), left where it is already (site-packages, however
-    linked), so the standard library stays ahead of whatever is installed."""
-    site_packages = Path(torch.__file__).parents[1]
-    linked = tmp_path / "linked"
-    linked.symlink_to(site_packages)
-    checkout = tmp_path / "checkout"
-    checkout.mkdir()
+def test_the_helpers_path_has_no_working_folder_and_the_standard_library_first(tmp_path: Path) -> None:
+    """The path the helper's bootstrap leaves: without the working folder (where a project's own
+    ``ckptstore`` folder could stand in for the package), the standard library ahead of site-packages."""
     show = save_process.BOOTSTRAP + "import json; print(json.dumps(sys.path))"
-    paths = {}
-    for root in (site_packages, linked, checkout):
-        done = subprocess.run([sys.executable, "-c", show, str(root)], cwd=tmp_path, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        paths[root] = json.loads(done.stdout)
-    stdlib = str(Path(os.__file__).parent)
-    for root in (site_packages, linked):
-        path = paths[root]
-        assert str(linked) not in path and path.index(stdlib) < path.index(str(site_packages))
-    assert paths[checkout][0] == str(checkout)
-    assert all(p not in ("", ".", str(tmp_path)) for path in paths.values() for p in path)
+    done = subprocess.run([sys.executable, "-c", show], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    path = json.loads(done.stdout)
+    stdlib, site_packages = str(Path(os.__file__).parent), str(Path(torch.__file__).parents[1])
+    assert path.index(stdlib) < path.index(site_packages)
+    assert all(p not in ("", ".", str(tmp_path)) for p in path)
 
 
 def test_the_save_process_error_comes_back_with_its_class_and_the_next_save_goes_ahead(tmp_path: Path) -> None:
@@ -224,7 +212,7 @@ def test_a_background_mode_of_another_name_is_refused(tmp_path: Path) -> None:
 
 EXITING = """
 import torch
-import client
+from ckptstore import client
 from tests.client.models import TinyNet, train
 ckpt = client.Client(home={home!r}, background="process")
 model = TinyNet()
@@ -238,7 +226,7 @@ print("returned", flush=True)
 KILLED = """
 import os, signal, subprocess, sys
 import torch
-import client
+from ckptstore import client
 from tests.client.models import TinyNet, train
 ckpt = client.Client(home={home!r}, background="process")
 model = TinyNet()

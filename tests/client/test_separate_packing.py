@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-import client
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.store import Store
 
 BASE = 256  # a 256 x 256 fp32 frozen base: 256 KiB, far above any adapter
 

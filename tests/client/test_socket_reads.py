@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.http.bulk import BulkHttp
-from client.http.route import Route
-from service.errors import IntegrityError
-from service.receive_mark import LOW_WATER
+from ckptstore.client.http.bulk import BulkHttp
+from ckptstore.client.http.route import Route
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.receive_mark import LOW_WATER
 
 #: How one request is answered: given the connected socket, send what the script says.
 Answer = Callable[[socket.socket], None]

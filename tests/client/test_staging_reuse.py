@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.saving.snapshot import Staging
-from client.state import FlatState, TensorRecord
+from ckptstore.client.saving.snapshot import Staging
+from ckptstore.client.state import FlatState, TensorRecord
 
 SHAPES = [(4,), (2, 2), (3,), (1, 4)]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]

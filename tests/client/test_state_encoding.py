@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import client
-from client import jsonstate
+from ckptstore import client
+from ckptstore.client import jsonstate
 from tests.client.models import TinyNet, tensors_equal
 
 META = torch.device("meta")

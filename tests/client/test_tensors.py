@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from client.tensors import TORCH_TO_NAME, byte_view, host_contiguous
+from ckptstore.client.tensors import TORCH_TO_NAME, byte_view, host_contiguous
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_TO_NAME), ids=str)

@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import client
-import client.api
-from client.saving import saver as saving
-from client.saving import upload as uploading
-from service.errors import InvalidInputError
-from service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
-from service.format.digest import tensor_digest
-from service.store import Store
+import ckptstore.client.api  # noqa: F401  (binds client.api for the name below)
+from ckptstore import client
+from ckptstore.client.saving import saver as saving
+from ckptstore.client.saving import upload as uploading
+from ckptstore.service.errors import InvalidInputError
+from ckptstore.service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.store import Store
 from tests.client.shard_files import stored_digests
 from tests.client.upload_gate import SmallShardFirst
 
@@ -269,8 +269,8 @@ def test_sizes_held_refuses_what_is_not_a_size(tmp_path: Path, sizes: list[Any])
 
 @pytest.fixture
 def http_client(tmp_path: Path) -> Iterator[client.Client]:
-    from service.api.app import create_app
-    from service.settings import Settings
+    from ckptstore.service.api.app import create_app
+    from ckptstore.service.settings import Settings
     from tests.servers import running_server
 
     settings = Settings(home=tmp_path / "server")

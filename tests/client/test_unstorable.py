@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.client.conftest import Backend
 from tests.client.test_layouts import Holder, HoldsState, HoldsTensors
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.saving.hashing import digest_of
-from client.saving.upload import ShardUploader
-from service.records import ShardReceipt
-from service.store import Store
+from ckptstore.client.saving.hashing import digest_of
+from ckptstore.client.saving.upload import ShardUploader
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.store import Store
 
 
 class HeldStore(Store):

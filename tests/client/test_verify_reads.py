@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-import client
-import client.loading.verify as verifying
-from client.loading.plan import Stored, plan_reads
-from client.loading.verify import Problem, VerifyReport, verify
-from client.transport import Transport
-from service.errors import StorageError
-from service.format.digest import tensor_digest
-from service.records import TensorLocation
+import ckptstore.client.loading.verify as verifying
+from ckptstore import client
+from ckptstore.client.loading.plan import Stored, plan_reads
+from ckptstore.client.loading.verify import Problem, VerifyReport, verify
+from ckptstore.client.transport import Transport
+from ckptstore.service.errors import StorageError
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.records import TensorLocation
 from tests.client.conftest import Backend
 from tests.client.test_integrity import rewrite, trainable_shard
 

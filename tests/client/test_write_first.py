@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-import client
-from client.saving import hashing
-from client.saving import saver as saving
-from client.saving.hashing import digest_of
-from client.state import flatten
-from service.errors import IntegrityError, StorageError
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.saving import hashing
+from ckptstore.client.saving import saver as saving
+from ckptstore.client.saving.hashing import digest_of
+from ckptstore.client.state import flatten
+from ckptstore.service.errors import IntegrityError, StorageError
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet, train
 from tests.faults.faulty import fail_staging_writes

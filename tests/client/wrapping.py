@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from client import names
+from ckptstore.client import names
 from tests.client.models import TinyNet, tensors_equal, train
 
 Wrap = Callable[[nn.Module], nn.Module]

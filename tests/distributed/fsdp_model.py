@@ -28,7 +28,7 @@ class Net(torch.nn.Module):
 
 def open_client(store: str) -> Any:
     """A client on a server (``store`` is its URL) or on the embedded store in folder ``store``."""
-    import client
+    from ckptstore import client
 
     return client.Client(store) if store.startswith("http") else client.Client(home=store)
 

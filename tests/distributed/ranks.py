@@ -80,7 +80,7 @@ class _PackedTensor:
     """A tensor as bytes: torch's queue would share its memory, which dies with the rank."""
 
     def __init__(self, tensor: Any) -> None:
-        from client.tensors import byte_view, host_contiguous
+        from ckptstore.client.tensors import byte_view, host_contiguous
 
         self.dtype = str(tensor.dtype).removeprefix("torch.")
         self.shape = list(tensor.shape)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.client.models import TinyNet
 from tests.client.wrapping import assert_bitwise, checkpointed, compiled, state_by_name, trained
 from tests.distributed.fsdp_model import Net, open_client, train
@@ -45,7 +45,7 @@ def _ranks(rank: int, world: int, home: str) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    from client import names
+    from ckptstore.client import names
 
     store = open_client(home)
     answers: dict[str, Any] = {}

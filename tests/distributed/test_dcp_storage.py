@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-import client
-from client.tensors import byte_view
-from service.format.manifest import Manifest
+from ckptstore import client
+from ckptstore.client.tensors import byte_view
+from ckptstore.service.format.manifest import Manifest
 from tests.distributed.ranks import run_ranks
 
 
@@ -43,7 +43,7 @@ def _round_trip(rank: int, world: int, home: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from client.distributed import StoreReader, StoreWriter
+    from ckptstore.client.distributed import StoreReader, StoreWriter
 
     store = client.Client(home=home)
     mesh = init_device_mesh("cpu", (world,))
@@ -115,7 +115,7 @@ def _refused(rank: int, world: int, home: str) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from client.distributed import StoreWriter
+    from ckptstore.client.distributed import StoreWriter
 
     store = client.Client(home=home)
     state = {"model": {"w": torch.ones(2)}, "extra": {"hook": {1, 2}}}

@@ -1,4 +1,4 @@
-"""client.save / client.load of an FSDP2 model on real gloo ranks: exact resume, resharding
+"""ckptstore.client.save / client.load of an FSDP2 model on real gloo ranks: exact resume, resharding
 from N to M ranks and into a plain model, true dtypes, placement, dedup across versions."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-import client
+from ckptstore import client
 from tests.distributed.fsdp_model import Net, full_state, open_client, placements, sharded, train
 from tests.distributed.ranks import run_ranks
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-import client
-from client.distributed import writer
-from service.api.app import create_app
-from service.db import Database
-from service.factory import open_store
-from service.settings import Settings
+from ckptstore import client
+from ckptstore.client.distributed import writer
+from ckptstore.service.api.app import create_app
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
 from tests.backends import empty_tables
 from tests.distributed.fsdp_model import open_client, sharded, train
 from tests.distributed.ranks import RANK_TIMEOUT, run_ranks, start_ranks

@@ -39,9 +39,9 @@ from typing import Any, BinaryIO
 import pytest
 from urllib3.exceptions import ProtocolError
 
-import service.blobs.local as local_module
-from service.blobs import BlobStore, LocalBlobStore
-from service.blobs.s3 import S3BlobStore
+import ckptstore.service.blobs.local as local_module
+from ckptstore.service.blobs import BlobStore, LocalBlobStore
+from ckptstore.service.blobs.s3 import S3BlobStore
 
 #: point -> (the wrapper operation it fails, the backend class it needs)
 POINTS: dict[str, tuple[str, type[BlobStore]]] = {
@@ -250,7 +250,7 @@ def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list
     full disk would report it. Returns the list that records the file cut short (path, bytes
     on disk at the failure, the name of the thread whose write failed).
     """
-    from service import direct_file
+    from ckptstore.service import direct_file
 
     partial_files: list[tuple[Path, int, str]] = []
     fired = threading.Lock()  # shards and buffers are written at once: the fault fires for one write only

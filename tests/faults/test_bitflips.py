@@ -21,13 +21,13 @@ import pytest
 import torch
 from typer.testing import CliRunner, Result
 
-import client
-from client.cli import app as cli_app
-from service.api import create_app
-from service.blobs import LocalBlobStore
-from service.errors import CheckpointError, IntegrityError
-from service.settings import Settings
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.cli import app as cli_app
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.errors import CheckpointError, IntegrityError
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.client.models import TinyNet, tensors_equal, train
 from tests.servers import running_server
 

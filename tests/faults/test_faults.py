@@ -25,15 +25,15 @@ import httpx
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from client.http.transport import HttpTransport
-from service.api import create_app
-from service.blobs import LocalBlobStore
-from service.blobs.s3 import S3BlobStore, make_client
-from service.db import Database
-from service.errors import StorageError
-from service.records import ShardReceipt
-from service.settings import Settings
-from service.store import Store
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.blobs.s3 import S3BlobStore, make_client
+from ckptstore.service.db import Database
+from ckptstore.service.errors import StorageError
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import ADMIN_TOKEN, TOKENS, Shard, bearer, build_shard, is_json_error, tensor
 from tests.faults.faulty import FaultyBlobStore, fail_staging_writes, os_error
 from tests.servers import running_server

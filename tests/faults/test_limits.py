@@ -19,9 +19,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer, build_shard, commit_body, entry, is_json_error, raw_request, status_of, tensor
 from tests.servers import running_server
 

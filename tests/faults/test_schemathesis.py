@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer, build_shard, commit_body, entry, tensor
 
 pytestmark = pytest.mark.slow  # a bounded schemathesis run of every operation (about 50 s)

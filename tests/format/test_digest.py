@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.format.digest import (
+from ckptstore.service.format.digest import (
     ALGORITHM,
     DIGEST_PATTERN,
     JOIN_BYTES,
@@ -21,7 +21,7 @@ from service.format.digest import (
     tensor_digest,
     tensor_preamble,
 )
-from service.format.dtypes import DTYPES
+from ckptstore.service.format.dtypes import DTYPES
 
 DATA = struct.pack("<2f", 1.0, 2.0)
 #: Computed once from the code and pasted here: changing it silently would orphan every stored tensor.

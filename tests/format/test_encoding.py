@@ -16,9 +16,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.errors import IntegrityError
-from service.format.dtypes import DTYPES, itemsize
-from service.format.encoding import (
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.format.dtypes import DTYPES, itemsize
+from ckptstore.service.format.encoding import (
     BLOCK_BYTES,
     MAGIC,
     PayloadHead,

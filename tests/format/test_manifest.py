@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.errors import InvalidManifestError
-from service.format.manifest import (
+from ckptstore.service.errors import InvalidManifestError
+from ckptstore.service.format.manifest import (
     FORMAT_VERSION,
     MAX_JSON_DEPTH,
     Chunk,
@@ -454,7 +454,7 @@ def test_manifest_from_json_rejects(text: str | bytes) -> None:
 def test_schema_file_matches_the_models() -> None:
     assert SCHEMA_FILE.read_text(encoding="utf-8") == schema_text(), (
         "docs/manifest.schema.json is stale; regenerate it with "
-        'python -c "from service.format.manifest import schema_text; '
+        'python -c "from ckptstore.service.format.manifest import schema_text; '
         "open('docs/manifest.schema.json','w').write(schema_text())\""
     )
 

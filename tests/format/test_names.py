@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.errors import CheckpointError, InvalidNameError, NotFoundError
-from service.format.bounds import MAX_VERSION
-from service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
+from ckptstore.service.errors import CheckpointError, InvalidNameError, NotFoundError
+from ckptstore.service.format.bounds import MAX_VERSION
+from ckptstore.service.format.names import LATEST, parse_ref, validate_run_id, validate_tag
 
 # Identifier attacks from HOSTILE_INPUTS.md; none is a valid run id, tag or reference.
 ATTACKS = [

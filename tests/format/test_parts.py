@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_core import to_json
 
-from service.format import parts
-from service.format.digest import tensor_digest
-from service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json, stamp
-from service.format.parts import MAX_ENTRIES, MIN_ENTRIES, assemble, boundaries, head_json, split
+from ckptstore.service.format import parts
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.manifest import Manifest, ManifestBody, TensorEntry, manifest_to_json, stamp
+from ckptstore.service.format.parts import MAX_ENTRIES, MIN_ENTRIES, assemble, boundaries, head_json, split
 
 
 def entry(key: str, seed: int) -> TensorEntry:

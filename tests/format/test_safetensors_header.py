@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.errors import IntegrityError, InvalidShardError
-from service.format.digest import is_digest, tensor_digest
-from service.format.dtypes import DTYPES, byte_length, itemsize
-from service.format.safetensors_header import (
+from ckptstore.service.errors import IntegrityError, InvalidShardError
+from ckptstore.service.format.digest import is_digest, tensor_digest
+from ckptstore.service.format.dtypes import DTYPES, byte_length, itemsize
+from ckptstore.service.format.safetensors_header import (
     MAX_DIMS,
     MAX_HEADER_BYTES,
     MAX_METADATA_CHARS,
@@ -38,7 +38,7 @@ from service.format.safetensors_header import (
     parse_header,
     read_header,
 )
-from service.ingest import verify_shard_file
+from ckptstore.service.ingest import verify_shard_file
 
 # Two real tensors; every hostile case below is this shard with one thing changed.
 DATA_A = struct.pack("<2f", 1.0, 2.0)  # F32 [2]

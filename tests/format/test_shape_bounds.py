@@ -17,11 +17,11 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from client.tensors import NAME_TO_TORCH
-from service.errors import InvalidManifestError, InvalidShardError
-from service.format.dtypes import DTYPES, itemsize, layout_extent, shape_problem
-from service.format.manifest import manifest_from_json, validate_body
-from service.format.safetensors_header import entry_fields
+from ckptstore.client.tensors import NAME_TO_TORCH
+from ckptstore.service.errors import InvalidManifestError, InvalidShardError
+from ckptstore.service.format.dtypes import DTYPES, itemsize, layout_extent, shape_problem
+from ckptstore.service.format.manifest import manifest_from_json, validate_body
+from ckptstore.service.format.safetensors_header import entry_fields
 
 LIMIT = 2**63
 DIGEST = "a" * 64

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.format.sharding import DEFAULT_SHARD_BYTES, MAX_TENSORS_PER_SHARD, plan_shards
+from ckptstore.service.format.sharding import DEFAULT_SHARD_BYTES, MAX_TENSORS_PER_SHARD, plan_shards
 
 
 def test_defaults() -> None:

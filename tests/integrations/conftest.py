@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import client
+from ckptstore import client
 from tests.client.conftest import backend, ckpt  # noqa: F401  (fixtures: every backend)
 
 # Models are built from configs; nothing is ever downloaded.

@@ -13,8 +13,8 @@ from torch import nn
 
 accelerate = pytest.importorskip("accelerate")  # the .[accelerate] extra; installed in CI
 
-import client  # noqa: E402
-from client.integrations.accelerate import load_state, save_state  # noqa: E402
+from ckptstore import client  # noqa: E402
+from ckptstore.client.integrations.accelerate import load_state, save_state  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
 
 META = torch.device("meta")

@@ -11,8 +11,8 @@ FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformer
 
 PROBE = f"""
 import sys
-import client, client.api, client.integrations, client.integrations.paths, client.integrations.rng
-import client.integrations.trees
+import ckptstore.client.api, ckptstore.client.integrations, ckptstore.client.integrations.paths
+import ckptstore.client.integrations.rng, ckptstore.client.integrations.trees
 loaded = sorted(m for m in {FRAMEWORKS!r} if m in sys.modules)
 print(loaded)
 """

@@ -14,15 +14,15 @@ pl = pytest.importorskip("lightning.pytorch")  # the .[lightning] extra; install
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-import client  # noqa: E402
-from client.formats.importing import import_weights  # noqa: E402
-from client.integrations.lightning import (  # noqa: E402
+from ckptstore import client  # noqa: E402
+from ckptstore.client.formats.importing import import_weights  # noqa: E402
+from ckptstore.client.integrations.lightning import (  # noqa: E402
     BEST,
     CkptstoreCheckpointIO,
     ResumeStateCallback,
     load_from_checkpoint,
 )
-from client.integrations.paths import tag_for_path  # noqa: E402
+from ckptstore.client.integrations.paths import tag_for_path  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
 from tests.integrations.lightning_kit import VAL_SCORES, TinyModule, loaders, trainer  # noqa: E402
 
@@ -324,7 +324,7 @@ def test_removing_a_checkpoint_another_tag_keeps_only_drops_its_tag(store: clien
 
 def test_pytorch_lightning_package_takes_its_own_plug_in(store: client.Client, tmp_path: Path) -> None:
     ptl = pytest.importorskip("pytorch_lightning")
-    from client.integrations.lightning import PLCkptstoreCheckpointIO
+    from ckptstore.client.integrations.lightning import PLCkptstoreCheckpointIO
 
     class Module(ptl.LightningModule):
         def __init__(self) -> None:

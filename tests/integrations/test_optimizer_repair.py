@@ -12,15 +12,15 @@ import torch
 from prodigyplus import ProdigyPlusScheduleFree
 from torch import nn
 
-import client
-from client.integrations.optimizer_repair import repair_loaded_optimizer
+from ckptstore import client
+from ckptstore.client.integrations.optimizer_repair import repair_loaded_optimizer
 from tests.client.models import tensors_equal
 
 pl = pytest.importorskip("lightning.pytorch")  # the .[lightning] extra; installed in CI
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
+from ckptstore.client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
 from tests.integrations.lightning_kit import TinyModule, loaders, trainer  # noqa: E402
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from client.integrations.paths import StoreRef, parse_store_path, tag_for_path
-from service.errors import InvalidNameError
-from service.format.names import validate_tag
+from ckptstore.client.integrations.paths import StoreRef, parse_store_path, tag_for_path
+from ckptstore.service.errors import InvalidNameError
+from ckptstore.service.format.names import validate_tag
 
 
 def test_store_paths_parse_to_run_and_ref() -> None:

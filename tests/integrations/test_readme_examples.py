@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import client
+from ckptstore import client
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the .[transformers] extra; installed in CI
 
-import client  # noqa: E402
-from client.integrations.transformers import CkptstoreCallback, model_configs, resume  # noqa: E402
+from ckptstore import client  # noqa: E402
+from ckptstore.client.integrations.transformers import CkptstoreCallback, model_configs, resume  # noqa: E402
 from tests.client.models import tensors_equal  # noqa: E402
 from tests.integrations.hf_kit import Tokens, arguments, tiny_gpt2  # noqa: E402
 

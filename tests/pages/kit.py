@@ -14,12 +14,12 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from service.api import create_app
-from service.format.dtypes import dtype_class
-from service.format.manifest import ManifestBody, TensorEntry
-from service.format.safetensors_header import encode_header
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.format.dtypes import dtype_class
+from ckptstore.service.format.manifest import ManifestBody, TensorEntry
+from ckptstore.service.format.safetensors_header import encode_header
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.service import shardkit
 from tests.service.shardkit import RawTensor as Raw
 

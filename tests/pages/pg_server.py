@@ -7,11 +7,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from service.api import create_app
-from service.blobs import LocalBlobStore
-from service.db import Database, schema
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database, schema
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.pages.kit import TOKENS
 from tests.servers import running_server
 

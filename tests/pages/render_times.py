@@ -24,11 +24,11 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, select
 
-from service.api import create_app
-from service.db.models import Version
-from service.format.manifest import ManifestBody
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.db.models import Version
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.pages.kit import entry, ingest, raw
 
 BASE = [raw(10_000 + i, (64, 64)) for i in range(40)]

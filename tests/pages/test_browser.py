@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from playwright.sync_api import Browser, ConsoleMessage, Dialog, Page, expect, sync_playwright
 from sqlalchemy import select
 
-from service.db.models import Version
-from service.store import Store
+from ckptstore.service.db.models import Version
+from ckptstore.service.store import Store
 from tests.pages.kit import ATTRIBUTE_KEY, SCRIPT_KEY, long_loss
 from tests.servers import running_server
 

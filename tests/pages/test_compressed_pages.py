@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.store import Store
+from ckptstore.service.store import Store
 from tests.pages.dom import parse
 from tests.pages.kit import Raw, commit, page_client
 

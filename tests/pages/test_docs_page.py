@@ -20,9 +20,9 @@ import tomllib
 from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, Route, sync_playwright
 
-from service.api import create_app
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse
 from tests.pages.kit import READ_TOKEN, WRITE_TOKEN
 from tests.pages.pg_server import served_on_postgres
@@ -153,7 +153,9 @@ def test_markup_in_the_schema_cannot_end_the_data_block(tmp_path: Path) -> None:
 
 
 def test_swagger_ui_ships_in_the_wheel_with_its_license() -> None:
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["service.api"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "ckptstore.service.api"
+    ]
     shipped = [p.relative_to(API).as_posix() for p in (API / "static").rglob("*") if p.is_file()]
     assert "static/swagger-ui/swagger-ui-bundle.js" in shipped and "static/docs.js" in shipped
     for name in shipped:

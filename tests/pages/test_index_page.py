@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.format.manifest import ManifestBody
-from service.store import Store
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse
 from tests.pages.kit import ALPHA_V1, LONG, commit, nbytes, page_client, seed
 from tests.pages.test_pages import page

@@ -14,10 +14,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import iter_route_contexts
 
-from service.api import create_app
-from service.api.pages import SAFE_METHODS, PageRoute
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.api.pages import SAFE_METHODS, PageRoute
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.pages.dom import parse
 from tests.pages.kit import READ_TOKEN, TOKENS
 from tests.pages.pg_server import served_on_postgres

@@ -11,9 +11,9 @@ from urllib.parse import urlencode
 import pytest
 from fastapi.testclient import TestClient
 
-from service.errors import InvalidManifestError, InvalidNameError
-from service.format.manifest import manifest_from_json, validate_body
-from service.store import Store
+from ckptstore.service.errors import InvalidManifestError, InvalidNameError
+from ckptstore.service.format.manifest import manifest_from_json, validate_body
+from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse
 from tests.pages.kit import (
     ALPHA_V1,
@@ -89,8 +89,8 @@ def test_runs_index_lists_each_run_with_versions_sizes_and_tags(client: TestClie
 
 
 def test_runs_index_of_an_empty_store_says_so(tmp_path: Path) -> None:
-    from service.api import create_app
-    from service.settings import Settings
+    from ckptstore.service.api import create_app
+    from ckptstore.service.settings import Settings
 
     store = Store.open_home(tmp_path / "home")
     try:
@@ -418,7 +418,7 @@ def test_static_files_are_served(client: TestClient) -> None:
 
 def test_templates_and_static_files_ship_as_package_data() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = config["package-data"]["service.api"]
+    patterns = config["package-data"]["ckptstore.service.api"]
     folder = ROOT / "service" / "api"
     shipped = [p.relative_to(folder).as_posix() for p in folder.glob("*/*") if p.parent.name in {"templates", "static"}]
     assert len(shipped) >= 10

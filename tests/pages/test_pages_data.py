@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from service.api import tensor_values
-from service.api.charts import byte_ticks, line_chart, nice_ticks
-from service.api.pages_data import (
+from ckptstore.service.api import tensor_values
+from ckptstore.service.api.charts import byte_ticks, line_chart, nice_ticks
+from ckptstore.service.api.pages_data import (
     RunFilter,
     RunPage,
     download_name,
@@ -22,8 +22,8 @@ from service.api.pages_data import (
     shape,
     when,
 )
-from service.api.pages_format import delta, full_json, reading_json
-from service.errors import InvalidInputError
+from ckptstore.service.api.pages_format import delta, full_json, reading_json
+from ckptstore.service.errors import InvalidInputError
 from tests.pages import kit
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import create_app
-from service.api.pages_data import RetentionView
-from service.retention_rules import Policy
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app
+from ckptstore.service.api.pages_data import RetentionView
+from ckptstore.service.retention_rules import Policy
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse
 from tests.pages.kit import commit, long_version
 

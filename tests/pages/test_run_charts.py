@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import create_app, pages_runs
-from service.format.manifest import ManifestBody
-from service.settings import Settings
-from service.store import Store
+from ckptstore.service.api import create_app, pages_runs
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse
 from tests.pages.kit import LONG, LONG_VERSIONS, entry, ingest, long_loss, page_client, raw
 from tests.pages.test_pages import page, version_column

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from service.blobs import LocalBlobStore
-from service.db import Database, schema
-from service.errors import NotFoundError
-from service.format.manifest import ManifestBody
-from service.listings import VersionFilter, like_pattern, sampled_versions, sorted_versions, version_span
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database, schema
+from ckptstore.service.errors import NotFoundError
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.listings import VersionFilter, like_pattern, sampled_versions, sorted_versions, version_span
+from ckptstore.service.store import Store
 from tests.pages.kit import LONG, LONG_VERSIONS, entry, ingest, long_loss, raw, seed
 
 

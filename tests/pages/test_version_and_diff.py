@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api import tensor_values
-from service.format.manifest import ManifestBody
-from service.store import Store
+from ckptstore.service.api import tensor_values
+from ckptstore.service.format.manifest import ManifestBody
+from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse
 from tests.pages.kit import READ_TOKEN, ingest, page_client, seed
 from tests.pages.test_pages import page, sections

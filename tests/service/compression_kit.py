@@ -23,14 +23,14 @@ import torch
 from sqlalchemy import select
 from torch import nn
 
-import client
-from client.transport import Transport
-from service.blobs import BlobStore
-from service.compression import MIN_BYTES
-from service.db.models import Shard, Tensor, TensorNeed, Version
-from service.encoded_reads import chain_of
-from service.records import TensorLocation
-from service.store import Store
+from ckptstore import client
+from ckptstore.client.transport import Transport
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.compression import MIN_BYTES
+from ckptstore.service.db.models import Shard, Tensor, TensorNeed, Version
+from ckptstore.service.encoded_reads import chain_of
+from ckptstore.service.records import TensorLocation
+from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 
 ROWS, WIDTH = 2048, 256
@@ -256,9 +256,12 @@ ROOT = Path(__file__).resolve().parents[2]
 KILLABLE_STORE = """
 import os, signal, sys
 
-import service.compaction, service.compression, service.gc
-from service.factory import open_store
-from service.settings import local_settings
+import ckptstore.service.compaction  # noqa: F401
+import ckptstore.service.compression  # noqa: F401
+import ckptstore.service.gc  # noqa: F401
+from ckptstore import service
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import local_settings
 
 point, nth = sys.argv[1], int(sys.argv[2])
 store = open_store(local_settings())

@@ -11,11 +11,11 @@ import pytest
 from compression_kit import open_client
 from shardkit import BuiltShard, Ingest, RawTensor, build_shard
 
-import client
-from service.blobs import LocalBlobStore
-from service.db import Database
-from service.records import ShardReceipt
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.store import Store
 from tests.backends import empty_tables
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from service.db.models import Shard, utcnow
-from service.format.digest import shard_id, tensor_digest
-from service.format.dtypes import byte_length, dtype_class
-from service.format.manifest import Chunk, ManifestBody, TensorEntry
-from service.format.safetensors_header import encode_header
-from service.records import ShardReceipt
-from service.store import Store
+from ckptstore.service.db.models import Shard, utcnow
+from ckptstore.service.format.digest import shard_id, tensor_digest
+from ckptstore.service.format.dtypes import byte_length, dtype_class
+from ckptstore.service.format.manifest import Chunk, ManifestBody, TensorEntry
+from ckptstore.service.format.safetensors_header import encode_header
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.store import Store
 
 
 @dataclass(frozen=True)

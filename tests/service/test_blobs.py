@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from service.blobs import BlobStore, LocalBlobStore, MemoryBlobStore
-from service.blobs import local as local_module
-from service.errors import IntegrityError, NotFoundError
-from service.format.digest import shard_id
+from ckptstore.service.blobs import BlobStore, LocalBlobStore, MemoryBlobStore
+from ckptstore.service.blobs import local as local_module
+from ckptstore.service.errors import IntegrityError, NotFoundError
+from ckptstore.service.format.digest import shard_id
 
 BAD_IDS = ["../etc", "../" + "a" * 61, "A" * 64, "a" * 63, "a" * 65, "", "g" * 64, "ab/" + "c" * 61]
 

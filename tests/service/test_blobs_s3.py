@@ -15,11 +15,11 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from test_blobs import BlobStoreContract, blob_id, payload
 
-from service.blobs import BlobStore
-from service.blobs.s3 import S3BlobStore, make_client
-from service.errors import InvalidInputError, NotFoundError, StorageError
-from service.factory import open_blob_store
-from service.settings import Settings
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.blobs.s3 import S3BlobStore, make_client
+from ckptstore.service.errors import InvalidInputError, NotFoundError, StorageError
+from ckptstore.service.factory import open_blob_store
+from ckptstore.service.settings import Settings
 
 PART_BYTES = 5 << 20  # the smallest part S3 accepts
 
@@ -212,7 +212,7 @@ class TestS3BlobStore(BlobStoreContract):
     ) -> None:
         data = payload(5, 1000)
         blobs.put_file(blob_id(5), write(tmp_path / "shard", data))
-        monkeypatch.setattr("service.blobs.s3.READ_CHUNK_BYTES", 128)
+        monkeypatch.setattr("ckptstore.service.blobs.s3.READ_CHUNK_BYTES", 128)
         reads: list[int | None] = []
         get_object = blobs.client.get_object
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardkit import Ingest, body, entry, raw
 
-from service.errors import InvalidNameError
-from service.format.names import COMMIT_KEY_PATTERN, validate_commit_key
-from service.store import Store
+from ckptstore.service.errors import InvalidNameError
+from ckptstore.service.format.names import COMMIT_KEY_PATTERN, validate_commit_key
+from ckptstore.service.store import Store
 
 RUN = "run"
 W = raw("F32", (4,), 1)

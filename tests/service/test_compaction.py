@@ -12,11 +12,12 @@ from collections.abc import Sequence
 import pytest
 from shardkit import Ingest, RawTensor, body, entry, raw
 
-import service.compaction
-from service.errors import InvalidInputError, StorageError
-from service.format.safetensors_header import ShardHeader
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+import ckptstore.service.compaction  # noqa: F401  (binds service.compaction for the name below)
+from ckptstore import service
+from ckptstore.service.errors import InvalidInputError, StorageError
+from ckptstore.service.format.safetensors_header import ShardHeader
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 from tests.faults.faulty import FaultyBlobStore, os_error
 from tests.service.test_gc import HOUR, age, reads_back, shard_rows, soon
 

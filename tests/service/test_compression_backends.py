@@ -29,15 +29,15 @@ from compression_kit import (
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import client
-import client.progress
-from client.cli import app
-from service.api import create_app
-from service.blobs import BlobStore
-from service.db import Database
-from service.factory import open_store
-from service.settings import Settings
-from service.store import Store
+import ckptstore.client.progress  # noqa: F401  (binds client.progress for the name below)
+from ckptstore import client
+from ckptstore.client.cli import app
+from ckptstore.service.api import create_app
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.factory import open_store
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.backends import empty_tables
 from tests.client.models import tensors_equal
 from tests.servers import running_server

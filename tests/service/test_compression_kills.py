@@ -27,8 +27,8 @@ from compression_kit import (
     uncompressed_versions,
 )
 
-import client
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.store import Store
 
 CHILD = (
     KILLABLE_STORE

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from shardkit import body, build_shard, entry, raw
 
-from service.db import session
-from service.db.session import Database
-from service.store import Store
+from ckptstore.service.db import session
+from ckptstore.service.db.session import Database
+from ckptstore.service.store import Store
 
 RUN = "shared-run"
 SHARED_SEED = 10_000

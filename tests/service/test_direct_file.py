@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service import direct_file
-from service.direct_file import ALIGNMENT, BUFFER_BYTES, WRITEBACK_BYTES, DirectFileWriter
-from service.store import Store
+from ckptstore.service import direct_file
+from ckptstore.service.direct_file import ALIGNMENT, BUFFER_BYTES, WRITEBACK_BYTES, DirectFileWriter
+from ckptstore.service.store import Store
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

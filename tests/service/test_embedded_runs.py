@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardkit import body, entry, raw
 
-from service.embedded_runs import read_runs, read_versions
-from service.settings import METADATA_FILE
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+from ckptstore.service.embedded_runs import read_runs, read_versions
+from ckptstore.service.settings import METADATA_FILE
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 
 RUNS = ["alpha", "beta", "gamma-2"]
 #: A history: commits to a run (a step, sometimes metrics), deletions of a run's oldest remaining

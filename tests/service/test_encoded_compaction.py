@@ -24,9 +24,9 @@ from compression_kit import (
     shard_ids,
 )
 
-import client
-from service.errors import IntegrityError
-from service.store import Store
+from ckptstore import client
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.store import Store
 
 
 def test_a_shard_pinned_by_one_payload_is_compacted_and_what_lives_loads_bit_for_bit(

@@ -30,13 +30,14 @@ from shardkit import (
 )
 from sqlalchemy import select
 
-import service.gc
-from service.blobs import BlobStore
-from service.db import Database
-from service.db.models import StoreLock, utcnow
-from service.errors import InvalidInputError, MissingTensorsError
-from service.records import GcReport
-from service.store import Store
+import ckptstore.service.gc  # noqa: F401  (binds service.gc for the name below)
+from ckptstore import service
+from ckptstore.service.blobs import BlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import StoreLock, utcnow
+from ckptstore.service.errors import InvalidInputError, MissingTensorsError
+from ckptstore.service.records import GcReport
+from ckptstore.service.store import Store
 
 
 def swept(report: GcReport) -> tuple[int, int, int]:
@@ -363,7 +364,8 @@ def pause_inside(
 def test_a_sweep_waits_for_a_commit_checking_its_references(
     store: Store, garbage: Garbage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.commit
+    import ckptstore.service.commit  # noqa: F401  (binds service.commit for the name below)
+    from ckptstore import service
 
     collected, reports = pause_inside(store, monkeypatch, service.commit, "check_references", 0)
     store.commit("run", body(entry("model/a", garbage.tensors[0])))  # reuses the old, unreferenced shard
@@ -377,7 +379,8 @@ def test_a_sweep_waits_for_a_commit_checking_its_references(
 def test_a_sweep_waits_for_a_save_being_told_a_tensor_is_present(
     store: Store, garbage: Garbage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.lookup
+    import ckptstore.service.lookup  # noqa: F401  (binds service.lookup for the name below)
+    from ckptstore import service
 
     collected, reports = pause_inside(store, monkeypatch, service.lookup, "_stamp_seen", HOUR)
     assert store.missing([garbage.tensors[0].digest]) == []  # the old shard is garbage, but now seen

@@ -14,8 +14,8 @@ import pytest
 from shardkit import Ingest, body, entry, raw
 from sqlalchemy import event
 
-from service.errors import NotFoundError
-from service.store import Store
+from ckptstore.service.errors import NotFoundError
+from ckptstore.service.store import Store
 
 RUN = "run-1"
 

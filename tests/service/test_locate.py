@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.db.models import Shard, Tensor
-from service.db.session import insert_missing
-from service.errors import NotFoundError
-from service.lookup import locate
-from service.store import Store
+from ckptstore.service.db.models import Shard, Tensor
+from ckptstore.service.db.session import insert_missing
+from ckptstore.service.errors import NotFoundError
+from ckptstore.service.lookup import locate
+from ckptstore.service.store import Store
 
 _examples = itertools.count(1)
 

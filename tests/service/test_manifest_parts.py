@@ -10,12 +10,12 @@ import pytest
 from shardkit import body
 from sqlalchemy import delete, func, select
 
-from service.db.models import ManifestPart, PartBody, PartRef, Shard, Tensor, Version
-from service.errors import MissingTensorsError
-from service.format.manifest import TensorEntry, manifest_to_json
-from service.format.parts import MAX_ENTRIES
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+from ckptstore.service.db.models import ManifestPart, PartBody, PartRef, Shard, Tensor, Version
+from ckptstore.service.errors import MissingTensorsError
+from ckptstore.service.format.manifest import TensorEntry, manifest_to_json
+from ckptstore.service.format.parts import MAX_ENTRIES
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 
 RUN = "run"
 

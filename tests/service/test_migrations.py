@@ -19,9 +19,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
-from service.db import Database
-from service.db.models import Base
-from service.db.schema import (
+from ckptstore.service.db import Database
+from ckptstore.service.db.models import Base
+from ckptstore.service.db.schema import (
     alembic_config,
     current_revision,
     head_revision,
@@ -30,7 +30,7 @@ from service.db.schema import (
     revisions,
     upgrade,
 )
-from service.errors import StorageError
+from ckptstore.service.errors import StorageError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -228,7 +228,7 @@ def test_opening_a_store_imports_no_alembic(tmp_path: Path) -> None:
     probe = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from service.db import Database\n"
+        "from ckptstore.service.db import Database\n"
         f"Database.sqlite_file(Path({str(tmp_path / 'metadata.db')!r})).dispose()\n"
         "assert 'alembic' not in sys.modules, 'opening a current store imported alembic'\n"
     )
@@ -237,33 +237,36 @@ def test_opening_a_store_imports_no_alembic(tmp_path: Path) -> None:
 
 
 def test_every_package_goes_into_the_wheel() -> None:
-    # The package list in pyproject.toml is written out (discovery cannot map migrations/ into
-    # service/), so a new package folder must be added there or a `pip install .` would lack it.
+    # The package list in pyproject.toml is written out (discovery cannot map client/, service/ and
+    # migrations/ under the one name ckptstore), so a new package folder must be added there or a
+    # `pip install .` would lack it. client/_ckptstore/ is the package ckptstore itself.
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        "client": "ckptstore.client",
+        "service": "ckptstore.service",
+        "migrations": "ckptstore.service.migrations",
+    }
     on_disk = {
-        ".".join(p.parent.relative_to(ROOT).parts)
-        for top in ("client", "service")
+        ".".join((folders[top], *p.parent.relative_to(ROOT / top).parts))
+        for top in folders
         for p in (ROOT / top).rglob("__init__.py")
+        if "_ckptstore" not in p.parts
     }
-    on_disk |= {
-        ".".join(("service", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / "migrations").rglob("__init__.py")
-    }
-
-    assert sorted(config["packages"]) == sorted(on_disk)
-    assert config["package-dir"] == {"service.migrations": "migrations"}
-    assert config["package-data"]["service.migrations"] == ["script.py.mako"]
+    assert sorted(config["packages"]) == sorted(on_disk | {"ckptstore"})
+    assert config["package-dir"] == {"ckptstore": "client/_ckptstore", **{v: k for k, v in folders.items()}}
+    assert config["package-data"]["ckptstore.service.migrations"] == ["script.py.mako"]
 
 
 def test_both_packages_ship_their_typing_marker() -> None:
     # PEP 561: without py.typed in the wheel, a user's type checker ignores our annotations.
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    for package in ("client", "service"):
-        assert (ROOT / package / "py.typed").is_file()
-        assert "py.typed" in config["package-data"][package]
+    for folder in ("client", "service"):
+        assert (ROOT / folder / "py.typed").is_file()
+        assert "py.typed" in config["package-data"][f"ckptstore.{folder}"]
 
 
 def test_a_store_created_before_migrations_is_stamped_and_opens(tmp_path: Path) -> None:
-    from service.db import schema as schema_module
+    from ckptstore.service.db import schema as schema_module
 
     path = tmp_path / "old" / "metadata.db"
     path.parent.mkdir()

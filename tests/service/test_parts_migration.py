@@ -18,12 +18,12 @@ import pytest
 from alembic import command
 from sqlalchemy import text
 
-from service.blobs import LocalBlobStore
-from service.db import Database
-from service.db.schema import alembic_config, current_revision, head_revision, upgrade
-from service.format.manifest import ManifestBody, TensorEntry, manifest_to_json, stamp
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.db.schema import alembic_config, current_revision, head_revision, upgrade
+from ckptstore.service.format.manifest import ManifestBody, TensorEntry, manifest_to_json, stamp
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

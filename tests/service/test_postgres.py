@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 import pytest
 from shardkit import body, build_shard, entry, raw
 
-from service.blobs import LocalBlobStore
-from service.db import Database, schema
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database, schema
+from ckptstore.service.store import Store
 
 T = TypeVar("T")
 

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
-from service.errors import IntegrityError, InvalidInputError, InvalidShardError
-from service.format.digest import tensor_digest
-from service.receiver import ShardReceiver
-from service.unhashed_receiver import UnhashedReceiver, encode_layout
+from ckptstore.service.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
+from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.unhashed_receiver import UnhashedReceiver, encode_layout
 from tests.service.shardkit import RawTensor, build_shard, raw
 
 #: Tensors that cross the staging file's 4 MiB buffers, with small ones between them.

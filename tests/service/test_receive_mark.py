@@ -8,7 +8,7 @@ import socket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.receive_mark import LOW_WATER, MARKS, ReceiveMark, low_water
+from ckptstore.service.receive_mark import LOW_WATER, MARKS, ReceiveMark, low_water
 
 
 @settings(max_examples=200, deadline=None)

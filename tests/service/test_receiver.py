@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError
-from service.format.safetensors_header import MAX_HEADER_BYTES, encode_header
-from service.receiver import ShardReceiver
-from service.store import Store
+from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError
+from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, encode_header
+from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.store import Store
 from tests.format.test_safetensors_header import HOSTILE
 from tests.service.shardkit import BuiltShard, build_shard, raw
 

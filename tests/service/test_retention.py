@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 from shardkit import Ingest, body, build_shard, entry, raw
 from sqlalchemy import func, select
 
-from service.blobs import LocalBlobStore
-from service.db import Database, schema
-from service.db.models import ManifestPart, Run, Version
-from service.db.models import RetentionPolicy as PolicyRow
-from service.errors import InvalidInputError, NotFoundError
-from service.records import VersionInfo
-from service.retention_rules import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database, schema
+from ckptstore.service.db.models import ManifestPart, Run, Version
+from ckptstore.service.db.models import RetentionPolicy as PolicyRow
+from ckptstore.service.errors import InvalidInputError, NotFoundError
+from ckptstore.service.records import VersionInfo
+from ckptstore.service.retention_rules import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
+from ckptstore.service.store import Store
 
 RUN = "run"
 

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import bindparam, select
 
-from service.db.models import Shard, Tensor, Version, table
-from service.db.session import _sqlite_expanded, insert_columns, insert_missing, insert_new, rows_in
-from service.store import Store
+from ckptstore.service.db.models import Shard, Tensor, Version, table
+from ckptstore.service.db.session import _sqlite_expanded, insert_columns, insert_missing, insert_new, rows_in
+from ckptstore.service.store import Store
 
 _TENSORS = table(Tensor)
 # Another bound value before the list (nbytes >= ?), as in the commit's reference check.

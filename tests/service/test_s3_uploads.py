@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from service.blobs import LocalBlobStore, MemoryBlobStore, StaleUploads
-from service.blobs.s3 import S3BlobStore, make_client
-from service.db import Database
-from service.errors import StorageError
-from service.gc import collect
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore, MemoryBlobStore, StaleUploads
+from ckptstore.service.blobs.s3 import S3BlobStore, make_client
+from ckptstore.service.db import Database
+from ckptstore.service.errors import StorageError
+from ckptstore.service.gc import collect
+from ckptstore.service.store import Store
 from tests.backends import empty_tables, leave_upload_unfinished, unfinished_uploads
 
 PREFIX = "ckpt"

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import make_url
 
-from service.secrets_mask import MASK, is_secret_name, mask_url, mask_urls
+from ckptstore.service.secrets_mask import MASK, is_secret_name, mask_url, mask_urls
 
 #: Every generated secret starts and ends with a marker no other part of a URL holds, so a secret
 #: shown even in part (cut where a parser would cut it) leaves a marker in the output.
@@ -196,8 +196,8 @@ def test_plain_names(name: str) -> None:
 def test_a_storage_error_quoting_an_endpoint_url_shows_no_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     """botocore names the endpoint it could not reach, user-info and all; so does the error a
     caller of the Python API gets (and logs)."""
-    from service.blobs.s3 import S3BlobStore
-    from service.errors import StorageError
+    from ckptstore.service.blobs.s3 import S3BlobStore
+    from ckptstore.service.errors import StorageError
 
     for name, value in {
         "AWS_ACCESS_KEY_ID": "a",
@@ -217,7 +217,7 @@ def test_a_storage_error_quoting_an_endpoint_url_shows_no_credentials(monkeypatc
 def test_the_server_log_filter_masks_urls_in_lines_and_keeps_templates_whole() -> None:
     import logging
 
-    from service.api.redact import RedactTokens
+    from ckptstore.service.api.redact import RedactTokens
 
     def logged(msg: str, *args: object) -> str:
         record = logging.LogRecord("ckptstore.api", logging.ERROR, __file__, 1, msg, args, None)
@@ -235,7 +235,7 @@ def test_the_server_log_filter_masks_urls_in_lines_and_keeps_templates_whole() -
 
 
 def test_punctuation_after_a_url_in_text_is_the_texts_not_the_urls() -> None:
-    from service.secrets_mask import mask_urls
+    from ckptstore.service.secrets_mask import mask_urls
 
     said = "cannot reach the server at http://127.0.0.1:45661: [Errno 111]. Is it running at http://h:1/x?"
     assert mask_urls(said) == said

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.api.redact import RedactTokens, redact
-from service.settings import Settings
+from ckptstore.service.api.redact import RedactTokens, redact
+from ckptstore.service.settings import Settings
 
 
 def test_a_relative_home_resolves_to_absolute_locations(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

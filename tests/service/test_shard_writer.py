@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardkit import RawTensor
 
-from service.direct_file import ALIGNMENT
-from service.errors import InvalidInputError, StorageError
-from service.format.digest import tensor_digest
-from service.format.safetensors_header import read_header
-from service.format.sharding import SHARD_METADATA
-from service.shard_writer import UnhashedTensor, write_shard
-from service.store import Store
+from ckptstore.service.direct_file import ALIGNMENT
+from ckptstore.service.errors import InvalidInputError, StorageError
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.safetensors_header import read_header
+from ckptstore.service.format.sharding import SHARD_METADATA
+from ckptstore.service.shard_writer import UnhashedTensor, write_shard
+from ckptstore.service.store import Store
 from tests.faults.faulty import fail_staging_writes
 
 
@@ -182,7 +182,7 @@ def test_a_tensor_changed_while_it_is_written_gets_the_digest_of_the_bytes_writt
 ) -> None:
     # A caller's memory that changes mid-write (a tensor updated in place) cannot leave a shard
     # whose bytes disagree with the digest naming them: the digest is taken from the writer's copy.
-    from service.format import digest as digest_module
+    from ckptstore.service.format import digest as digest_module
 
     source = bytearray(raw("F32", (1 << 21,), 5).data)  # 8 MiB: several of the writer's buffers
     updates: list[int] = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from shardkit import Ingest, RawTensor, body, build_shard, chunked_entry, entry, raw
 
-from service.errors import (
+from ckptstore.service.errors import (
     IntegrityError,
     InvalidInputError,
     InvalidManifestError,
@@ -18,10 +18,10 @@ from service.errors import (
     MissingTensorsError,
     NotFoundError,
 )
-from service.format.digest import tensor_digest
-from service.format.safetensors_header import encode_header
-from service.records import ShardReceipt
-from service.store import Store
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.safetensors_header import encode_header
+from ckptstore.service.records import ShardReceipt
+from ckptstore.service.store import Store
 
 RUN = "run-1"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from shardkit import Ingest, raw
 
-from service.errors import IntegrityError, InvalidInputError
-from service.store import Store
+from ckptstore.service.errors import IntegrityError, InvalidInputError
+from ckptstore.service.store import Store
 
 
 def test_read_scatter_fills_back_to_back_tensors(store: Store, ingest: Ingest) -> None:

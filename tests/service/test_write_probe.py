@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from service import write_probe
-from service.store import Store
-from service.write_probe import CACHE_NAME, LOCK_NAME, WriteChoice, choose_direct_writes, measure
+from ckptstore.service import write_probe
+from ckptstore.service.store import Store
+from ckptstore.service.write_probe import CACHE_NAME, LOCK_NAME, WriteChoice, choose_direct_writes, measure
 
 
 def test_the_probe_measures_both_ways_and_the_cheaper_wins(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_a_store_measures_only_when_the_setting_is_unset(tmp_path: Path, monkeyp
 
 
 def test_a_client_that_saves_settles_the_write_mode_on_opening(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import client
+    from ckptstore import client
 
     monkeypatch.delenv("CKPTSTORE_DIRECT_WRITES", raising=False)
     with client.Connection(home=tmp_path / "browse"):

@@ -19,15 +19,15 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from client.api import Client
-from client.http.transport import STAGING_PREFIX
-from client.saving.hashing import digest_all
-from client.state import flatten
-from service.db.models import Shard
-from service.errors import CheckpointError, NotFoundError
-from service.format.digest import is_digest
-from service.ingest import verify_shard_file
-from service.store import Store
+from ckptstore.client.api import Client
+from ckptstore.client.http.transport import STAGING_PREFIX
+from ckptstore.client.saving.hashing import digest_all
+from ckptstore.client.state import flatten
+from ckptstore.service.db.models import Shard
+from ckptstore.service.errors import CheckpointError, NotFoundError
+from ckptstore.service.format.digest import is_digest
+from ckptstore.service.ingest import verify_shard_file
+from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 from tests.stress.model import StressNet, expected_state, state_sha
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from service.blobs import LocalBlobStore
-from service.db import Database
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.db import Database
+from ckptstore.service.store import Store
 from tests.stress.phases import Phases, die_with_parent, install_compaction_hooks, say
 
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import httpx
 
-from client.api import Client
-from client.http.transport import remove_stale_staging
-from service.format.safetensors_header import parse_header
-from service.store import Store
+from ckptstore.client.api import Client
+from ckptstore.client.http.transport import remove_stale_staging
+from ckptstore.service.format.safetensors_header import parse_header
+from ckptstore.service.store import Store
 from tests.stress.checks import RUN, Census, Expectation, StoreChecker, census, digest_set_hash
 from tests.stress.model import StressNet
 from tests.stress.procs import STEP_TIMEOUT, Server, Stuck, child_env, free_port, start_victims

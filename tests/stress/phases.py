@@ -20,11 +20,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import service.commit
-import service.ingest
-from service.blobs import LocalBlobStore
-from service.receiver import ShardReceiver
-from service.store import Store
+import ckptstore.service.commit  # noqa: F401  (binds service.commit for the name below)
+import ckptstore.service.ingest  # noqa: F401  (binds service.ingest for the name below)
+from ckptstore import service
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.store import Store
 
 PR_SET_PDEATHSIG = 1
 
@@ -135,8 +136,9 @@ COMPACTION_PHASES = (
 
 def install_compaction_hooks(phases: Phases) -> None:
     """Announce the steps of a compaction (:data:`COMPACTION_PHASES`)."""
-    import service.compaction
-    from service.direct_file import DirectFileWriter
+    import ckptstore.service.compaction  # noqa: F401  (binds service.compaction for the name below)
+    from ckptstore import service
+    from ckptstore.service.direct_file import DirectFileWriter
 
     service.ingest.write_shard = _before(phases, "write-shard", service.ingest.write_shard)
     DirectFileWriter.write_head = _before(phases, "write-head", DirectFileWriter.write_head)  # type: ignore[method-assign]

@@ -20,8 +20,9 @@ import sys
 import traceback
 from typing import Any
 
-import service.api.server
-from client.cli import serve
+import ckptstore.service.api.server  # noqa: F401  (binds service.api.server for the name below)
+from ckptstore import service
+from ckptstore.client.cli import serve
 from tests.stress.phases import Phases, die_with_parent, install_store_hooks, read_line, say
 
 

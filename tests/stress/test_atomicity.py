@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from client.api import Client
-from service.store import Store
+from ckptstore.client.api import Client
+from ckptstore.service.store import Store
 from tests.stress.model import StressNet
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from client.http.transport import HttpTransport, remove_stale_staging
-from service.api.server import app_from_env
-from service.cleanup import CleanupReport, clean_staging
-from service.store import Store
+from ckptstore.client.http.transport import HttpTransport, remove_stale_staging
+from ckptstore.service.api.server import app_from_env
+from ckptstore.service.cleanup import CleanupReport, clean_staging
+from ckptstore.service.store import Store
 
 HOUR = 3600.0
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from service.blobs import LocalBlobStore
-from service.cleanup import clean_staging, temp_folders
-from service.db import Database
-from service.shard_writer import UnhashedTensor
-from service.store import Store
+from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.cleanup import clean_staging, temp_folders
+from ckptstore.service.db import Database
+from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.store import Store
 from tests.backends import empty_tables
 from tests.service.shardkit import HOUR, RawTensor, age, body, entry, raw, reads_back, shard_rows, soon
 from tests.stress.phases import COMPACTION_PHASES

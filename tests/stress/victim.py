@@ -33,11 +33,12 @@ from typing import Any
 import sqlalchemy.dialects.sqlite  # noqa: F401  (imported before forking, not in every child)
 import torch
 
-import client.saving.saver
-from client.api import Client
-from client.http.transport import HttpTransport
-from service.errors import CheckpointError
-from service.format.safetensors_header import parse_header
+import ckptstore.client.saving.saver  # noqa: F401  (binds client.saving.saver for the name below)
+from ckptstore import client
+from ckptstore.client.api import Client
+from ckptstore.client.http.transport import HttpTransport
+from ckptstore.service.errors import CheckpointError
+from ckptstore.service.format.safetensors_header import parse_header
 from tests.stress.checks import digest_set_hash
 from tests.stress.model import StressNet, state_sha
 from tests.stress.phases import Phases, die_with_parent, install_store_hooks, read_line, say
