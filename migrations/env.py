@@ -8,7 +8,7 @@ Without one, the URL is the config's ``sqlalchemy.url`` if set, else the store's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from alembic import context
 from sqlalchemy import create_engine, pool
@@ -21,7 +21,7 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def render_item(kind: str, obj: Any, autogen_context: Any) -> str | bool:
+def render_item(kind: str, obj: Any, autogen_context: Any) -> str | Literal[False]:
     """Write our UTCDateTime as the plain type it stores, so scripts never import the models."""
     if kind == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import typecheck
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,7 +58,7 @@ def test_ruff_is_clean() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.slow  # type-checks the whole product (run .venv/bin/mypy directly day to day)
+@pytest.mark.slow  # type-checks the whole product (day to day: .venv/bin/python -m tests.typecheck)
 def test_mypy_is_clean() -> None:
-    done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    done = typecheck.run()
     assert done.returncode == 0, done.stdout + done.stderr
