@@ -3,6 +3,7 @@ shadowed by a user's own ``client.py``, or to overwrite another distribution's p
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow  # builds a wheel
 def test_a_non_editable_install_puts_one_import_name_in_site_packages(tmp_path: Path) -> None:
-    target = tmp_path / "site-packages"
+    target, source = tmp_path / "site-packages", tmp_path / "source"
+    # A copy of what the build reads, so the build's own folders land beside it, not in the checkout.
+    for name in ("client", "service", "migrations"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
-         str(ROOT)],
+         str(source)],
         capture_output=True, text=True, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
