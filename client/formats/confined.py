@@ -32,7 +32,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from ckptstore.client.formats.pickle_types import shown
+from ckptstore.client.formats.pickled.allowlist import shown
 from ckptstore.service.errors import InvalidInputError
 
 #: Most links one open may follow (the kernel's own bound on a path's links).

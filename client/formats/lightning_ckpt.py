@@ -9,7 +9,7 @@ so the version resumes through the plug-in (``ckpt_path="ckptstore://RUN@latest"
 file does. Any other value is left out by key, with why; one Lightning needs to resume refuses
 the import instead.
 
-The dict comes from :func:`client.formats.torch_files.read_torch_file` (never a general
+The dict comes from :func:`client.formats.torch_save.files.read_torch_file` (never a general
 unpickler); this module only decides what of it is stored.
 """
 

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from ckptstore.client.formats import confined, lightning_ckpt
-from ckptstore.client.formats.dcp_folder import read_dcp_folder
+from ckptstore.client.formats.dcp.folder import read_dcp_folder
 from ckptstore.client.formats.json_text import large_integers, parse_json
-from ckptstore.client.formats.pickle_types import shown
+from ckptstore.client.formats.pickled.allowlist import shown
 from ckptstore.client.formats.torch_dicts import read_layout, tensor_dict
-from ckptstore.client.formats.torch_files import read_torch_file
-from ckptstore.client.formats.torch_globals import RefusedTensor
+from ckptstore.client.formats.torch_save.constructors import RefusedTensor
+from ckptstore.client.formats.torch_save.files import read_torch_file
 from ckptstore.service.errors import InvalidInputError
 
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

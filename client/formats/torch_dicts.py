@@ -17,7 +17,7 @@ and keeps the rest:
 
 The value was measured by the pickle reader (bounded size and depth), but an attacker still
 chooses its shape: every pass here is linear (no ``x in list`` inside a loop, no pair of groups
-compared with every other), and a key is named by :func:`~client.formats.pickle_types.shown`,
+compared with every other), and a key is named by :func:`~client.formats.pickled.allowlist.shown`,
 never formatted whole.
 """
 
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ckptstore.client import jsonstate, keys
-from ckptstore.client.formats.pickle_types import shown
-from ckptstore.client.formats.torch_globals import RefusedTensor
+from ckptstore.client.formats.pickled.allowlist import shown
+from ckptstore.client.formats.torch_save.constructors import RefusedTensor
 from ckptstore.client.tensors import check_storable
 from ckptstore.service.errors import InvalidInputError, StateEncodingError
 from ckptstore.service.format.names import METRIC_PATTERN

@@ -18,7 +18,7 @@ pl = pytest.importorskip("lightning.pytorch")  # the .[lightning] extra; install
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from ckptstore.client.formats.torch_files import read_torch_file  # noqa: E402
+from ckptstore.client.formats.torch_save.files import read_torch_file  # noqa: E402
 from ckptstore.client.integrations.lightning import CkptstoreCheckpointIO, ResumeStateCallback  # noqa: E402
 from ckptstore.service.errors import InvalidInputError  # noqa: E402
 from tests.cli.conftest import Cli  # noqa: E402

@@ -1,4 +1,4 @@
-"""The checks of a DCP ``.metadata``'s layout before any data is read (:mod:`client.formats.dcp_cover`):
+"""The checks of a DCP ``.metadata``'s layout before any data is read (:mod:`client.formats.dcp.cover`):
 chunks that cover a tensor exactly once, whatever their layout and however many dimensions, checked
 against counting every element; items that read disjoint bytes, checked against comparing every pair;
 and both in a real folder, with each tensor charged to the import's budget before it is made."""
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptstore.client.formats import budget
-from ckptstore.client.formats.dcp_cover import check_cover, check_regions
-from ckptstore.client.formats.dcp_folder import read_dcp_folder
+from ckptstore.client.formats.dcp.cover import check_cover, check_regions
+from ckptstore.client.formats.dcp.folder import read_dcp_folder
 from ckptstore.service.errors import InvalidInputError
 from tests.cli import hostile_dcp_reuse as hostile
 from tests.cli import hostile_pickles as hp

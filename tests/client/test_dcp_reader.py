@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from ckptstore.client.formats.dcp_folder import check_cover, read_dcp_folder
+from ckptstore.client.formats.dcp.folder import check_cover, read_dcp_folder
 from ckptstore.service.errors import InvalidInputError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

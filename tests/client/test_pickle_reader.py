@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.client.formats.pickle_reader import read_pickle
-from ckptstore.client.formats.pickle_types import PickleLimits
-from ckptstore.client.formats.torch_globals import TorchFile
+from ckptstore.client.formats.pickled.allowlist import PickleLimits
+from ckptstore.client.formats.pickled.reader import read_pickle
+from ckptstore.client.formats.torch_save.constructors import TorchFile
 from ckptstore.service.errors import InvalidInputError
 
 TABLE = TorchFile("test.pt").globals_table()

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptstore.client.formats import budget
-from ckptstore.client.formats.torch_files import read_torch_file
-from ckptstore.client.formats.torch_globals import Storage
-from ckptstore.client.formats.zip_members import Region, check_disjoint, member_regions
+from ckptstore.client.formats.torch_save.constructors import Storage
+from ckptstore.client.formats.torch_save.files import read_torch_file
+from ckptstore.client.formats.torch_save.zip_members import Region, check_disjoint, member_regions
 from ckptstore.service.errors import InvalidInputError
 from tests.cli.hostile_pickles import torch_saved
 from tests.cli.hostile_pt_reuse import Member, StorageRef, TensorRef, layout, one_storage, raw_zip, tensors_pickle

@@ -13,7 +13,7 @@ What a file makes from its own bytes is bounded: each tensor is charged its byte
 import's budget (:func:`client.formats.budget.charge`) before it is made, a view as much as a
 copy, and an untyped storage whose bytes are misaligned for a dtype is copied once, whatever the
 number of tensors over it. The pickle's values are checked by type before they are compared,
-and named in messages by :func:`~client.formats.pickle_types.shown` only.
+and named in messages by :func:`~client.formats.pickled.allowlist.shown` only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ckptstore.client.formats import budget
-from ckptstore.client.formats.pickle_types import Built, Global, GlobalTable, shown
+from ckptstore.client.formats.pickled.allowlist import Built, Global, GlobalTable, shown
 from ckptstore.service.errors import InvalidInputError
 
 #: Most storages one file may hold.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ckptstore.client.formats.pickle_types import Built, PickleLimits, Record
+from ckptstore.client.formats.pickled.allowlist import Built, PickleLimits, Record
 from ckptstore.service.errors import InvalidInputError
 
 

@@ -1,23 +1,23 @@
 """DCP checkpoint folders (``.metadata`` + ``*.distcp``), read by this code from the metadata's offsets.
 
-The ``.metadata`` pickle is read by :mod:`client.formats.pickle_reader` with DCP's metadata
+The ``.metadata`` pickle is read by :mod:`client.formats.pickled.reader` with DCP's metadata
 classes as plain :class:`Record` s (never the classes themselves). Everything it claims is
 checked before a byte of data is read:
 
 - each tensor's chunks lie inside it and cover it exactly once (no gap, no overlap), so every
   stored byte comes from the source and none is left as whatever memory held
-  (:func:`~client.formats.dcp_cover.check_cover`);
+  (:func:`~client.formats.dcp.cover.check_cover`);
 - each item's ``relative_path`` names a regular file inside the folder, and its offset and
   length lie inside that file;
 - no two items (tensor chunks or byte entries) read overlapping bytes, so each stored item is
-  read once (:func:`~client.formats.dcp_cover.check_regions`);
+  read once (:func:`~client.formats.dcp.cover.check_regions`);
 - each name is a string of at most :data:`MAX_NAME_CHARS` characters, and each nested key path
   (``planner_data``) is a short tuple of names and indices.
 
 No value of the metadata is formatted, hashed or compared before it is known to be one of these
 bounded fields: messages describe any other value by its type.
 
-Then each item's bytes, a ``torch.save`` archive, are read by :mod:`client.formats.torch_files`:
+Then each item's bytes, a ``torch.save`` archive, are read by :mod:`client.formats.torch_save.files`:
 a chunk must hold a tensor of exactly the chunk's shape and the tensor's dtype; a byte item
 (any other value DCP pickled) is read under the same allow-list as any ``.pt`` file. Each tensor
 put together from its chunks is charged to the import's budget (:mod:`client.formats.budget`)
@@ -35,11 +35,11 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptstore.client.formats import budget, confined
-from ckptstore.client.formats.dcp_cover import check_cover, check_regions
-from ckptstore.client.formats.pickle_reader import read_pickle
-from ckptstore.client.formats.pickle_types import Global, GlobalTable, PickleLimits, Record
-from ckptstore.client.formats.torch_files import read_torch_bytes
-from ckptstore.client.formats.torch_globals import RefusedTensor
+from ckptstore.client.formats.dcp.cover import check_cover, check_regions
+from ckptstore.client.formats.pickled.allowlist import Global, GlobalTable, PickleLimits, Record
+from ckptstore.client.formats.pickled.reader import read_pickle
+from ckptstore.client.formats.torch_save.constructors import RefusedTensor
+from ckptstore.client.formats.torch_save.files import read_torch_bytes
 from ckptstore.service.errors import InvalidInputError
 
 METADATA = ".metadata"

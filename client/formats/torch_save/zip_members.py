@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from ckptstore.client.formats import confined
-from ckptstore.client.formats.pickle_types import shown
+from ckptstore.client.formats.pickled.allowlist import shown
 from ckptstore.service.errors import InvalidInputError
 
 ZIP_MAGIC = b"PK\x03\x04"

@@ -1,4 +1,4 @@
-"""``torch.save`` files (zip and legacy) read by :mod:`client.formats.pickle_reader`, never by torch.load.
+"""``torch.save`` files (zip and legacy) read by :mod:`client.formats.pickled.reader`, never by torch.load.
 
 A zip archive (``torch.save`` since 1.6) holds ``<dir>/data.pkl`` and one stored (never
 compressed) member per storage; its tensors are views of the mapped file. A legacy file is a
@@ -7,9 +7,9 @@ constructors below: tensors (``_rebuild_tensor_v2`` over a storage of the file),
 ``torch.Size``, dtypes, sets, ``_codecs.encode``, and, for RNG state, numpy arrays and scalars
 of plain numeric dtypes.
 
-Every tensor is checked against the bytes behind it (:mod:`client.formats.torch_globals`);
+Every tensor is checked against the bytes behind it (:mod:`client.formats.torch_save.constructors`);
 each storage must be a stored member (or legacy record) of exactly its size, inside the file.
-An archive's members must be distinct regions (:mod:`client.formats.zip_members`), checked
+An archive's members must be distinct regions (:mod:`client.formats.torch_save.zip_members`), checked
 before any is read, so the file's bytes are each read once; what its tensors make is charged to
 the import's budget as they are made. Every field is checked by type before it is used: a
 malformed file is one :class:`InvalidInputError` naming it, never a traceback.
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from ckptstore.client.formats import confined
-from ckptstore.client.formats.pickle_reader import read_pickle
-from ckptstore.client.formats.pickle_tree import finish_value
-from ckptstore.client.formats.pickle_types import PickleLimits, shown
-from ckptstore.client.formats.torch_globals import MAX_STORAGES, Storage, TorchFile, itemsize
-from ckptstore.client.formats.zip_members import ZIP_MAGIC, Region, member_regions
+from ckptstore.client.formats.pickled.allowlist import PickleLimits, shown
+from ckptstore.client.formats.pickled.reader import read_pickle
+from ckptstore.client.formats.pickled.tree import finish_value
+from ckptstore.client.formats.torch_save.constructors import MAX_STORAGES, Storage, TorchFile, itemsize
+from ckptstore.client.formats.torch_save.zip_members import ZIP_MAGIC, Region, member_regions
 from ckptstore.service.errors import InvalidInputError
 
 #: The largest ``data.pkl`` (or legacy pickle) read: the structure, not the tensors' bytes.
@@ -49,7 +49,7 @@ def read_torch_file(path: Path, *, numpy_arrays: bool = False, expand_limit: int
 
     Raises:
         InvalidInputError: not a file ``torch.save`` writes, a compressed member, a global
-            outside the allow-list, a limit passed (see :mod:`client.formats.pickle_reader`).
+            outside the allow-list, a limit passed (see :mod:`client.formats.pickled.reader`).
     """
     mapped = confined.map_file(path)
     if mapped is None:

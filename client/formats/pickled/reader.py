@@ -21,7 +21,7 @@ made it (its parts and depth are kept, so checking a key costs O(1)): a key past
 ``max_key_parts``/``max_key_depth`` (a tuple nested a million deep, whose hash would recurse a
 million levels in C) is refused, and the hashing is counted against ``max_items``. Keys whose
 hash can be made to collide (tuples, frozensets, integers of 61 bits or more) are at most
-``max_composite_keys``. Messages name a value by :func:`~client.formats.pickle_types.shown`,
+``max_composite_keys``. Messages name a value by :func:`~client.formats.pickled.allowlist.shown`,
 never by ``str()`` of what the pickle holds.
 """
 
@@ -32,8 +32,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from ckptstore.client.formats.pickle_tree import finish_value
-from ckptstore.client.formats.pickle_types import Built, Global, GlobalTable, PickleLimits, shown
+from ckptstore.client.formats.pickled.allowlist import Built, Global, GlobalTable, PickleLimits, shown
+from ckptstore.client.formats.pickled.tree import finish_value
 from ckptstore.service.errors import InvalidInputError
 
 
