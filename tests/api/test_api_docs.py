@@ -1,4 +1,4 @@
-"""README.md's HTTP API table against the app's OpenAPI schema, so the two cannot drift apart.
+"""docs/http-api.md's HTTP API table against the app's OpenAPI schema, so the two cannot drift apart.
 
 The table's first column holds routes (`` `METHOD /path?query=…` ``, several joined by ``·``),
 each optionally followed by its JSON body (`` `{"field", …}` ``); the second the token scope;
@@ -21,14 +21,14 @@ from fastapi.routing import APIRoute, iter_route_contexts
 
 from ckptstore.service.api.deps import ScopeCheck
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 _ROUTE = re.compile(r"^(GET|HEAD|POST|PUT|DELETE|PATCH) (/\S*)$")
 _QUOTED = re.compile(r'"([A-Za-z_][A-Za-z0-9_]*)"')
 
 
 @dataclass
 class Row:
-    """One route as the README documents it."""
+    """One route as the HTTP API page documents it."""
 
     scope: str
     query: set[str] = field(default_factory=set)
@@ -41,8 +41,8 @@ def _code_spans(text: str) -> list[str]:
 
 
 def readme_rows() -> dict[tuple[str, str], Row]:
-    """``(METHOD, path) -> Row`` for every route in the README's 'HTTP API (v1)' table."""
-    section = README.read_text().split("### HTTP API (v1)", 1)[1].split("\n#", 1)[0]
+    """``(METHOD, path) -> Row`` for every route in docs/http-api.md's table."""
+    section = API_PAGE.read_text().split("# HTTP API (v1)\n", 1)[1].split("\n#", 1)[0]
     rows: dict[tuple[str, str], Row] = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -53,7 +53,7 @@ def readme_rows() -> dict[tuple[str, str], Row]:
         for part in routes.split(" · "):
             spans = _code_spans(part)
             match = _ROUTE.match(spans[0]) if spans else None
-            assert match is not None, f"not a route in README's API table: {part!r}"
+            assert match is not None, f"not a route in the HTTP API page's table: {part!r}"
             path, _, query = match.group(2).partition("?")
             row = Row(scope=scope, query={p.split("=")[0] for p in query.split("&") if p}, response=response)
             bodies = [span for span in spans[1:] if span.startswith("{")]

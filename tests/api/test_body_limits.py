@@ -5,7 +5,7 @@ read from ``/proc``. While one client sends the largest body a route accepts (of
 of a hundred thousand items, nested 100,000 deep, or a valid one), a second client asks for
 ``/healthz`` over and over: nine answers in ten must come within 50 ms and every one within
 250 ms (the probe found 3 s for an 11 MiB body, 42 s for 110 MiB), and the server's peak
-memory may grow by at most the multiple of the body the README states. Each route also refuses
+memory may grow by at most the multiple of the body docs/server.md states. Each route also refuses
 a body one byte over its limit with a 413 naming the limit and the route, before the rest of
 that body has been sent.
 """
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HEALTHZ_P90 = 0.050
 HEALTHZ_BUDGET = 0.250
 PROBE_INTERVAL = 0.005
-#: The README's bound on the extra memory of one request, as a multiple of its body.
+#: docs/server.md's bound on the extra memory of one request, as a multiple of its body.
 DIGEST_LIST_MEMORY_MULTIPLE = 10
 COMMIT_MEMORY_MULTIPLE = 30
 COMMIT_LIMIT: int = Settings.model_fields["max_json_bytes"].default
@@ -418,13 +418,13 @@ def test_a_token_is_checked_before_a_body_is_read(pg_server: str) -> None:
     assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
 
 
-# -- the README states the same limits -------------------------------------------------------
+# -- docs/server.md states the same limits ------------------------------------------------------
 
 
 def limits_table() -> dict[str, str]:
-    """The README's body limits table: route -> limit cell."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Limits and timeouts", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    """docs/server.md's body limits table: route -> limit cell."""
+    page = (ROOT / "docs" / "server.md").read_text()
+    section = page.split("\n## Limits and timeouts\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -433,7 +433,7 @@ def limits_table() -> dict[str, str]:
     return rows
 
 
-def test_the_readme_lists_every_routes_body_limit() -> None:
+def test_the_server_page_lists_every_routes_body_limit() -> None:
     def shown(size: int) -> str:
         return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 

@@ -74,10 +74,10 @@ def test_dash_h_is_help_on_the_app_and_on_every_command() -> None:
         assert "Usage: ckptstore" in short.stdout, prefix
 
 
-def test_the_client_extra_installs_safetensors_which_the_readme_reads_exports_with() -> None:
+def test_the_client_extra_installs_safetensors_which_the_docs_read_exports_with() -> None:
     extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
     assert any(requirement.replace(" ", "").startswith("safetensors>=") for requirement in extras["client"])
-    assert "safetensors.torch" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "safetensors.torch" in (ROOT / "docs" / "import-export.md").read_text(encoding="utf-8")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The README's wrapped-model, import and export examples run as printed."""
+"""The wrapped-model, import and export examples of docs/ run as printed."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 
 from tests.cli.conftest import Cli
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: Lines naming sources a reader brings (a Trainer run, a LoRA run); tests/cli/test_import_formats.py
 #: and test_export_formats.py run those paths on real ones.
 BROUGHT = ("out/checkpoint-500", "my-lora")
 
 
-def _blocks(heading: str, language: str) -> list[str]:
-    text = README.read_text()
+def _blocks(page: str, heading: str, language: str) -> list[str]:
+    text = (DOCS / page).read_text()
     start = text.index(f"\n{heading}\n")
     ends = [i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0]
     section = text[start : min(ends) if ends else None]
@@ -28,17 +28,19 @@ def _blocks(heading: str, language: str) -> list[str]:
 def test_partial_load_example(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CKPTSTORE_HOME", cli.env["CKPTSTORE_HOME"] or "")
-    (code,) = _blocks("### Wrapped models and partial loads", "python")
-    exec(compile(code, "README", "exec"), {})
+    (code,) = _blocks("saving-and-loading.md", "## Wrapped models and partial loads", "python")
+    exec(compile(code, "saving-and-loading.md", "exec"), {})
     assert cli.client.load("partial-demo", keys=["1.*"]).bytes_read == 40
 
 
 def test_import_and_export_commands(cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    (code,) = _blocks("### Import", "python")
-    exec(compile(code, "README", "exec"), {})
+    (code,) = _blocks("import-export.md", "## Import", "python")
+    exec(compile(code, "import-export.md", "exec"), {})
     lines = [
-        line for block in _blocks("### Import", "bash") + _blocks("### Export", "bash") for line in block.splitlines()
+        line
+        for block in _blocks("import-export.md", "## Import", "bash") + _blocks("import-export.md", "## Export", "bash")
+        for line in block.splitlines()
     ]
     ran = 0
     for line in lines:

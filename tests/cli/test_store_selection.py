@@ -94,7 +94,7 @@ class ServerStore:
 def server_store(
     postgres_databases: PostgresDatabases, s3_endpoint: str, bare_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[ServerStore]:
-    """A migrated PostgreSQL database and an S3 bucket, named by the environment the way README's
+    """A migrated PostgreSQL database and an S3 bucket, named by the environment the way docs/server.md's
     production section names them (and no ``CKPTSTORE_URL``)."""
     url = postgres_databases.create()
     database = Database(url)

@@ -1,4 +1,4 @@
-"""The README's torchrun example runs as printed: two ranks save and load an FSDP2 model."""
+"""docs/distributed.md's torchrun example runs as printed: two ranks save and load an FSDP2 model."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "distributed.md"
 
 
 @pytest.mark.slow
 def test_readme_torchrun_example_runs(tmp_path: Path) -> None:
-    text = README.read_text()
+    text = PAGE.read_text()
     (script,) = re.findall(r"```python\n(# train_fsdp\.py.*?)```", text, re.S)
     assert "CKPTSTORE_HOME=./.ckptstore .venv/bin/torchrun --nproc-per-node 2 train_fsdp.py" in text
     (tmp_path / "train_fsdp.py").write_text(script)
     environment = {**os.environ, "CKPTSTORE_HOME": str(tmp_path / ".ckptstore"), "OMP_NUM_THREADS": "1"}
-    environment["PYTHONPATH"] = str(README.parent)
+    environment["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train_fsdp.py"],
         cwd=tmp_path,

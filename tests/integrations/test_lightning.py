@@ -133,7 +133,7 @@ def test_the_best_tag_follows_model_checkpoint_across_a_resume(store: client.Cli
     best_checkpoint = io.load_checkpoint("ckptstore://bt@best")
     assert best_checkpoint["epoch"] == 3 and best_checkpoint["global_step"] == 16
 
-    # The README's way: the module as it was at the best checkpoint.
+    # The docs' way (docs/trainers.md): the module as it was at the best checkpoint.
     module = load_from_checkpoint(TinyModule, "ckptstore://bt@best", client=store)
     for name, value in best_checkpoint["state_dict"].items():
         assert tensors_equal(module.state_dict()[name], value), name

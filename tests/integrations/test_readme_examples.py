@@ -1,4 +1,4 @@
-"""The README's trainer plug-in examples run as they are, on a fresh embedded store."""
+"""The trainer plug-in examples of docs/trainers.md run as they are, on a fresh embedded store."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def example(heading: str) -> str:
-    """The first python block under ``### heading`` of the README's trainer plug-ins section."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Trainer plug-ins", 1)[1].split("\n## ", 1)[0]
-    part = section.split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0]
+    """The first python block under ``## heading`` of docs/trainers.md."""
+    text = (ROOT / "docs" / "trainers.md").read_text()
+    part = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", part, re.DOTALL)
     assert match is not None, f"no python example under {heading}"
     return match.group(1)

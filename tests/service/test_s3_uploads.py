@@ -124,9 +124,9 @@ def test_local_and_memory_blob_stores_have_no_unfinished_uploads(tmp_path: Path)
     assert MemoryBlobStore().abort_stale_uploads(a_day_from_now()) == StaleUploads()
 
 
-def test_the_readme_lifecycle_rule_is_one_s3_accepts(s3: Any, bucket: str) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    command = readme[readme.index("aws s3api put-bucket-lifecycle-configuration") :]
+def test_the_documented_lifecycle_rule_is_one_s3_accepts(s3: Any, bucket: str) -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    command = page[page.index("aws s3api put-bucket-lifecycle-configuration") :]
     rules = json.loads(command[command.index("'") + 1 : command.index("}'") + 1])
     (rule,) = rules["Rules"]
     assert rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1
