@@ -56,9 +56,9 @@ import zstandard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ckptstore.client import Client
-from ckptstore.service import compression
 from ckptstore.service.format import encoding
-from ckptstore.service.records import GcReport, TensorLocation
+from ckptstore.service.format.records import GcReport, TensorLocation
+from ckptstore.service.reclaim import compression
 from ckptstore.service.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -398,7 +398,7 @@ def load_rows(trained: Trained, books: Accounting, times: dict[LoadKey, list[flo
 
 @contextlib.contextmanager
 def pass_timer() -> Iterator[list[float]]:
-    """Wall seconds of the compression pass within a collection (:func:`service.compression.compress`)."""
+    """Wall seconds of the compression pass within a collection (:func:`service.reclaim.compression.compress`)."""
     original = compression.compress
     spent: list[float] = []
 
@@ -460,7 +460,7 @@ def collect_here(home: Path) -> None:
         cpu = time.process_time() - cpu
         ckpt.gc(grace_seconds=0)  # sweeps what the first left in grace, for the on-disk row
     if not spent:
-        raise SystemExit("the collection no longer calls service.compression.compress: update pass_timer")
+        raise SystemExit("the collection no longer calls service.reclaim.compression.compress: update pass_timer")
     print(json.dumps({"report": report.model_dump(), "wall": wall, "pass_wall": sum(spent), "cpu": cpu}))
 
 

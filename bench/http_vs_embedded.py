@@ -27,7 +27,7 @@ seconds (its workers' user and system time) are printed beside each HTTP row. On
 machine the S3 stand-in itself takes a core, so compare the server's CPU seconds more than the
 throughput.
 Each store measures its own write mode unless ``CKPTSTORE_DIRECT_WRITES`` says which
-(:mod:`service.write_probe`); the ``writes`` column tells how many rounds' stores wrote direct,
+(:mod:`service.intake.write_mode`); the ``writes`` column tells how many rounds' stores wrote direct,
 since a store that drew buffered writes saves slower and leaves its shards in the page cache.
 The project's modules are byte-compiled first, as an installed package has them: a server's
 first request imports modules the server had not needed yet, and with ``PYTHONDONTWRITEBYTECODE``
@@ -59,7 +59,7 @@ import psutil
 import torch
 
 from ckptstore.client import Client
-from ckptstore.service.write_probe import CACHE_NAME
+from ckptstore.service.intake.write_mode import CACHE_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_start import compile_bytecode  # noqa: E402
@@ -70,7 +70,7 @@ RUN = "bench"
 READER = """
 import sys, time
 from ckptstore.client import Client
-from ckptstore.service.write_probe import CACHE_NAME
+from ckptstore.service.intake.write_mode import CACHE_NAME
 started = time.perf_counter()
 with Client(sys.argv[1]) as ckpt:
     state = ckpt.load(sys.argv[2]).state_dict

@@ -42,12 +42,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from ckptstore.client import Client
-from ckptstore.service.api import pages_data
 from ckptstore.service.api.app import create_app
+from ckptstore.service.api.pages import data as pages_data
 from ckptstore.service.format.bounds import MAX_SIZES_PER_QUERY
 from ckptstore.service.format.manifest import ManifestBody, TensorEntry
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.settings import Settings
-from ckptstore.service.shard_writer import UnhashedTensor
 from ckptstore.service.store import Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -44,7 +44,7 @@ from ckptstore.service.errors import (
     StateMismatchError,
     StorageError,
 )
-from ckptstore.service.records import RunInfo, VersionInfo
+from ckptstore.service.format.records import RunInfo, VersionInfo
 
 if TYPE_CHECKING:
     import torch

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from ckptstore.service.catalog.retention_rules import Policy, check_policy
 from ckptstore.service.errors import InvalidInputError, NotFoundError, PermissionDeniedError
-from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
-from ckptstore.service.retention_rules import Policy, check_policy
+from ckptstore.service.format.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
 
 if TYPE_CHECKING:
     from ckptstore.client.transport import Transport

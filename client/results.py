@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ckptstore.service.records import RunInfo, VersionInfo
+from ckptstore.service.format.records import RunInfo, VersionInfo
 
 
 @dataclass(frozen=True)

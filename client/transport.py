@@ -10,8 +10,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from ckptstore.service.format.manifest import Manifest, ManifestBody
-from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
-from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.format.records import (
+    GcReport,
+    RetentionPolicy,
+    RunInfo,
+    ShardReceipt,
+    TensorLocation,
+    VersionInfo,
+)
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 
 
 class Transport(Protocol):

@@ -12,7 +12,7 @@ SQLAlchemy, Alembic, blake3, boto3 and its own modules; never torch, numpy, fast
 starlette or ``client`` (tests/test_layering.py holds it to that). Modules import in one
 direction, counting imports inside functions: a lower module that needs a higher one's object
 asks only for what it uses, as plain arguments or a protocol it defines itself (e.g.
-:class:`service.cleanup.Staged`).
+:class:`service.reclaim.cleanup.Staged`).
 """
 
 __version__ = "0.1.0"

@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     tokens: str | None = None
     host: str = "127.0.0.1"
     #: Comma-separated ``Host`` names, besides loopback ones, that a server with no tokens answers
-    #: (a name the operator gave 127.0.0.1); any other is refused (:mod:`service.api.same_site`).
+    #: (a name the operator gave 127.0.0.1); any other is refused (:mod:`service.api.http.same_site`).
     allowed_hosts: str | None = None
     port: int = Field(default=8000, ge=0, le=65535)
     workers: int = Field(default=1, ge=1, le=64)
@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     max_shard_bytes: int = Field(default=8 << 30, ge=1 << 20)
     #: Write shards around the page cache (O_DIRECT) where the file system allows it; unset:
     #: whichever of direct and buffered writes is faster on the staging folder's disk, measured
-    #: once and kept in ``write-mode.json`` there (:mod:`service.write_probe`).
+    #: once and kept in ``write-mode.json`` there (:mod:`service.intake.write_mode`).
     direct_writes: bool | None = None
     #: Largest commit (manifest) body accepted, in bytes (about 30,000 tensors by default); also
     #: caps every other JSON body. See README "Limits and timeouts" before raising it.
@@ -62,13 +62,13 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=512, ge=2, le=1_000_000)
     #: Seconds a client has to take what it was sent, counted from when it last had taken all (or
     #: from the status line); a download waiting for room in ``max_unsent_bytes`` waits on the same
-    #: clock. Past it the connection is reset (:mod:`service.api.protocol`).
+    #: clock. Past it the connection is reset (:mod:`service.api.http.protocol`).
     write_timeout: float = Field(default=30.0, gt=0, le=3600)
     #: Bytes of downloads (shards, range batches, tensors) read from blob storage and not yet taken
-    #: by the clients' sockets, per worker; a piece waits for room (:mod:`service.api.streaming`).
+    #: by the clients' sockets, per worker; a piece waits for room (:mod:`service.api.http.streaming`).
     max_unsent_bytes: int = Field(default=256 << 20, ge=1 << 20)
     #: Downloads of shards and range batches from a local blob folder are sent by the kernel
-    #: (``sendfile``, :mod:`service.api.sendfile`), no byte passing through the server's memory.
+    #: (``sendfile``, :mod:`service.api.http.sendfile`), no byte passing through the server's memory.
     #: False: they are read and streamed piece by piece under ``max_unsent_bytes``.
     sendfile: bool = True
     #: Seconds a signed read URL of a shard stays valid, where the blobs are in S3: clients then
@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     #: /v1/shards/<id>/uploads``). 0: every upload goes through the server.
     upload_url_seconds: int = Field(default=900, ge=0, le=7 * 24 * 3600)
     #: Deltas of later versions one tensor stored whole by ``gc --compress`` may serve as their
-    #: keyframe before a tensor is stored whole again (:mod:`service.compression`); 0: no deltas.
+    #: keyframe before a tensor is stored whole again (:mod:`service.reclaim.compression`); 0: no deltas.
     deltas_per_keyframe: int = Field(default=4, ge=0, le=64)
 
     @property

@@ -4,7 +4,7 @@ Write path: :meth:`Store.missing` → :meth:`Store.ingest_file` per shard → :m
 Blobs are stored first and the version row last, in one transaction, so a version becomes
 visible only once every byte it references is stored and verified. :meth:`Store.gc` reclaims
 shards no version references; each step of the write path holds the collection lock in share
-mode (:mod:`service.gc`), so a sweep never removes what a save in progress relies on.
+mode (:mod:`service.reclaim.gc`), so a sweep never removes what a save in progress relies on.
 """
 
 from __future__ import annotations
@@ -18,28 +18,36 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from ckptstore.service import direct_uploads, ingest, lookup
 from ckptstore.service.blobs import BlobStore, LocalBlobStore
 from ckptstore.service.blobs.base import READ_CHUNK_BYTES
-from ckptstore.service.cleanup import STALE_SECONDS, CleanupReport, clean_staging
+from ckptstore.service.catalog import lookup
+from ckptstore.service.catalog.listings import list_runs, list_versions, overview, version_summary
+from ckptstore.service.catalog.manifest_parts import manifest_text
+from ckptstore.service.catalog.retention import apply_now, current_policy, replace_policy
+from ckptstore.service.catalog.retention_rules import check_policy
+from ckptstore.service.catalog.versions import remove_tag, remove_version, resolve_ref, set_tag
 from ckptstore.service.db import Database
-from ckptstore.service.encoded_reads import read_tensor
 from ckptstore.service.errors import InvalidInputError, NotFoundError
 from ckptstore.service.format.digest import is_digest
+from ckptstore.service.format.encoded_reads import read_tensor
 from ckptstore.service.format.names import LATEST, validate_run_id
+from ckptstore.service.format.records import (
+    GcReport,
+    RetentionPolicy,
+    RunInfo,
+    ShardReceipt,
+    TensorLocation,
+    VersionInfo,
+)
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
-from ckptstore.service.gc import DEFAULT_GRACE_SECONDS, collect
-from ckptstore.service.listings import list_runs, list_versions, overview, version_summary
-from ckptstore.service.manifest_parts import manifest_text
-from ckptstore.service.receiver import ShardReceiver
-from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
-from ckptstore.service.retention import apply_now, current_policy, replace_policy
-from ckptstore.service.retention_rules import check_policy
+from ckptstore.service.intake import direct_uploads, ingest
+from ckptstore.service.intake.receiver import ShardReceiver
+from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.intake.write_mode import choose_direct_writes
+from ckptstore.service.reclaim.cleanup import STALE_SECONDS, CleanupReport, clean_staging
+from ckptstore.service.reclaim.gc import DEFAULT_GRACE_SECONDS, collect
 from ckptstore.service.secrets_mask import mask_url
 from ckptstore.service.settings import METADATA_FILE, Settings
-from ckptstore.service.shard_writer import UnhashedTensor
-from ckptstore.service.versions import remove_tag, remove_version, resolve_ref, set_tag
-from ckptstore.service.write_probe import choose_direct_writes
 
 if TYPE_CHECKING:
     from ckptstore.service.format.manifest import Manifest, ManifestBody
@@ -60,9 +68,9 @@ class Store:
         staging_dir: a local folder for shards being received or written.
         max_header_bytes: cap on a shard's JSON header.
         direct_writes: write shards around the page cache where the file system allows it
-            (:mod:`service.direct_file`); None: whichever way is faster on the staging
+            (:mod:`service.intake.direct_file`); None: whichever way is faster on the staging
             folder's disk, measured before the first shard is written and kept there
-            (:mod:`service.write_probe`).
+            (:mod:`service.intake.write_mode`).
         deltas_per_keyframe: deltas one tensor ``gc(compress=True)`` stores whole may serve.
     """
 
@@ -125,7 +133,7 @@ class Store:
 
     def clean_staging(self, older_than_seconds: float = STALE_SECONDS, *, now: float | None = None) -> CleanupReport:
         """Delete temporary shard files killed clients or servers left, once older than the threshold
-        (:func:`service.cleanup.clean_staging`; pass 0 only when no save is running)."""
+        (:func:`service.reclaim.cleanup.clean_staging`; pass 0 only when no save is running)."""
         return clean_staging(self, older_than_seconds, now)
 
     # -- writing -------------------------------------------------------------------------
@@ -196,7 +204,7 @@ class Store:
         """Store tensors whose digests the caller does not know as one shard; returns the receipt
         and each tensor's digest, in the order given.
 
-        Each tensor is hashed from the memory it is written from (see :mod:`service.shard_writer`),
+        Each tensor is hashed from the memory it is written from (see :mod:`service.intake.shard_writer`),
         so nothing is hashed twice; tensors equal to one before them are written once.
         ``on_bytes`` is called with each tensor's size once it is written.
         """
@@ -220,15 +228,15 @@ class Store:
     @property
     def uploads(self) -> direct_uploads.StagedUploads:
         """Shard uploads clients send to the blob store directly (S3), verified here before they are
-        stored: :meth:`~service.direct_uploads.StagedUploads.start`, ``complete``, ``abort``."""
+        stored: :meth:`~service.intake.direct_uploads.StagedUploads.start`, ``complete``, ``abort``."""
         return direct_uploads.StagedUploads(self.db, self.blobs, self.max_header_bytes)
 
     def commit(
         self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
     ) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new), once for each
-        ``commit_key``: :func:`service.commit.commit` (which lists what it raises)."""
-        from ckptstore.service.commit import commit
+        ``commit_key``: :func:`service.catalog.commit.commit` (which lists what it raises)."""
+        from ckptstore.service.catalog.commit import commit
 
         return commit(self.db, run_id, body, tags=tags, commit_key=commit_key)
 
@@ -245,19 +253,19 @@ class Store:
         now: datetime | None = None,
         on_bytes: Callable[[int], object] | None = None,
     ) -> GcReport:
-        """Delete shards no committed version references, sparing recent ones; see :mod:`service.gc`.
+        """Delete shards no committed version references, sparing recent ones; see :mod:`service.reclaim.gc`.
 
         ``grace_seconds`` (default one hour) spares shards recorded or reported present less than
         that long ago; ``orphans`` also deletes blobs no shard row names; ``compress`` first
-        re-encodes the tensors versions older than that added (:mod:`service.compression`; each
+        re-encodes the tensors versions older than that added (:mod:`service.reclaim.compression`; each
         one's raw bytes then told to ``on_bytes``), then compacts below half unless told;
-        ``compact_below`` rewrites shards whose live bytes are below that fraction (:mod:`service.compaction`).
+        ``compact_below`` rewrites shards whose live bytes are below that fraction (:mod:`service.reclaim.compaction`).
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
         if compact_below is None and not compress:
             return collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
-        from ckptstore.service.compaction import compact_and_collect
-        from ckptstore.service.compression import COMPACT_AFTER_COMPRESSION, compressor
+        from ckptstore.service.reclaim.compaction import compact_and_collect
+        from ckptstore.service.reclaim.compression import COMPACT_AFTER_COMPRESSION, compressor
 
         deltas, staging, direct = self.deltas_per_keyframe, self.staging_dir, self.direct_writes
         compressing = compressor(self.db, self.blobs, staging, deltas, dry_run, on_bytes, direct) if compress else None
@@ -374,7 +382,7 @@ class Store:
         create_run: bool = False,
     ) -> RetentionPolicy:
         """Replace the run's retention policy, applied at each commit from the next (see
-        :func:`service.retention.replace_policy`); nothing is removed now (:meth:`apply_retention`
+        :func:`service.catalog.retention.replace_policy`); nothing is removed now (:meth:`apply_retention`
         does). A run that does not exist is created only with ``create_run``, as a save does."""
         validate_run_id(run_id)
         policy = check_policy(keep_last, keep_best, metric, mode)

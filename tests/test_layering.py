@@ -130,7 +130,7 @@ ENGINE = (
     "ckptstore.service.store",
     "ckptstore.service.factory",
     "ckptstore.service.db",
-    "ckptstore.service.retention",
+    "ckptstore.service.catalog.retention",
 )
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 #: Bound on the server's start: far above what it takes, only so a hung child fails the test.

@@ -13,10 +13,10 @@ from ckptstore.client.cli.common import echo, echo_json, open_client, parse_targ
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.errors import NotFoundError
 from ckptstore.service.format.names import validate_run_id
-from ckptstore.service.records import RunInfo, VersionInfo
+from ckptstore.service.format.records import RunInfo, VersionInfo
 
 if TYPE_CHECKING:  # imported where used: ``ckptstore ls`` needs neither
-    from ckptstore.service.diff import VersionDiff
+    from ckptstore.service.catalog.diff import VersionDiff
     from ckptstore.service.format.manifest import Manifest, TensorEntry
 
 #: Key prefix -> section title, in the order sections are shown.
@@ -159,7 +159,7 @@ def diff(
     """Compare two versions: tensors changed, added and removed; hyperparameter and metric changes."""
     with reported():
         a, b = parse_target(older, "RUN@A"), parse_target(newer, "RUN@B")
-        from ckptstore.service.diff import diff_manifests
+        from ckptstore.service.catalog.diff import diff_manifests
 
         with open_client() as ckpt:
             result = diff_manifests(ckpt.transport.manifest(a.run_id, a.ref), ckpt.transport.manifest(b.run_id, b.ref))
@@ -217,7 +217,7 @@ def _print_versions(versions: list[VersionInfo]) -> None:
 
 def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] | None:
     """The runs (or ``run_id``'s versions), read straight from an embedded store's SQLite file
-    without importing SQLAlchemy (:mod:`service.embedded_runs`); None when the settings name a
+    without importing SQLAlchemy (:mod:`service.catalog.embedded_runs`); None when the settings name a
     server or another database, or the reader does not apply: the store is then opened as every
     other command opens it."""
     if server_url() is not None:
@@ -227,7 +227,7 @@ def _embedded_listing(run_id: str | None) -> list[RunInfo] | list[VersionInfo] |
     database = local_settings().embedded_database  # an invalid CKPTSTORE_* setting is refused here too
     if database is None:
         return None
-    from ckptstore.service.embedded_runs import read_runs, read_versions
+    from ckptstore.service.catalog.embedded_runs import read_runs, read_versions
 
     return read_runs(database) if run_id is None else read_versions(database, run_id)
 

@@ -10,7 +10,7 @@ import typer
 from ckptstore.client.cli.common import UsageProblem, echo, echo_json, open_client, parse_target, reported, size
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.format.names import validate_run_id, validate_tag
-from ckptstore.service.records import GcReport
+from ckptstore.service.format.records import GcReport
 
 #: ``--grace`` units: seconds, minutes, hours, days.
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -19,7 +19,9 @@ _DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$", re.IGNOR
 
 def parse_duration(text: str) -> int:
     """Whole seconds in ``0``, ``90``, ``90s``, ``30m``, ``1h``, ``1.5h`` or ``2d``."""
-    from ckptstore.service.gc import MAX_GRACE_SECONDS  # here: the engine's imports are not the CLI's to pay at start
+    from ckptstore.service.reclaim.gc import (
+        MAX_GRACE_SECONDS,  # here: the engine's imports are not the CLI's to pay at start
+    )
 
     match = _DURATION_RE.match(text)
     if match is None:

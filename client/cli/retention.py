@@ -8,10 +8,10 @@ import typer
 
 from ckptstore.client.cli.common import UsageProblem, echo, echo_json, open_client, reported
 from ckptstore.client.cli.shown import shown
+from ckptstore.service.catalog.retention_rules import Policy, check_policy
 from ckptstore.service.errors import InvalidInputError
 from ckptstore.service.format.names import validate_run_id
-from ckptstore.service.records import RetentionPolicy
-from ckptstore.service.retention_rules import Policy, check_policy
+from ckptstore.service.format.records import RetentionPolicy
 
 
 def _versions(numbers: list[int]) -> str:

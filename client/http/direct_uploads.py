@@ -34,7 +34,7 @@ from ckptstore.client.http.retry import NETWORK_ERRORS, RETRY_STATUSES
 from ckptstore.client.http.route import Route, route_for
 from ckptstore.client.http.session import CONNECT_SECONDS, HttpSession
 from ckptstore.service.errors import CheckpointError, ConflictError, InvalidInputError, NotFoundError, StorageError
-from ckptstore.service.records import ShardReceipt
+from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.secrets_mask import mask_url
 
 log = logging.getLogger(__name__)

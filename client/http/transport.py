@@ -35,10 +35,17 @@ from ckptstore.service.errors import CheckpointError, IntegrityError, NotFoundEr
 from ckptstore.service.format.digest import shard_id as digest_shard_id
 from ckptstore.service.format.manifest import Manifest, ManifestBody, manifest_from_json
 from ckptstore.service.format.names import validate_commit_key, validate_run_id
+from ckptstore.service.format.records import (
+    GcReport,
+    RetentionPolicy,
+    RunInfo,
+    ShardReceipt,
+    TensorLocation,
+    VersionInfo,
+)
 from ckptstore.service.format.sharding import MAX_SIZES_PER_REQUEST
-from ckptstore.service.records import GcReport, RetentionPolicy, RunInfo, ShardReceipt, TensorLocation, VersionInfo
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.secrets_mask import mask_url
-from ckptstore.service.shard_writer import UnhashedTensor
 
 log = logging.getLogger(__name__)
 #: A range this large is read from the blob store directly when the server signs URLs; smaller

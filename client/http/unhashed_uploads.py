@@ -4,7 +4,7 @@ A save that knows its tensors are new (they changed since it last saved them, or
 tensor has their size) gains nothing from hashing them first: the answer to "which are
 missing" is "all of them". Over HTTP that hash was a tenth of a second per 512 MiB before the
 first byte could leave, and the server hashed every byte again to check it. Here the bytes go
-at once (``POST /v1/shards``, :mod:`service.unhashed_receiver` on the server), and the server's
+at once (``POST /v1/shards``, :mod:`service.intake.unhashed_receiver` on the server), and the server's
 answer carries the digests it computed.
 
 A shard names each digest once, so tensors that may be equal (the same dtype, shape and sampled
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from ckptstore.client.http.session import HttpSession
 from ckptstore.service.errors import IntegrityError
 from ckptstore.service.format.digest import all_digests, tensor_digest
+from ckptstore.service.format.records import ShardReceipt, TensorsReceipt
 from ckptstore.service.format.safetensors_header import header_bytes, layout_order
 from ckptstore.service.format.sharding import SHARD_METADATA
-from ckptstore.service.records import ShardReceipt, TensorsReceipt
-from ckptstore.service.shard_writer import UnhashedTensor, fingerprint
-from ckptstore.service.unhashed_receiver import encode_layout
+from ckptstore.service.intake.shard_writer import UnhashedTensor, fingerprint
+from ckptstore.service.intake.unhashed_receiver import encode_layout
 
 PATH = "/v1/shards"
 

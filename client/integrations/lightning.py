@@ -43,7 +43,7 @@ from ckptstore.client.integrations.rng import capture_rng, restore_rng
 from ckptstore.client.integrations.trees import load_tree, save_tree
 from ckptstore.service.errors import InvalidInputError, NotFoundError
 from ckptstore.service.format.names import LATEST, validate_run_id
-from ckptstore.service.records import VersionInfo
+from ckptstore.service.format.records import VersionInfo
 
 try:
     from lightning.fabric.plugins import CheckpointIO

@@ -19,10 +19,10 @@ from typing import Protocol
 
 from ckptstore.client.loading.read_hints import ReadHints, WillRead
 from ckptstore.client.loading.readahead import run_ahead
-from ckptstore.service.encoded_reads import ReadInto, decode_into, fetch_chain
 from ckptstore.service.errors import IntegrityError
 from ckptstore.service.format.digest import tensor_digest
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.encoded_reads import ReadInto, decode_into, fetch_chain
+from ckptstore.service.format.records import TensorLocation
 
 #: Blocks (of 1 MiB) one thread decodes at a time: a tensor of more is spread over the pool.
 SPLIT_BLOCKS = 16

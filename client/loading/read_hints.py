@@ -11,7 +11,7 @@ than that, and no process memory is held for it.
 Measured on two cores, cold, a 307 MB bfloat16 version whose weights are deltas on a keyframe:
 in a store compressed with a version's tensors in digest order (the keyframes then read in no
 order at all), the load took 0.50 s without hints and 0.41-0.43 s with them. Stores compressed
-since keep each version in its manifest's order (:mod:`service.compression`), and there the
+since keep each version in its manifest's order (:mod:`service.reclaim.compression`), and there the
 kernel's own read-ahead of the sequential reads already keeps up on that machine (0.42 s either way).
 """
 
@@ -21,9 +21,9 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptstore.service.encoded_reads import chain_of
 from ckptstore.service.errors import IntegrityError
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.encoded_reads import chain_of
+from ckptstore.service.format.records import TensorLocation
 
 #: ``will_read(shard_id, [(offset, length), ...])``: the hint a transport takes.
 WillRead = Callable[[str, Sequence[tuple[int, int]]], None]

@@ -22,11 +22,11 @@ from ckptstore.client.loading.plan import ReadUnit, batch_units, plan_reads
 from ckptstore.client.loading.readahead import run_ahead
 from ckptstore.client.tensors import NAME_TO_TORCH, byte_view
 from ckptstore.client.transport import Transport
-from ckptstore.service.encoded_reads import decode_into, fetch_chain
 from ckptstore.service.errors import IntegrityError, InvalidInputError
 from ckptstore.service.format.digest import TensorHasher, tensor_digest
+from ckptstore.service.format.encoded_reads import decode_into, fetch_chain
 from ckptstore.service.format.manifest import DTypeName, Manifest, TensorEntry
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.records import TensorLocation
 
 #: Largest single read. Over HTTP every request costs a round trip and restarts the
 #: server's disk read-ahead, so reads are large; 64 MiB still leaves a 1 GiB load sixteen

@@ -24,13 +24,13 @@ from typing import Any
 from ckptstore.client.loading.plan import ReadUnit, Stored, plan_reads
 from ckptstore.client.loading.readahead import read_ahead
 from ckptstore.client.transport import Transport
-from ckptstore.service.encoded_reads import read_tensor
 from ckptstore.service.errors import CheckpointError, IntegrityError, NotFoundError
 from ckptstore.service.format.digest import TensorHasher, tensor_digest
 from ckptstore.service.format.digest import shard_id as shard_id_of
+from ckptstore.service.format.encoded_reads import read_tensor
 from ckptstore.service.format.manifest import Manifest
+from ckptstore.service.format.records import TensorLocation
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES
-from ckptstore.service.records import TensorLocation
 
 #: Largest single read, and the size of each of the two buffers reads take turns in (the
 #: same size as a load's reads: over HTTP every request costs a round trip).

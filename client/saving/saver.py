@@ -45,8 +45,8 @@ from ckptstore.service.errors import MissingTensorsError
 from ckptstore.service.format.bounds import MAX_SIZES_PER_QUERY
 from ckptstore.service.format.dtypes import dtype_class
 from ckptstore.service.format.manifest import ManifestBody, validate_body
+from ckptstore.service.format.records import VersionInfo
 from ckptstore.service.format.sharding import MAX_TENSORS_PER_SHARD
-from ckptstore.service.records import VersionInfo
 
 #: Stands in for digests while a save's manifest is checked before its tensors are hashed.
 PLACEHOLDER_DIGEST = "0" * 64

@@ -24,8 +24,8 @@ from ckptstore.client.saving.plan import SeparatePacker, balanced_shard_bytes
 from ckptstore.client.saving.shards import build_shard
 from ckptstore.client.tensors import dtype_name
 from ckptstore.client.transport import Transport
-from ckptstore.service.records import ShardReceipt
-from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.format.records import ShardReceipt
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 
 
 class ShardUploader:

@@ -8,22 +8,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ckptstore.service import __version__
-from ckptstore.service.api import (
-    docs,
-    pages,
-    redact,
-    routes_admin,
-    routes_data,
-    routes_ops,
-    routes_retention,
-    routes_runs,
-    routes_uploads,
-)
+from ckptstore.service.api import docs, redact
 from ckptstore.service.api.errors import install_error_handlers
+from ckptstore.service.api.http.middleware import MAX_HEADER_BYTES, CountAndLimit
+from ckptstore.service.api.http.same_site import SameSiteGuard, parse_allowed_hosts
+from ckptstore.service.api.http.streaming import Streamer
 from ckptstore.service.api.metrics import Metrics
-from ckptstore.service.api.middleware import MAX_HEADER_BYTES, CountAndLimit
-from ckptstore.service.api.same_site import SameSiteGuard, parse_allowed_hosts
-from ckptstore.service.api.streaming import Streamer
+from ckptstore.service.api.pages import views as pages
+from ckptstore.service.api.routes import admin, data, ops, retention, runs, uploads
 from ckptstore.service.api.warm_up import warm_up
 from ckptstore.service.auth import TokenSet, is_loopback
 from ckptstore.service.errors import AuthenticationError
@@ -49,7 +41,7 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     address; otherwise every route but /healthz and /metrics needs a bearer token (the HTML
     pages and /docs also take it from the cookie /login sets; /login and /static are open).
     With auth off only loopback ``Host`` names (and ``settings.allowed_hosts``) are answered,
-    and cross-site state-changing requests are refused always (:mod:`service.api.same_site`).
+    and cross-site state-changing requests are refused always (:mod:`service.api.http.same_site`).
     """
     settings = settings or Settings()
     tokens = TokenSet.parse(settings.tokens)
@@ -76,12 +68,12 @@ def create_app(store: Store, settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics()
     app.state.streamer = Streamer(settings.max_unsent_bytes, settings.write_timeout)
     install_error_handlers(app)
-    app.include_router(routes_data.router)
-    app.include_router(routes_uploads.router)
-    app.include_router(routes_runs.router)
-    app.include_router(routes_retention.router)
-    app.include_router(routes_admin.router)
-    app.include_router(routes_ops.router)
+    app.include_router(data.router)
+    app.include_router(uploads.router)
+    app.include_router(runs.router)
+    app.include_router(retention.router)
+    app.include_router(admin.router)
+    app.include_router(ops.router)
     app.include_router(pages.router)
     app.include_router(docs.api_router)
     app.include_router(docs.page_router)

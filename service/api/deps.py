@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from ckptstore.service.api.http.streaming import Streamer
 from ckptstore.service.api.metrics import Metrics
-from ckptstore.service.api.streaming import Streamer
 from ckptstore.service.auth import Scope, TokenSet
 from ckptstore.service.errors import InvalidInputError
 from ckptstore.service.settings import Settings
@@ -39,7 +39,7 @@ def get_streamer(request: Request) -> Streamer:
 class ScopeCheck:
     """A route dependency that refuses requests without a token of ``scope`` (or with one in the URL).
 
-    :class:`service.api.strict_json.StrictJSONRoute` also runs it before reading a JSON body,
+    :class:`service.api.http.strict_json.StrictJSONRoute` also runs it before reading a JSON body,
     so a caller without a valid token never gets a body buffered or parsed.
     """
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2.utils import htmlsafe_json_dumps
 
 from ckptstore.service.api.deps import CanRead
-from ckptstore.service.api.pages import CanReadPages, PageRoute, render
+from ckptstore.service.api.pages.views import CanReadPages, PageRoute, render
 
 #: As the other pages, plus what Swagger UI needs: its icons are data: images in its stylesheet,
 #: and "Try it out" sends requests to this server.

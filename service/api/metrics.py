@@ -28,7 +28,7 @@ class Metrics:
             self.bytes[direction] += amount
 
     def render(self, unsent_bytes: int = 0) -> str:
-        """The counters, and the gauge of ``unsent_bytes`` (:class:`service.api.streaming.ByteBudget`),
+        """The counters, and the gauge of ``unsent_bytes`` (:class:`service.api.http.streaming.ByteBudget`),
         in Prometheus exposition format."""
         lines = [
             "# HELP ckptstore_requests_total HTTP requests by method, route and status.",

@@ -1,4 +1,4 @@
-"""Request bodies of the API (responses reuse service.records and the manifest models)."""
+"""Request bodies of the API (responses reuse service.format.records and the manifest models)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from ckptstore.service.api.http.range_batch import MAX_BATCH_BYTES, MAX_RANGES
+from ckptstore.service.catalog.retention_rules import MAX_KEEP
 from ckptstore.service.format.bounds import INT64_MAX, MAX_VERSION
 from ckptstore.service.format.manifest import Digest, ManifestBody, few_body_fields, few_unknown_fields
 from ckptstore.service.format.names import MetricName, TagName
 from ckptstore.service.format.sharding import MAX_SIZES_PER_REQUEST
-from ckptstore.service.gc import MAX_GRACE_SECONDS
-from ckptstore.service.range_batch import MAX_BATCH_BYTES, MAX_RANGES
-from ckptstore.service.retention_rules import MAX_KEEP
+from ckptstore.service.reclaim.gc import MAX_GRACE_SECONDS
 
 MAX_DIGESTS = 100_000
 Ref = Annotated[str, StringConstraints(max_length=64)] | Annotated[int, Field(ge=1, le=MAX_VERSION)]

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
 
 from ckptstore.service.api.app import create_app
-from ckptstore.service.direct_file import warm_buffers
 from ckptstore.service.factory import open_store
-from ckptstore.service.receiver import UPLOAD_IN_FLIGHT
+from ckptstore.service.intake.direct_file import warm_buffers
+from ckptstore.service.intake.receiver import UPLOAD_IN_FLIGHT
 from ckptstore.service.settings import Settings
 
 log = logging.getLogger("ckptstore.server")
@@ -75,16 +75,16 @@ def tune_malloc() -> bool:
 
 def http_protocol() -> str:
     """uvicorn's ``http`` setting: its httptools protocol that hands request bodies over without
-    copying them (:mod:`service.api.protocol`), or uvicorn's own choice without httptools."""
+    copying them (:mod:`service.api.http.protocol`), or uvicorn's own choice without httptools."""
     try:
-        import ckptstore.service.api.protocol  # noqa: F401  (imports httptools)
+        import ckptstore.service.api.http.protocol  # noqa: F401  (imports httptools)
     except ImportError:
         return "auto"
-    return "ckptstore.service.api.protocol:PiecewiseBodyProtocol"
+    return "ckptstore.service.api.http.protocol:PiecewiseBodyProtocol"
 
 
 class ServerConfig(uvicorn.Config):
-    """uvicorn's Config plus the read and write timeouts :class:`service.api.protocol.PiecewiseBodyProtocol`
+    """uvicorn's Config plus the read and write timeouts :class:`service.api.http.protocol.PiecewiseBodyProtocol`
     applies.
 
     A plain attribute travels with the Config to each worker process, which uvicorn spawns with

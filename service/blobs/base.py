@@ -77,7 +77,7 @@ class BlobStore(ABC):
         (timezone-aware), and abort them unless ``dry_run``.
 
         Only S3 has such leftovers (incomplete multipart uploads, billed until aborted); a
-        local folder's are temporary files (:mod:`service.cleanup`), so this default finds none.
+        local folder's are temporary files (:mod:`service.reclaim.cleanup`), so this default finds none.
         """
         return StaleUploads()
 

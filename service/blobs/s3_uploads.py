@@ -3,7 +3,7 @@
 A multipart upload (every blob of ``part_bytes`` or more) publishes nothing until it is
 completed, but its parts are stored, and billed, until it is completed or aborted. boto3
 aborts an upload that fails in the process; a process killed part-way cannot, so its upload
-stays. Garbage collection (:func:`service.gc.collect`) reports them, and with ``orphans``
+stays. Garbage collection (:func:`service.reclaim.gc.collect`) reports them, and with ``orphans``
 aborts those idle for longer than its grace period. A bucket lifecycle rule
 ``AbortIncompleteMultipartUpload`` (see the README) does the same on S3's side.
 

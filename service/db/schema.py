@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from ckptstore.service.errors import StorageError
-from ckptstore.service.revisions import head_revision, migrations_dir, revisions
+from ckptstore.service.schema_revisions import head_revision, migrations_dir, revisions
 
 if TYPE_CHECKING:
     from alembic.config import Config

@@ -19,7 +19,7 @@ from ckptstore.client.http.errors import raise_for_error
 from ckptstore.service import __version__, errors
 from ckptstore.service.api import create_app
 from ckptstore.service.api.errors import STORAGE_MESSAGE
-from ckptstore.service.api.socket_body import MIN_BODY_BYTES
+from ckptstore.service.api.http.socket_body import MIN_BODY_BYTES
 from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.db import Database
 from ckptstore.service.errors import CheckpointError, error_class_for_code

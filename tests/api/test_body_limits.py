@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from ckptstore.service.api.app import create_app
-from ckptstore.service.api.body_limits import DIGEST_LIST_BYTES, SMALL_BODY_BYTES
+from ckptstore.service.api.http.body_limits import DIGEST_LIST_BYTES, SMALL_BODY_BYTES
 from ckptstore.service.api.schemas import MAX_DIGESTS
 from ckptstore.service.db import Database, schema
 from ckptstore.service.factory import open_store

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from sqlalchemy import BigInteger, Integer, update
 from sqlalchemy.exc import DBAPIError
 
+from ckptstore.service.catalog.retention_rules import MAX_KEEP
 from ckptstore.service.db.models import Base, Run
 from ckptstore.service.format.bounds import INT32_MAX, INT64_MAX, MAX_VERSION
 from ckptstore.service.format.manifest import MAX_TENSORS
-from ckptstore.service.gc import MAX_GRACE_SECONDS
-from ckptstore.service.retention_rules import MAX_KEEP
+from ckptstore.service.reclaim.gc import MAX_GRACE_SECONDS
 from tests.api.kit import is_json_error
 from tests.api.served import SEEDED_BODY, SEEDED_RUN, ServedStore, served_store
 from tests.backends import PostgresDatabases

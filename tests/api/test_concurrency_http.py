@@ -18,7 +18,7 @@ from ckptstore.service.api import create_app
 from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.db import Database
 from ckptstore.service.format.manifest import validate_body
-from ckptstore.service.records import VersionInfo
+from ckptstore.service.format.records import VersionInfo
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, WRITE_TOKEN, Served, build_shard, commit_body, entry, tensor

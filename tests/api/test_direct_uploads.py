@@ -34,8 +34,8 @@ from ckptstore.service.api import create_app
 from ckptstore.service.blobs.s3 import S3BlobStore, make_client
 from ckptstore.service.blobs.s3_staging import S3Staging
 from ckptstore.service.db import Database, schema
-from ckptstore.service.receiver import ShardReceiver
-from ckptstore.service.records import ShardReceipt
+from ckptstore.service.format.records import ShardReceipt
+from ckptstore.service.intake.receiver import ShardReceiver
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, WRITE_TOKEN, bearer, build_shard, tensor

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from ckptstore.service.records import GcReport
+from ckptstore.service.format.records import GcReport
 from ckptstore.service.store import Store
 from tests.api.kit import bearer, build_shard, commit_body, entry, is_json_error, tensor
 

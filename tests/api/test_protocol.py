@@ -1,4 +1,4 @@
-"""The uvicorn protocol that hands request bodies over piece by piece (service.api.protocol).
+"""The uvicorn protocol that hands request bodies over piece by piece (service.api.http.protocol).
 
 Two kinds of test. Over a real uvicorn on loopback, raw sockets send bodies in awkward pieces,
 with ``Expect: 100-continue``, pipelined, or cut off, and a plain ASGI app reports what it
@@ -23,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.server import ServerState
 
-from ckptstore.service.api.protocol import BodyPieces, PiecewiseBodyProtocol, PiecewiseRequestCycle
+from ckptstore.service.api.http.protocol import BodyPieces, PiecewiseBodyProtocol, PiecewiseRequestCycle
 from ckptstore.service.api.server import BODY_BUFFER_BYTES, http_protocol, tune_uvicorn
 from tests.servers import running_server
 
@@ -89,7 +89,7 @@ def read_response(sock: socket.socket, buffered: bytearray) -> tuple[int, dict[s
 
 
 def test_the_served_protocol_is_the_piecewise_one() -> None:
-    assert http_protocol() == "ckptstore.service.api.protocol:PiecewiseBodyProtocol"
+    assert http_protocol() == "ckptstore.service.api.http.protocol:PiecewiseBodyProtocol"
     config = uvicorn.Config(BodyEcho(), http=http_protocol())
     config.load()
     assert config.http_protocol_class is PiecewiseBodyProtocol

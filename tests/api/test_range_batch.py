@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from ckptstore.service.api import create_app
+from ckptstore.service.api.http.range_batch import MAX_BATCH_BYTES, MAX_RANGES, ByteRange, stream_batch
 from ckptstore.service.blobs import MemoryBlobStore
-from ckptstore.service.range_batch import MAX_BATCH_BYTES, MAX_RANGES, ByteRange, stream_batch
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, Shard, bearer, build_shard, is_json_error, tensor

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ckptstore import client
 from ckptstore.service.api import create_app
-from ckptstore.service.api.same_site import host_name, is_loopback_name
+from ckptstore.service.api.http.same_site import host_name, is_loopback_name
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.api.kit import TOKENS, bearer

@@ -25,8 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service.api import create_app, sendfile
-from ckptstore.service.api.sendfile import FileSpans, SegmentSender
+from ckptstore.service.api import create_app
+from ckptstore.service.api.http import sendfile
+from ckptstore.service.api.http.sendfile import FileSpans, SegmentSender
 from ckptstore.service.errors import NotFoundError, StorageError
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store

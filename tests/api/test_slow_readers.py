@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from ckptstore.service.api.streaming import PIECE_BYTES
+from ckptstore.service.api.http.streaming import PIECE_BYTES
 from tests.api.kit import TOKENS, Shard, bearer, build_shard, tensor
 from tests.api.served_process import ServedProcess, serve_process
 

@@ -1,4 +1,4 @@
-"""Large request bodies read from the socket by the app (service.api.socket_body), over a real uvicorn.
+"""Large request bodies read from the socket by the app (service.api.http.socket_body), over a real uvicorn.
 
 An ASGI app takes the body through :meth:`SocketBody.read_into` where the server offers it,
 else through ``receive``, and answers with the SHA-256 of what it got and which way it came. Raw
@@ -23,11 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service import direct_file
-from ckptstore.service.api import socket_body
-from ckptstore.service.api.socket_body import MIN_BODY_BYTES, RateWindow, offered
-from ckptstore.service.direct_file import BUFFER_BYTES
+from ckptstore.service.api.http import socket_body
+from ckptstore.service.api.http.socket_body import MIN_BODY_BYTES, RateWindow, offered
 from ckptstore.service.errors import CheckpointError, InvalidInputError, RequestTimeoutError
+from ckptstore.service.intake import direct_file
+from ckptstore.service.intake.direct_file import BUFFER_BYTES
 from ckptstore.service.receive_mark import LOW_WATER
 from ckptstore.service.settings import Settings
 from tests.servers import running_server

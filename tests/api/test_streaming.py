@@ -1,4 +1,4 @@
-"""The byte budget of streamed answers and how a stream is opened (service.api.streaming), on an
+"""The byte budget of streamed answers and how a stream is opened (service.api.http.streaming), on an
 event loop of the test's own: who gets bytes in which order, and that every byte comes back."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ckptstore.service.api.streaming import PIECE_BYTES, ByteBudget, Streamer
+from ckptstore.service.api.http.streaming import PIECE_BYTES, ByteBudget, Streamer
 from ckptstore.service.errors import ServerBusyError
 
 

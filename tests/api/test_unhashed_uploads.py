@@ -27,12 +27,12 @@ import ckptstore.client.http.transport as http_transport
 from ckptstore.client import Client
 from ckptstore.client.http.transport import HttpTransport
 from ckptstore.service.api import create_app
-from ckptstore.service.api.socket_body import MIN_BODY_BYTES
+from ckptstore.service.api.http.socket_body import MIN_BODY_BYTES
 from ckptstore.service.errors import InvalidInputError, PermissionDeniedError
 from ckptstore.service.format.digest import tensor_digest
 from ckptstore.service.format.dtypes import DTYPES, byte_length
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.settings import Settings
-from ckptstore.service.shard_writer import UnhashedTensor
 from ckptstore.service.store import Store
 from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, eventually, files_under
 from tests.client.models import TinyNet, same_state

@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # Prints, at exit, which heavy modules the command imported: after the command's own output.
 HEAVY = ("torch", "numpy")
 #: What a listing never needs: the manifest models, committing and compaction.
-WRITE_SIDE = ("ckptstore.service.format.manifest", "ckptstore.service.commit", "ckptstore.service.compaction")
+WRITE_SIDE = (
+    "ckptstore.service.format.manifest",
+    "ckptstore.service.catalog.commit",
+    "ckptstore.service.reclaim.compaction",
+)
 PROBE = (
     "import atexit, sys\n"
     "atexit.register(lambda: print('IMPORTED:' + ','.join(m for m in {watched!r} if m in sys.modules),"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ckptstore.service.records import RunInfo, VersionInfo
+from ckptstore.service.format.records import RunInfo, VersionInfo
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, train
 

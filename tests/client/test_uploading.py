@@ -11,7 +11,7 @@ import torch
 
 from ckptstore.client.saving.hashing import digest_of
 from ckptstore.client.saving.upload import ShardUploader
-from ckptstore.service.records import ShardReceipt
+from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.store import Store
 
 

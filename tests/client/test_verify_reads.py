@@ -17,7 +17,7 @@ from ckptstore.client.loading.verify import Problem, VerifyReport, verify
 from ckptstore.client.transport import Transport
 from ckptstore.service.errors import StorageError
 from ckptstore.service.format.digest import tensor_digest
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.records import TensorLocation
 from tests.client.conftest import Backend
 from tests.client.test_integrity import rewrite, trainable_shard
 

@@ -250,7 +250,7 @@ def fail_staging_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list
     full disk would report it. Returns the list that records the file cut short (path, bytes
     on disk at the failure, the name of the thread whose write failed).
     """
-    from ckptstore.service import direct_file
+    from ckptstore.service.intake import direct_file
 
     partial_files: list[tuple[Path, int, str]] = []
     fired = threading.Lock()  # shards and buffers are written at once: the fault fires for one write only

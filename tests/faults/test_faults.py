@@ -31,7 +31,7 @@ from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.blobs.s3 import S3BlobStore, make_client
 from ckptstore.service.db import Database
 from ckptstore.service.errors import StorageError
-from ckptstore.service.records import ShardReceipt
+from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.api.kit import ADMIN_TOKEN, TOKENS, Shard, bearer, build_shard, is_json_error, tensor

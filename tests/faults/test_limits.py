@@ -78,7 +78,7 @@ def test_a_manifest_of_a_million_entries_over_the_body_limit_is_413(store: Store
 @pytest.mark.slow  # a million-entry manifest
 def test_a_manifest_of_a_million_bad_entries_within_the_limit_is_one_short_422(store: Store) -> None:
     # 16 bytes an entry, the most objects a commit may hold for its size (denser bodies are refused
-    # before they are parsed: service/api/body_limits.py); 16 MB, so the limit is raised to parse it.
+    # before they are parsed: service/api/http/body_limits.py); 16 MB, so the limit is raised to parse it.
     body = b'{"manifest": {"tensors": [' + many(b'{"key": "x/00"}') + b"]}}"
     with app_client(store, max_json_bytes=32 << 20) as http:
         response = http.post("/v1/runs/run-a/versions", content=body, headers=WRITE)

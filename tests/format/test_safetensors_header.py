@@ -38,7 +38,7 @@ from ckptstore.service.format.safetensors_header import (
     parse_header,
     read_header,
 )
-from ckptstore.service.ingest import verify_shard_file
+from ckptstore.service.intake.ingest import verify_shard_file
 
 # Two real tensors; every hostile case below is this shard with one thing changed.
 DATA_A = struct.pack("<2f", 1.0, 2.0)  # F32 [2]

@@ -29,7 +29,7 @@ from tests.pages.pg_server import served_on_postgres
 from tests.pages.test_browser import ARGS, CHROMIUM
 
 ROOT = Path(__file__).resolve().parents[2]
-API = ROOT / "service" / "api"
+API = ROOT / "service" / "api" / "pages"
 VENDORED = API / "static" / "swagger-ui"
 READ = {"Authorization": f"Bearer {READ_TOKEN}"}
 #: swagger-ui-dist 5.35.0's swagger-ui-bundle.js, as static/swagger-ui/README.md records it.
@@ -154,7 +154,7 @@ def test_markup_in_the_schema_cannot_end_the_data_block(tmp_path: Path) -> None:
 
 def test_swagger_ui_ships_in_the_wheel_with_its_license() -> None:
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "ckptstore.service.api"
+        "ckptstore.service.api.pages"
     ]
     shipped = [p.relative_to(API).as_posix() for p in (API / "static").rglob("*") if p.is_file()]
     assert "static/swagger-ui/swagger-ui-bundle.js" in shipped and "static/docs.js" in shipped

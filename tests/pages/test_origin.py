@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.routing import iter_route_contexts
 
 from ckptstore.service.api import create_app
-from ckptstore.service.api.pages import SAFE_METHODS, PageRoute
+from ckptstore.service.api.pages.views import SAFE_METHODS, PageRoute
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.pages.dom import parse

@@ -418,8 +418,8 @@ def test_static_files_are_served(client: TestClient) -> None:
 
 def test_templates_and_static_files_ship_as_package_data() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = config["package-data"]["ckptstore.service.api"]
-    folder = ROOT / "service" / "api"
+    patterns = config["package-data"]["ckptstore.service.api.pages"]
+    folder = ROOT / "service" / "api" / "pages"
     shipped = [p.relative_to(folder).as_posix() for p in folder.glob("*/*") if p.parent.name in {"templates", "static"}]
     assert len(shipped) >= 10
     for name in shipped:

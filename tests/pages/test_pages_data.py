@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from ckptstore.service.api import tensor_values
-from ckptstore.service.api.charts import byte_ticks, line_chart, nice_ticks
-from ckptstore.service.api.pages_data import (
+from ckptstore.service.api.pages import tensor_values
+from ckptstore.service.api.pages.charts import byte_ticks, line_chart, nice_ticks
+from ckptstore.service.api.pages.data import (
     RunFilter,
     RunPage,
     download_name,
@@ -22,7 +22,7 @@ from ckptstore.service.api.pages_data import (
     shape,
     when,
 )
-from ckptstore.service.api.pages_format import delta, full_json, reading_json
+from ckptstore.service.api.pages.formatting import delta, full_json, reading_json
 from ckptstore.service.errors import InvalidInputError
 from tests.pages import kit
 

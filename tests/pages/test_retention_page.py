@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ckptstore.service.api import create_app
-from ckptstore.service.api.pages_data import RetentionView
-from ckptstore.service.retention_rules import Policy
+from ckptstore.service.api.pages.data import RetentionView
+from ckptstore.service.catalog.retention_rules import Policy
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse

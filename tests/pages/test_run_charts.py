@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from ckptstore.service.api import create_app, pages_runs
+from ckptstore.service.api import create_app
+from ckptstore.service.api.pages import runs as pages_runs
 from ckptstore.service.format.manifest import ManifestBody
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store

@@ -1,4 +1,4 @@
-"""The run page's listings (service.listings): filtered counts, sorted pages and bounded samples,
+"""The run page's listings (service.catalog.listings): filtered counts, sorted pages and bounded samples,
 the same on SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -11,10 +11,16 @@ import pytest
 from sqlalchemy import event
 
 from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.catalog.listings import (
+    VersionFilter,
+    like_pattern,
+    sampled_versions,
+    sorted_versions,
+    version_span,
+)
 from ckptstore.service.db import Database, schema
 from ckptstore.service.errors import NotFoundError
 from ckptstore.service.format.manifest import ManifestBody
-from ckptstore.service.listings import VersionFilter, like_pattern, sampled_versions, sorted_versions, version_span
 from ckptstore.service.store import Store
 from tests.pages.kit import LONG, LONG_VERSIONS, entry, ingest, long_loss, raw, seed
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from ckptstore.service.api import tensor_values
+from ckptstore.service.api.pages import tensor_values
 from ckptstore.service.format.manifest import ManifestBody
 from ckptstore.service.store import Store
 from tests.pages.dom import Node, parse

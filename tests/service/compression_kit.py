@@ -3,7 +3,7 @@
 A :class:`FineTune` is a model (bfloat16 or float32: an embedding of 2048 x 256 and two
 256 x 256 layers) and its AdamW, trained a few real steps between saves, keeping a copy of
 every state it saved so that loads are compared with it bit for bit, optimizer state included.
-Every weight and moment is at least 64 KiB (:data:`service.compression.MIN_BYTES`), so each
+Every weight and moment is at least 64 KiB (:data:`service.reclaim.compression.MIN_BYTES`), so each
 save adds nine tensors ``gc --compress`` re-encodes; the biases and step counts stay raw.
 """
 
@@ -26,10 +26,10 @@ from torch import nn
 from ckptstore import client
 from ckptstore.client.transport import Transport
 from ckptstore.service.blobs import BlobStore
-from ckptstore.service.compression import MIN_BYTES
 from ckptstore.service.db.models import Shard, Tensor, TensorNeed, Version
-from ckptstore.service.encoded_reads import chain_of
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.encoded_reads import chain_of
+from ckptstore.service.format.records import TensorLocation
+from ckptstore.service.reclaim.compression import MIN_BYTES
 from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 
@@ -256,9 +256,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KILLABLE_STORE = """
 import os, signal, sys
 
-import ckptstore.service.compaction  # noqa: F401
-import ckptstore.service.compression  # noqa: F401
-import ckptstore.service.gc  # noqa: F401
+import ckptstore.service.reclaim.compaction  # noqa: F401
+import ckptstore.service.reclaim.compression  # noqa: F401
+import ckptstore.service.reclaim.gc  # noqa: F401
 from ckptstore import service
 from ckptstore.service.factory import open_store
 from ckptstore.service.settings import local_settings

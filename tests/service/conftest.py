@@ -14,7 +14,7 @@ from shardkit import BuiltShard, Ingest, RawTensor, build_shard
 from ckptstore import client
 from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.db import Database
-from ckptstore.service.records import ShardReceipt
+from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.store import Store
 from tests.backends import empty_tables
 

@@ -19,8 +19,8 @@ from ckptstore.service.db.models import Shard, utcnow
 from ckptstore.service.format.digest import shard_id, tensor_digest
 from ckptstore.service.format.dtypes import byte_length, dtype_class
 from ckptstore.service.format.manifest import Chunk, ManifestBody, TensorEntry
+from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.safetensors_header import encode_header
-from ckptstore.service.records import ShardReceipt
 from ckptstore.service.store import Store
 
 

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import pytest
 from shardkit import Ingest, RawTensor, body, entry, raw
 
-import ckptstore.service.compaction  # noqa: F401  (binds service.compaction for the name below)
+import ckptstore.service.reclaim.compaction  # noqa: F401  (binds service.reclaim.compaction for the name below)
 from ckptstore import service
 from ckptstore.service.errors import InvalidInputError, StorageError
 from ckptstore.service.format.safetensors_header import ShardHeader
-from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.store import Store
 from tests.faults.faulty import FaultyBlobStore, os_error
 from tests.service.test_gc import HOUR, age, reads_back, shard_rows, soon
@@ -112,7 +112,7 @@ def test_a_crash_between_writing_and_repointing_loses_nothing_and_a_later_gc_cle
         raise StorageError("the process died here")
 
     with monkeypatch.context() as patch:
-        patch.setattr(service.compaction, "_repoint", crash)
+        patch.setattr(service.reclaim.compaction, "_repoint", crash)
         with pytest.raises(StorageError, match="died"):
             store.gc(compact_below=0.5)
 

@@ -38,11 +38,12 @@ from typer.testing import CliRunner
 import ckptstore.client.progress  # noqa: F401  (binds client.progress for the name below)
 from ckptstore import client
 from ckptstore.client.cli import app
-from ckptstore.service import compression, compression_memory
 from ckptstore.service.db.models import Shard, Version
-from ckptstore.service.encoded_reads import chain_of, read_tensor
 from ckptstore.service.errors import IntegrityError, NotFoundError
+from ckptstore.service.format.encoded_reads import chain_of, read_tensor
 from ckptstore.service.format.encoding import head_bytes
+from ckptstore.service.reclaim import compression
+from ckptstore.service.reclaim import compression_buffers as compression_memory
 from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 
@@ -478,7 +479,7 @@ def test_a_version_deleted_and_collected_while_the_pass_visits_it_is_skipped(
 ) -> None:
     """Another collection removes version 2 (its parts and tensors) after this pass listed it: the
     pass goes on with version 3 rather than failing."""
-    from ckptstore.service import compression
+    from ckptstore.service.reclaim import compression
 
     tune = FineTune(torch.bfloat16)
     tune.save_versions(ckpt, "run", 3)

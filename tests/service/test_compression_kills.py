@@ -38,16 +38,17 @@ if point == "shard-written":  # a shard written to the staging folder, not yet i
 elif point == "blob-stored":  # a shard's blob is in the blob store, its transaction not begun
     store.blobs.put_file = dying(store.blobs.put_file, before=False)
 elif point == "mid-transaction":  # tensors moved onto the new shard, not committed
-    service.compression.insert_missing = dying(service.compression.insert_missing, before=True)
+    service.reclaim.compression.insert_missing = dying(service.reclaim.compression.insert_missing, before=True)
 elif point == "mid-version":  # one shard of a version recorded, the next not written
-    service.compression.SHARD_BYTES = 1
-    service.compression.write_encoded_shard = dying(service.compression.write_encoded_shard, before=False)
+    service.reclaim.compression.SHARD_BYTES = 1
+    compression = service.reclaim.compression
+    compression.write_encoded_shard = dying(compression.write_encoded_shard, before=False)
 elif point == "version-unmarked":  # every shard of a version recorded, the version not marked
-    service.compression._mark = dying(service.compression._mark, before=True)
+    service.reclaim.compression._mark = dying(service.reclaim.compression._mark, before=True)
 elif point == "before-compaction":  # every version compressed, the raw shards not yet compacted
-    service.compaction.compact = dying(service.compaction.compact, before=True)
+    service.reclaim.compaction.compact = dying(service.reclaim.compaction.compact, before=True)
 elif point == "mid-sweep":  # swept shards' rows deleted, their blobs not
-    service.gc._delete_unrecorded_blobs = dying(service.gc._delete_unrecorded_blobs, before=True)
+    service.reclaim.gc._delete_unrecorded_blobs = dying(service.reclaim.gc._delete_unrecorded_blobs, before=True)
 else:
     raise SystemExit(f"no kill point {point}")
 store.gc(compress=True, grace_seconds=0)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service.compression_memory import BufferPool, RecentTensors
-from ckptstore.service.encoded_reads import read_raw
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.encoded_reads import read_raw
+from ckptstore.service.format.records import TensorLocation
+from ckptstore.service.reclaim.compression_buffers import BufferPool, RecentTensors
 
 
 def test_a_buffer_given_back_is_taken_again_for_the_same_length_only() -> None:
@@ -75,7 +75,7 @@ def test_the_last_versions_tensors_go_back_to_the_pool_when_the_next_one_starts(
 
 
 def test_the_cache_keeps_what_fits_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ckptstore.service.compression_memory.CACHE_BYTES", 200)
+    monkeypatch.setattr("ckptstore.service.reclaim.compression_buffers.CACHE_BYTES", 200)
     recent = RecentTensors(BufferPool(), dry_run=False)
     assert recent.keep("a" * 64, bytearray(150))
     assert not recent.keep("b" * 64, bytearray(100))  # the caller gives it back

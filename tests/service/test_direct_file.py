@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service import direct_file
-from ckptstore.service.direct_file import ALIGNMENT, BUFFER_BYTES, WRITEBACK_BYTES, DirectFileWriter
+from ckptstore.service.intake import direct_file
+from ckptstore.service.intake.direct_file import ALIGNMENT, BUFFER_BYTES, WRITEBACK_BYTES, DirectFileWriter
 from ckptstore.service.store import Store
 
 _libc = ctypes.CDLL(None, use_errno=True)

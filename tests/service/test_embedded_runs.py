@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardkit import body, entry, raw
 
-from ckptstore.service.embedded_runs import read_runs, read_versions
+from ckptstore.service.catalog.embedded_runs import read_runs, read_versions
+from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.settings import METADATA_FILE
-from ckptstore.service.shard_writer import UnhashedTensor
 from ckptstore.service.store import Store
 
 RUNS = ["alpha", "beta", "gamma-2"]

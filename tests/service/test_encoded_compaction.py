@@ -1,4 +1,4 @@
-"""Compaction of encoded shards (:mod:`service.encoded_compaction`), on SQLite and PostgreSQL.
+"""Compaction of encoded shards (:mod:`service.reclaim.encoded_compaction`), on SQLite and PostgreSQL.
 
 The story: a fine-tune with a frozen embedding. Its first version's encoded shard holds the
 frozen weights, which every later version still references, beside the first keyframes and
@@ -75,9 +75,9 @@ CHILD = (
 if point == "blob-stored":  # the new shard's blob stored, its rows not moved
     store.blobs.put_file = dying(store.blobs.put_file, before=False)
 elif point == "mid-transaction":  # the first row moved, not committed
-    service.compression.insert_new = dying(service.compression.insert_new, before=False)
+    service.reclaim.compression.insert_new = dying(service.reclaim.compression.insert_new, before=False)
 elif point == "before-sweep":  # rows moved and the old shard stamped, nothing swept
-    service.compaction.collect = dying(service.compaction.collect, before=True)
+    service.reclaim.compaction.collect = dying(service.reclaim.compaction.collect, before=True)
 else:
     raise SystemExit(f"no kill point {point}")
 store.gc(grace_seconds=0, compact_below=float(os.environ["BELOW"]))

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service.encoded_reads import (
+from ckptstore.service.errors import IntegrityError
+from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.dtypes import byte_length, itemsize
+from ckptstore.service.format.encoded_reads import (
     MAX_CHAIN,
     chain_of,
     decode_into,
@@ -21,11 +24,8 @@ from ckptstore.service.encoded_reads import (
     most_payload_bytes,
     read_tensor,
 )
-from ckptstore.service.errors import IntegrityError
-from ckptstore.service.format.digest import tensor_digest
-from ckptstore.service.format.dtypes import byte_length, itemsize
 from ckptstore.service.format.encoding import BLOCK_BYTES, encode, head_bytes
-from ckptstore.service.records import TensorLocation
+from ckptstore.service.format.records import TensorLocation
 
 
 class Shards:

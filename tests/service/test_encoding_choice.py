@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service import encoding_choice
-from ckptstore.service.encoding_choice import DELTA_AT_MOST, MIN_GAIN, choose, samples
 from ckptstore.service.format import encoding
+from ckptstore.service.reclaim import encoding_choice
+from ckptstore.service.reclaim.encoding_choice import DELTA_AT_MOST, MIN_GAIN, choose, samples
 
 BASE_DIGEST = "ab" * 32
 

@@ -30,13 +30,13 @@ from shardkit import (
 )
 from sqlalchemy import select
 
-import ckptstore.service.gc  # noqa: F401  (binds service.gc for the name below)
+import ckptstore.service.reclaim.gc  # noqa: F401  (binds service.reclaim.gc for the name below)
 from ckptstore import service
 from ckptstore.service.blobs import BlobStore
 from ckptstore.service.db import Database
 from ckptstore.service.db.models import StoreLock, utcnow
 from ckptstore.service.errors import InvalidInputError, MissingTensorsError
-from ckptstore.service.records import GcReport
+from ckptstore.service.format.records import GcReport
 from ckptstore.service.store import Store
 
 
@@ -133,7 +133,7 @@ def test_recent_unreferenced_shards_are_kept_until_the_grace_period_ends(store: 
 
 def test_the_default_grace_is_one_hour(store: Store, ingest: Ingest) -> None:
     ingest(raw("F32", (8,), 1))
-    assert store.gc(dry_run=True).grace_seconds == HOUR == service.gc.DEFAULT_GRACE_SECONDS
+    assert store.gc(dry_run=True).grace_seconds == HOUR == service.reclaim.gc.DEFAULT_GRACE_SECONDS
     assert store.gc().shards_in_grace == 1
 
 
@@ -160,7 +160,7 @@ def test_a_digest_reported_present_is_kept_within_the_grace_even_if_unreferenced
 
 
 def test_bad_grace_periods_are_refused(store: Store) -> None:
-    for bad in (-1, service.gc.MAX_GRACE_SECONDS + 1, True):
+    for bad in (-1, service.reclaim.gc.MAX_GRACE_SECONDS + 1, True):
         with pytest.raises(InvalidInputError, match="grace_seconds"):
             store.gc(grace_seconds=bad)  # type: ignore[arg-type]
 
@@ -239,7 +239,7 @@ def test_a_commit_after_the_sweep_names_the_swept_tensors_and_a_resend_completes
 def sweep_rows_only(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Run a sweep's transaction but hold back its blob deletions; returns the shard ids held back."""
     held: list[str] = []
-    monkeypatch.setattr(service.gc, "_delete_unrecorded_blobs", lambda db, blobs, ids: held.extend(ids) or 0)
+    monkeypatch.setattr(service.reclaim.gc, "_delete_unrecorded_blobs", lambda db, blobs, ids: held.extend(ids) or 0)
     store.gc(grace_seconds=0, now=soon())
     monkeypatch.undo()
     return held
@@ -252,7 +252,7 @@ def test_a_shard_uploaded_again_between_the_sweep_and_its_blob_deletion_keeps_it
     assert held == [garbage.shard.shard_id] and store.missing([t.digest for t in garbage.tensors]) != []
 
     receipt = store.ingest_file(garbage.shard.write(store.staging_path()))  # a save sends it again
-    deleted = service.gc._delete_unrecorded_blobs(store.db, store.blobs, held)  # the sweep goes on
+    deleted = service.reclaim.gc._delete_unrecorded_blobs(store.db, store.blobs, held)  # the sweep goes on
 
     assert receipt.created and deleted == 0
     store.commit("run", body(entry("model/a", garbage.tensors[0]), entry("model/b", garbage.tensors[1])))
@@ -269,7 +269,7 @@ class DeleteAfterPut(BlobStore):
         self.inner.put_file(blob_id, path)
         self.puts += 1
         if blob_id == self.victim and self.puts == 1:
-            assert service.gc._delete_unrecorded_blobs(self.db, self.inner, [blob_id]) == 1
+            assert service.reclaim.gc._delete_unrecorded_blobs(self.db, self.inner, [blob_id]) == 1
 
     def size(self, blob_id: str) -> int | None:
         return self.inner.size(blob_id)
@@ -364,10 +364,10 @@ def pause_inside(
 def test_a_sweep_waits_for_a_commit_checking_its_references(
     store: Store, garbage: Garbage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.service.commit  # noqa: F401  (binds service.commit for the name below)
+    import ckptstore.service.catalog.commit  # noqa: F401  (binds service.catalog.commit for the name below)
     from ckptstore import service
 
-    collected, reports = pause_inside(store, monkeypatch, service.commit, "check_references", 0)
+    collected, reports = pause_inside(store, monkeypatch, service.catalog.commit, "check_references", 0)
     store.commit("run", body(entry("model/a", garbage.tensors[0])))  # reuses the old, unreferenced shard
     assert collected.wait(timeout=60)
 
@@ -379,10 +379,10 @@ def test_a_sweep_waits_for_a_commit_checking_its_references(
 def test_a_sweep_waits_for_a_save_being_told_a_tensor_is_present(
     store: Store, garbage: Garbage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.service.lookup  # noqa: F401  (binds service.lookup for the name below)
+    import ckptstore.service.catalog.lookup  # noqa: F401  (binds service.catalog.lookup for the name below)
     from ckptstore import service
 
-    collected, reports = pause_inside(store, monkeypatch, service.lookup, "_stamp_seen", HOUR)
+    collected, reports = pause_inside(store, monkeypatch, service.catalog.lookup, "_stamp_seen", HOUR)
     assert store.missing([garbage.tensors[0].digest]) == []  # the old shard is garbage, but now seen
     assert collected.wait(timeout=60)
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptstore.service.catalog.lookup import locate
 from ckptstore.service.db.models import Shard, Tensor
 from ckptstore.service.db.session import insert_missing
 from ckptstore.service.errors import NotFoundError
-from ckptstore.service.lookup import locate
 from ckptstore.service.store import Store
 
 _examples = itertools.count(1)

@@ -1,6 +1,6 @@
 """Upload bytes received in place: straight into a staging file's write buffer, then hashed and
 written from there (``space`` and ``landed`` of the receivers, ``space`` and ``advance`` of
-:class:`DirectFileWriter`), as :mod:`service.api.socket_body` receives a large body.
+:class:`DirectFileWriter`), as :mod:`service.api.http.socket_body` receives a large body.
 
 Whatever sizes the bytes land in, the file, the digests and every refusal are those of the
 same bytes given to ``write``.
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.service.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
 from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError
 from ckptstore.service.format.digest import tensor_digest
-from ckptstore.service.receiver import ShardReceiver
-from ckptstore.service.unhashed_receiver import UnhashedReceiver, encode_layout
+from ckptstore.service.intake.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
+from ckptstore.service.intake.receiver import ShardReceiver
+from ckptstore.service.intake.unhashed_receiver import UnhashedReceiver, encode_layout
 from tests.service.shardkit import RawTensor, build_shard, raw
 
 #: Tensors that cross the staging file's 4 MiB buffers, with small ones between them.

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError, PayloadTooLargeError
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, encode_header
-from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.intake.receiver import ShardReceiver
 from ckptstore.service.store import Store
 from tests.format.test_safetensors_header import HOSTILE
 from tests.service.shardkit import BuiltShard, build_shard, raw

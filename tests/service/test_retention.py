@@ -17,12 +17,12 @@ from shardkit import Ingest, body, build_shard, entry, raw
 from sqlalchemy import func, select
 
 from ckptstore.service.blobs import LocalBlobStore
+from ckptstore.service.catalog.retention_rules import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
 from ckptstore.service.db import Database, schema
 from ckptstore.service.db.models import ManifestPart, Run, Version
 from ckptstore.service.db.models import RetentionPolicy as PolicyRow
 from ckptstore.service.errors import InvalidInputError, NotFoundError
-from ckptstore.service.records import VersionInfo
-from ckptstore.service.retention_rules import MAX_KEEP, Policy, check_policy, keep_reasons, versions_to_remove
+from ckptstore.service.format.records import VersionInfo
 from ckptstore.service.store import Store
 
 RUN = "run"

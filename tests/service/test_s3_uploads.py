@@ -16,7 +16,7 @@ from ckptstore.service.blobs import LocalBlobStore, MemoryBlobStore, StaleUpload
 from ckptstore.service.blobs.s3 import S3BlobStore, make_client
 from ckptstore.service.db import Database
 from ckptstore.service.errors import StorageError
-from ckptstore.service.gc import collect
+from ckptstore.service.reclaim.gc import collect
 from ckptstore.service.store import Store
 from tests.backends import empty_tables, leave_upload_unfinished, unfinished_uploads
 

@@ -19,8 +19,8 @@ from ckptstore.service.errors import (
     NotFoundError,
 )
 from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.safetensors_header import encode_header
-from ckptstore.service.records import ShardReceipt
 from ckptstore.service.store import Store
 
 RUN = "run-1"

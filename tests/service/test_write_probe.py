@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ckptstore.service import write_probe
+from ckptstore.service.intake import write_mode as write_probe
+from ckptstore.service.intake.write_mode import CACHE_NAME, LOCK_NAME, WriteChoice, choose_direct_writes, measure
 from ckptstore.service.store import Store
-from ckptstore.service.write_probe import CACHE_NAME, LOCK_NAME, WriteChoice, choose_direct_writes, measure
 
 
 def test_the_probe_measures_both_ways_and_the_cheaper_wins(tmp_path: Path) -> None:

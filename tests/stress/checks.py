@@ -26,7 +26,7 @@ from ckptstore.client.state import flatten
 from ckptstore.service.db.models import Shard
 from ckptstore.service.errors import CheckpointError, NotFoundError
 from ckptstore.service.format.digest import is_digest
-from ckptstore.service.ingest import verify_shard_file
+from ckptstore.service.intake.ingest import verify_shard_file
 from ckptstore.service.store import Store
 from tests.client.models import tensors_equal
 from tests.stress.model import StressNet, expected_state, state_sha

@@ -20,11 +20,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import ckptstore.service.commit  # noqa: F401  (binds service.commit for the name below)
-import ckptstore.service.ingest  # noqa: F401  (binds service.ingest for the name below)
+import ckptstore.service.catalog.commit  # noqa: F401  (binds service.catalog.commit for the name below)
+import ckptstore.service.intake.ingest  # noqa: F401  (binds service.intake.ingest for the name below)
 from ckptstore import service
 from ckptstore.service.blobs import LocalBlobStore
-from ckptstore.service.receiver import ShardReceiver
+from ckptstore.service.intake.receiver import ShardReceiver
 from ckptstore.service.store import Store
 
 PR_SET_PDEATHSIG = 1
@@ -106,18 +106,18 @@ def install_store_hooks(phases: Phases, *, entry_points: bool) -> None:
     before the transaction commits. With ``entry_points`` (a server, whose client announces
     nothing), also ``commit`` before and ``committed`` after :meth:`Store.commit`.
     """
-    service.ingest.verify_shard_file = _before(phases, "verify", service.ingest.verify_shard_file)
+    service.intake.ingest.verify_shard_file = _before(phases, "verify", service.intake.ingest.verify_shard_file)
     ShardReceiver.finish = _before(phases, "verify", ShardReceiver.finish)  # type: ignore[method-assign]
     LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
-    service.ingest.record_shard = _around(phases, "record", "recorded", service.ingest.record_shard)
-    original_commit_version = service.commit.commit_version
+    service.intake.ingest.record_shard = _around(phases, "record", "recorded", service.intake.ingest.record_shard)
+    original_commit_version = service.catalog.commit.commit_version
 
     def commit_version(*args: Any, **kwargs: Any) -> Any:
         info = original_commit_version(*args, **kwargs)
         phases("commit-flushed")  # still inside the transaction: killing here must leave no version
         return info
 
-    service.commit.commit_version = commit_version  # Store.commit imports it when called
+    service.catalog.commit.commit_version = commit_version  # Store.commit imports it when called
     if entry_points:
         Store.commit = _around(phases, "commit", "committed", Store.commit)  # type: ignore[method-assign]
 
@@ -136,12 +136,12 @@ COMPACTION_PHASES = (
 
 def install_compaction_hooks(phases: Phases) -> None:
     """Announce the steps of a compaction (:data:`COMPACTION_PHASES`)."""
-    import ckptstore.service.compaction  # noqa: F401  (binds service.compaction for the name below)
+    import ckptstore.service.reclaim.compaction  # noqa: F401  (binds service.reclaim.compaction for the name below)
     from ckptstore import service
-    from ckptstore.service.direct_file import DirectFileWriter
+    from ckptstore.service.intake.direct_file import DirectFileWriter
 
-    service.ingest.write_shard = _before(phases, "write-shard", service.ingest.write_shard)
+    service.intake.ingest.write_shard = _before(phases, "write-shard", service.intake.ingest.write_shard)
     DirectFileWriter.write_head = _before(phases, "write-head", DirectFileWriter.write_head)  # type: ignore[method-assign]
     LocalBlobStore.put_file = _before(phases, "store-blob", LocalBlobStore.put_file)  # type: ignore[method-assign]
-    service.ingest.record_shard = _around(phases, "record", "recorded", service.ingest.record_shard)
-    service.compaction._repoint = _around(phases, "repoint", "repointed", service.compaction._repoint)
+    service.intake.ingest.record_shard = _around(phases, "record", "recorded", service.intake.ingest.record_shard)
+    service.reclaim.compaction._repoint = _around(phases, "repoint", "repointed", service.reclaim.compaction._repoint)

@@ -13,7 +13,7 @@ import pytest
 
 from ckptstore.client.http.transport import HttpTransport, remove_stale_staging
 from ckptstore.service.api.server import app_from_env
-from ckptstore.service.cleanup import CleanupReport, clean_staging
+from ckptstore.service.reclaim.cleanup import CleanupReport, clean_staging
 from ckptstore.service.store import Store
 
 HOUR = 3600.0

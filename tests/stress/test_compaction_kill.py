@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from ckptstore.service.blobs import LocalBlobStore
-from ckptstore.service.cleanup import clean_staging, temp_folders
 from ckptstore.service.db import Database
-from ckptstore.service.shard_writer import UnhashedTensor
+from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.reclaim.cleanup import clean_staging, temp_folders
 from ckptstore.service.store import Store
 from tests.backends import empty_tables
 from tests.service.shardkit import HOUR, RawTensor, age, body, entry, raw, reads_back, shard_rows, soon
