@@ -46,7 +46,7 @@ from ckptstore.service.api.app import create_app
 from ckptstore.service.api.pages import data as pages_data
 from ckptstore.service.format.bounds import MAX_SIZES_PER_QUERY
 from ckptstore.service.format.manifest import ManifestBody, TensorEntry
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 

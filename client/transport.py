@@ -18,7 +18,7 @@ from ckptstore.service.format.records import (
     TensorLocation,
     VersionInfo,
 )
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 
 
 class Transport(Protocol):

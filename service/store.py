@@ -40,9 +40,9 @@ from ckptstore.service.format.records import (
     VersionInfo,
 )
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.intake import direct_uploads, ingest
 from ckptstore.service.intake.receiver import ShardReceiver
-from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.intake.write_mode import choose_direct_writes
 from ckptstore.service.reclaim.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from ckptstore.service.reclaim.gc import DEFAULT_GRACE_SECONDS, collect

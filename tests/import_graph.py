@@ -20,6 +20,7 @@ def repo_name(target: str) -> str:
     """An imported module's name as the repository lays it out (``ckptstore.client.x`` -> ``client.x``)."""
     return target[len(PACKAGE) :] if target.startswith(PACKAGE) else target
 
+
 #: The client's packages by job; the modules directly in client/ are the floor.
 ROOMS = ("saving", "loading", "http", "formats", "distributed", "integrations", "cli")
 

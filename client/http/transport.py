@@ -43,8 +43,7 @@ from ckptstore.service.format.records import (
     TensorLocation,
     VersionInfo,
 )
-from ckptstore.service.format.sharding import MAX_SIZES_PER_REQUEST
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import MAX_SIZES_PER_REQUEST, UnhashedTensor
 from ckptstore.service.secrets_mask import mask_url
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,7 @@ from ckptstore.service.errors import IntegrityError
 from ckptstore.service.format.digest import all_digests, tensor_digest
 from ckptstore.service.format.records import ShardReceipt, TensorsReceipt
 from ckptstore.service.format.safetensors_header import header_bytes, layout_order
-from ckptstore.service.format.sharding import SHARD_METADATA
-from ckptstore.service.intake.shard_writer import UnhashedTensor, fingerprint
-from ckptstore.service.intake.unhashed_receiver import encode_layout
+from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor, encode_layout, fingerprint
 
 PATH = "/v1/shards"
 

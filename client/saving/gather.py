@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ckptstore.client.tensors import byte_view, host_contiguous
-from ckptstore.service.intake.shard_writer import HASH_FIRST_BYTES
+from ckptstore.service.format.sharding import HASH_FIRST_BYTES
 
 #: Tensors of at most this many bytes are gathered; larger ones are viewed in place. The store
 #: hashes the tensors of up to this size before it writes them, from the memory given.

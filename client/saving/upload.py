@@ -25,7 +25,7 @@ from ckptstore.client.saving.shards import build_shard
 from ckptstore.client.tensors import dtype_name
 from ckptstore.client.transport import Transport
 from ckptstore.service.format.records import ShardReceipt
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 
 
 class ShardUploader:

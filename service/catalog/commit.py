@@ -14,6 +14,7 @@ from ckptstore.service.catalog.listings import SUMMARY_COLUMNS
 from ckptstore.service.catalog.manifest_parts import count_versions, known_parts, store_parts
 from ckptstore.service.catalog.retention import apply_policy
 from ckptstore.service.db import Database
+from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
 from ckptstore.service.db.session import insert_new, rows_in
 from ckptstore.service.db.shapes import ShapeCache
@@ -24,7 +25,6 @@ from ckptstore.service.format.manifest import ManifestBody, TensorEntry, stamp
 from ckptstore.service.format.names import validate_commit_key, validate_run_id, validate_tag
 from ckptstore.service.format.parts import head_json, split
 from ckptstore.service.format.records import VersionInfo
-from ckptstore.service.reclaim.gc import hold_shared
 
 BATCH = 500
 

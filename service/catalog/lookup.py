@@ -15,6 +15,7 @@ from sqlalchemy import Text, bindparam, select, type_coerce, update
 from sqlalchemy.orm import Session
 
 from ckptstore.service.db import Database
+from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import Tensor, table, utcnow
 from ckptstore.service.db.session import rows_in
 from ckptstore.service.db.shapes import ShapeCache
@@ -22,7 +23,6 @@ from ckptstore.service.errors import InvalidInputError, NotFoundError
 from ckptstore.service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
 from ckptstore.service.format.digest import all_digests, is_digest
 from ckptstore.service.format.records import TensorLocation
-from ckptstore.service.reclaim.gc import hold_shared
 
 #: Digests per ``IN`` list of one statement.
 QUERY_BATCH = 500

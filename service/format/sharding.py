@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Sequence
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -79,3 +81,50 @@ def plan_shards(
     shards = [group for item, nbytes in items if (group := packer.add(item, nbytes)) is not None]
     last = packer.flush()
     return shards + [last] if last is not None else shards
+
+
+# -- tensors sent before their digests are known -------------------------------------------------
+
+
+class UnhashedTensor(NamedTuple):
+    """A tensor to store whose digest is not known: its dtype name, shape and raw bytes.
+
+    A named tuple: a save of 32,768 small tensors makes one each, and a frozen dataclass cost
+    three times as much to make.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+#: Tensors up to this size are hashed before they are written, and written only if no tensor
+#: before them had their digest: sampling them first to tell them apart cost as much as hashing
+#: them, and their bytes are still in the CPU's cache when they are copied. The caller's memory
+#: must hold still while the shard is written, as it must for any tensor hashed first (a
+#: client's save hands tensors of up to this size over in a copy of its own).
+HASH_FIRST_BYTES = 64 << 10
+
+#: Bytes sampled at each end and in the middle of a tensor to tell it from the ones before it.
+_SAMPLE_BYTES = 64
+
+
+def fingerprint(tensor: UnhashedTensor) -> tuple[str, tuple[int, ...], bytes]:
+    """What two equal tensors surely share: dtype, shape and the bytes at a few places (different
+    fingerprints prove the tensors differ; equal ones prove nothing)."""
+    data, middle = tensor.data, tensor.data.nbytes // 2
+    if data.nbytes <= 3 * _SAMPLE_BYTES:
+        return tensor.dtype, tensor.shape, bytes(data)
+    sampled = data[:_SAMPLE_BYTES].tobytes() + data[middle : middle + _SAMPLE_BYTES].tobytes()
+    return tensor.dtype, tensor.shape, sampled + data[-_SAMPLE_BYTES:].tobytes()
+
+
+#: Most dimensions of one tensor in a layout.
+MAX_DIMENSIONS = 64
+
+
+def encode_layout(tensors: list[tuple[str, tuple[int, ...]]]) -> bytes:
+    """The start of an unhashed upload's body: the length prefix and the layout of ``tensors``
+    (dtype name, shape), whose bytes follow in this order."""
+    text = json.dumps([[dtype, list(shape)] for dtype, shape in tensors], separators=(",", ":")).encode("ascii")
+    return struct.pack("<Q", len(text)) + text

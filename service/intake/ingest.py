@@ -4,7 +4,7 @@ Every way a shard arrives ends in :func:`store_shard`: a file on disk (:func:`in
 hashed here by :func:`verify_shard_file`), bytes hashed as they were received
 (:class:`~service.intake.receiver.ShardReceiver`), or tensors hashed as they were written
 (:func:`write_tensors`). The blob goes in first and its rows after, under the collection lock
-in share mode (:mod:`service.reclaim.gc`), so a version can only ever reference stored bytes.
+in share mode (:mod:`service.db.lock`), so a version can only ever reference stored bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from sqlalchemy import bindparam, select
 
 from ckptstore.service.blobs import BlobStore
 from ckptstore.service.db import Database
+from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import Shard, Tensor
 from ckptstore.service.db.session import insert_columns, insert_new
 from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
@@ -27,11 +28,10 @@ from ckptstore.service.format.digest import TensorHasher
 from ckptstore.service.format.dtypes import DTYPES, byte_length
 from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
-from ckptstore.service.format.sharding import SHARD_METADATA
+from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor
 from ckptstore.service.intake.receiver import ShardReceiver
-from ckptstore.service.intake.shard_writer import UnhashedTensor, WrittenShard, write_shard
+from ckptstore.service.intake.shard_writer import WrittenShard, write_shard
 from ckptstore.service.intake.unhashed_receiver import UnhashedReceiver
-from ckptstore.service.reclaim.gc import hold_shared
 
 #: A shard re-uploaded while a sweep deletes it is stored again; this many tries at most.
 INGEST_ATTEMPTS = 3

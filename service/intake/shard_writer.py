@@ -24,24 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from ckptstore.service.format.digest import TensorHasher, tensor_digest
 from ckptstore.service.format.safetensors_header import ShardHeader, header_bytes, header_size, laid_out_entries
+from ckptstore.service.format.sharding import HASH_FIRST_BYTES, UnhashedTensor, fingerprint
 from ckptstore.service.intake.direct_file import ALIGNMENT, DEFAULT_IN_FLIGHT, DirectFileWriter
 from ckptstore.service.intake.receiver import staging_error
-
-
-class UnhashedTensor(NamedTuple):
-    """A tensor to store whose digest is not known: its dtype name, shape and raw bytes.
-
-    A named tuple: a save of 32,768 small tensors makes one each, and a frozen dataclass cost
-    three times as much to make.
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: memoryview
 
 
 @dataclass(frozen=True)
@@ -109,24 +97,3 @@ def write_shard(
     # The header was written here from digests made here: its entries are known, not parsed
     # (parsing 32,768 of them took 0.3 s).
     return WrittenShard(digests, ShardHeader(header, laid_out_entries(named), dict(metadata)))
-
-
-#: Tensors up to this size are hashed before they are written, and written only if no tensor
-#: before them had their digest: sampling them first to tell them apart cost as much as hashing
-#: them, and their bytes are still in the CPU's cache when they are copied. The caller's memory
-#: must hold still while the shard is written, as it must for any tensor hashed first (a
-#: client's save hands tensors of up to this size over in a copy of its own).
-HASH_FIRST_BYTES = 64 << 10
-
-#: Bytes sampled at each end and in the middle of a tensor to tell it from the ones before it.
-_SAMPLE_BYTES = 64
-
-
-def fingerprint(tensor: UnhashedTensor) -> tuple[str, tuple[int, ...], bytes]:
-    """What two equal tensors surely share: dtype, shape and the bytes at a few places (different
-    fingerprints prove the tensors differ; equal ones prove nothing)."""
-    data, middle = tensor.data, tensor.data.nbytes // 2
-    if data.nbytes <= 3 * _SAMPLE_BYTES:
-        return tensor.dtype, tensor.shape, bytes(data)
-    sampled = data[:_SAMPLE_BYTES].tobytes() + data[middle : middle + _SAMPLE_BYTES].tobytes()
-    return tensor.dtype, tensor.shape, sampled + data[-_SAMPLE_BYTES:].tobytes()

@@ -34,20 +34,10 @@ from ckptstore.service.format.safetensors_header import (
     header_size,
     laid_out_entries,
 )
-from ckptstore.service.format.sharding import MAX_TENSORS_PER_SHARD, SHARD_METADATA
+from ckptstore.service.format.sharding import MAX_DIMENSIONS, MAX_TENSORS_PER_SHARD, SHARD_METADATA
 from ckptstore.service.intake.direct_file import ALIGNMENT, DirectFileWriter
 from ckptstore.service.intake.receiver import UPLOAD_IN_FLIGHT, ReceiveSpace, advance, staging_error, take_prefixed
 from ckptstore.service.intake.shard_writer import WrittenShard
-
-#: Most dimensions of one tensor in a layout.
-MAX_DIMENSIONS = 64
-
-
-def encode_layout(tensors: list[tuple[str, tuple[int, ...]]]) -> bytes:
-    """The start of an unhashed upload's body: the length prefix and the layout of ``tensors``
-    (dtype name, shape), whose bytes follow in this order."""
-    text = json.dumps([[dtype, list(shape)] for dtype, shape in tensors], separators=(",", ":")).encode("ascii")
-    return struct.pack("<Q", len(text)) + text
 
 
 class UnhashedReceiver:

@@ -39,15 +39,16 @@ from sqlalchemy.orm import Session
 
 from ckptstore.service.blobs import BlobStore
 from ckptstore.service.db import Database
+from ckptstore.service.db.lock import hold_exclusive
 from ckptstore.service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, table, utcnow
 from ckptstore.service.errors import IntegrityError, InvalidInputError, NotFoundError
 from ckptstore.service.format.records import GcReport
 from ckptstore.service.format.safetensors_header import ShardHeader
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.intake.direct_file import ALIGNMENT
-from ckptstore.service.intake.shard_writer import UnhashedTensor
 from ckptstore.service.reclaim.compression import Compression
 from ckptstore.service.reclaim.encoded_compaction import LivePayload, repack
-from ckptstore.service.reclaim.gc import check_grace, collect, hold_exclusive
+from ckptstore.service.reclaim.gc import check_grace, collect
 
 #: Stores tensors as one new shard, in the order given, and returns its header and each digest.
 WriteShard = Callable[[Sequence[UnhashedTensor]], tuple[ShardHeader, list[str]]]

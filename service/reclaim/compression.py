@@ -48,6 +48,7 @@ from ckptstore.service.blobs import BlobStore
 from ckptstore.service.catalog import lookup
 from ckptstore.service.catalog.manifest_parts import part_bodies
 from ckptstore.service.db import Database
+from ckptstore.service.db.lock import hold_exclusive
 from ckptstore.service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from ckptstore.service.db.session import insert_missing, insert_new
 from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError
@@ -60,7 +61,6 @@ from ckptstore.service.format.safetensors_header import header_bytes
 from ckptstore.service.intake.direct_file import DirectFileWriter
 from ckptstore.service.reclaim.compression_buffers import BufferPool, RecentTensors
 from ckptstore.service.reclaim.encoding_choice import choose
-from ckptstore.service.reclaim.gc import hold_exclusive
 
 #: Tensors smaller than this stay raw: the gain is small and every encoded tensor costs a load a decode.
 MIN_BYTES = 64 << 10

@@ -65,12 +65,11 @@ from sqlalchemy.orm import Session, aliased
 from ckptstore.service.blobs import BlobStore, StaleUploads
 from ckptstore.service.catalog.manifest_parts import delete_parts, unlisted_parts
 from ckptstore.service.db import Database
-from ckptstore.service.db.models import ManifestPart, PartRef, Shard, StoreLock, Tensor, TensorNeed, utcnow
-from ckptstore.service.db.session import insert_new
+from ckptstore.service.db.lock import hold_exclusive
+from ckptstore.service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, utcnow
 from ckptstore.service.errors import InvalidInputError
 from ckptstore.service.format.records import GcReport
 
-GC_LOCK = "gc"
 #: Unreferenced shards younger than this, or with a tensor reported present this recently, stay.
 DEFAULT_GRACE_SECONDS = 3600
 MAX_GRACE_SECONDS = 10 * 365 * 86400
@@ -82,28 +81,6 @@ SWEEP_BATCH = 2000
 #: Sweeps one collection runs at most: one more per link of the longest delta chain it frees.
 MAX_SWEEP_ROUNDS = 18
 BLOB_BATCH = 100
-
-
-def _lock(session: Session, *, exclusive: bool) -> None:
-    statement = select(StoreLock.name).where(StoreLock.name == GC_LOCK).with_for_update(read=not exclusive)
-    if session.execute(statement).first() is None:
-        # Migration 0002 inserts the row; a database emptied by hand gets it back here.
-        insert_new(session, StoreLock, {"name": GC_LOCK})
-        session.execute(statement)
-
-
-def hold_shared(session: Session) -> None:
-    """Take the collection lock in share mode until ``session``'s transaction ends.
-
-    Call it first in every transaction that makes a tensor or shard needed (reporting it
-    present, recording it, committing a reference to it): no sweep runs while one is open.
-    """
-    _lock(session, exclusive=False)
-
-
-def hold_exclusive(session: Session) -> None:
-    """Take the collection lock exclusively: waits for, then blocks, every :func:`hold_shared`."""
-    _lock(session, exclusive=True)
 
 
 def check_grace(grace_seconds: int) -> None:
@@ -328,10 +305,7 @@ def collect(
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
-    "GC_LOCK",
     "MAX_GRACE_SECONDS",
     "check_grace",
     "collect",
-    "hold_exclusive",
-    "hold_shared",
 ]

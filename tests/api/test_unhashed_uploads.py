@@ -31,7 +31,7 @@ from ckptstore.service.api.http.socket_body import MIN_BODY_BYTES
 from ckptstore.service.errors import InvalidInputError, PermissionDeniedError
 from ckptstore.service.format.digest import tensor_digest
 from ckptstore.service.format.dtypes import DTYPES, byte_length
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.api.kit import READ_TOKEN, TOKENS, WRITE_TOKEN, eventually, files_under

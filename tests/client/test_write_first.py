@@ -18,7 +18,7 @@ from ckptstore.client.saving import saver as saving
 from ckptstore.client.saving.hashing import digest_of
 from ckptstore.client.state import flatten
 from ckptstore.service.errors import IntegrityError, StorageError
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.store import Store
 from tests.client.conftest import Backend
 from tests.client.models import TinyNet, train

@@ -16,7 +16,7 @@ import ckptstore.service.reclaim.compaction  # noqa: F401  (binds service.reclai
 from ckptstore import service
 from ckptstore.service.errors import InvalidInputError, StorageError
 from ckptstore.service.format.safetensors_header import ShardHeader
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.store import Store
 from tests.faults.faulty import FaultyBlobStore, os_error
 from tests.service.test_gc import HOUR, age, reads_back, shard_rows, soon

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from shardkit import body, entry, raw
 
 from ckptstore.service.catalog.embedded_runs import read_runs, read_versions
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.settings import METADATA_FILE
 from ckptstore.service.store import Store
 

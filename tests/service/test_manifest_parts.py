@@ -14,7 +14,7 @@ from ckptstore.service.db.models import ManifestPart, PartBody, PartRef, Shard, 
 from ckptstore.service.errors import MissingTensorsError
 from ckptstore.service.format.manifest import TensorEntry, manifest_to_json
 from ckptstore.service.format.parts import MAX_ENTRIES
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.store import Store
 
 RUN = "run"

@@ -22,7 +22,7 @@ from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.db import Database
 from ckptstore.service.db.schema import alembic_config, current_revision, head_revision, upgrade
 from ckptstore.service.format.manifest import ManifestBody, TensorEntry, manifest_to_json, stamp
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.store import Store
 
 

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 
 from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError
 from ckptstore.service.format.digest import tensor_digest
+from ckptstore.service.format.sharding import encode_layout
 from ckptstore.service.intake.direct_file import ALIGNMENT, BUFFER_BYTES, DirectFileWriter
 from ckptstore.service.intake.receiver import ShardReceiver
-from ckptstore.service.intake.unhashed_receiver import UnhashedReceiver, encode_layout
+from ckptstore.service.intake.unhashed_receiver import UnhashedReceiver
 from tests.service.shardkit import RawTensor, build_shard, raw
 
 #: Tensors that cross the staging file's 4 MiB buffers, with small ones between them.

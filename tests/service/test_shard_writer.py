@@ -18,9 +18,9 @@ from shardkit import RawTensor
 from ckptstore.service.errors import InvalidInputError, StorageError
 from ckptstore.service.format.digest import tensor_digest
 from ckptstore.service.format.safetensors_header import read_header
-from ckptstore.service.format.sharding import SHARD_METADATA
+from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor
 from ckptstore.service.intake.direct_file import ALIGNMENT
-from ckptstore.service.intake.shard_writer import UnhashedTensor, write_shard
+from ckptstore.service.intake.shard_writer import write_shard
 from ckptstore.service.store import Store
 from tests.faults.faulty import fail_staging_writes
 

@@ -17,7 +17,7 @@ import pytest
 
 from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.db import Database
-from ckptstore.service.intake.shard_writer import UnhashedTensor
+from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.reclaim.cleanup import clean_staging, temp_folders
 from ckptstore.service.store import Store
 from tests.backends import empty_tables
