@@ -9,8 +9,6 @@ mode (:mod:`service.reclaim.gc`), so a sweep never removes what a save in progre
 
 from __future__ import annotations
 
-import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -41,9 +39,9 @@ from ckptstore.service.format.records import (
 )
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader
 from ckptstore.service.format.sharding import UnhashedTensor
-from ckptstore.service.intake import direct_uploads, ingest
+from ckptstore.service.intake import direct_uploads
+from ckptstore.service.intake.ingest import Intake
 from ckptstore.service.intake.receiver import ShardReceiver
-from ckptstore.service.intake.write_mode import choose_direct_writes
 from ckptstore.service.reclaim.cleanup import STALE_SECONDS, CleanupReport, clean_staging
 from ckptstore.service.reclaim.gc import DEFAULT_GRACE_SECONDS, collect
 from ckptstore.service.secrets_mask import mask_url
@@ -93,8 +91,10 @@ class Store:
         self.staging_dir = Path(staging_dir)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.max_header_bytes = max_header_bytes
-        self._direct_writes = direct_writes
-        self._direct_lock = threading.Lock()
+        #: Where every shard enters (:class:`~service.intake.ingest.Intake`).
+        self.intake = Intake(
+            db, blobs, self.staging_dir, max_header_bytes=max_header_bytes, direct_writes=direct_writes
+        )
 
     @property
     def location(self) -> str:
@@ -105,11 +105,7 @@ class Store:
     def direct_writes(self) -> bool:
         """Whether shards are written around the page cache: as configured, else as measured
         (once per staging folder, then read from its cache) on the staging folder's disk."""
-        if self._direct_writes is None:
-            with self._direct_lock:
-                if self._direct_writes is None:
-                    self._direct_writes = choose_direct_writes(self.staging_dir).direct
-        return self._direct_writes
+        return self.intake.direct_writes
 
     def prepare_writes(self) -> None:
         """Settle the write mode now (measured if unset) so the first save does not pay for it (on opening)."""
@@ -140,7 +136,7 @@ class Store:
 
     def staging_path(self) -> Path:
         """A fresh path in the staging folder for a shard being written or received."""
-        return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
+        return self.intake.staging_path()
 
     def missing(self, digests: Iterable[str]) -> list[str]:
         """The digests among ``digests`` whose tensors the store does not hold, in input order. Those
@@ -163,7 +159,7 @@ class Store:
             IntegrityError: a tensor's bytes do not match its digest name.
             StorageError: garbage collection kept deleting the shard while it was stored; retry.
         """
-        return ingest.ingest_file(db=self.db, blobs=self.blobs, path=Path(path), max_header_bytes=self.max_header_bytes)
+        return self.intake.ingest_file(Path(path))
 
     def receiver(
         self, *, expected_id: str | None = None, max_bytes: int | None = None, write_behind: bool = False
@@ -173,19 +169,12 @@ class Store:
         ``write_behind`` writes on a background thread while the next bytes are hashed (HTTP
         saves 10-20 % faster; an embedded save, whose threads keep the cores busy, ~5 % slower).
         """
-        return ShardReceiver(
-            self.staging_path(),
-            expected_id=expected_id,
-            max_bytes=max_bytes,
-            max_header_bytes=self.max_header_bytes,
-            direct_writes=self.direct_writes,
-            write_behind=write_behind,
-        )
+        return self.intake.receiver(expected_id=expected_id, max_bytes=max_bytes, write_behind=write_behind)
 
     def ingest_received(self, receiver: ShardReceiver) -> ShardReceipt:
         """Store the shard ``receiver`` took in whole (its bytes were hashed on the way); idempotent.
         The staging file is consumed whatever the outcome."""
-        return ingest.store_received(db=self.db, blobs=self.blobs, receiver=receiver)
+        return self.intake.store_received(receiver)
 
     def put_shard(
         self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
@@ -196,7 +185,7 @@ class Store:
         is moved into the blob store: one write, one hash, nothing read back. ``on_bytes`` is
         called with each piece's size once it is written.
         """
-        return self.ingest_received(ingest.fill(self.receiver(), header, pieces, on_bytes))
+        return self.intake.put_shard(header, pieces, on_bytes)
 
     def put_tensors(
         self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
@@ -208,22 +197,11 @@ class Store:
         so nothing is hashed twice; tensors equal to one before them are written once.
         ``on_bytes`` is called with each tensor's size once it is written.
         """
-        ingest.check_unhashed(tensors)
-        path, direct = self.staging_path(), self.direct_writes
-        return ingest.put_tensors(
-            db=self.db, blobs=self.blobs, path=path, tensors=tensors, direct_writes=direct, on_bytes=on_bytes
-        )
+        return self.intake.put_tensors(tensors, on_bytes)
 
     def _compaction_write(self, tensors: Sequence[UnhashedTensor]) -> tuple[ShardHeader, list[str]]:
-        _receipt, written = ingest.write_tensors(
-            db=self.db, blobs=self.blobs, path=self.staging_path(), tensors=tensors, direct_writes=self.direct_writes
-        )
+        _receipt, written = self.intake.write_and_store(tensors)
         return written.header, written.digests
-
-    @property
-    def unhashed(self) -> ingest.UnhashedUploads:
-        """Uploads of tensors not hashed yet, hashed here as they arrive (``POST /v1/shards``)."""
-        return ingest.UnhashedUploads(self.db, self.blobs, self.staging_path, self.direct_writes, self.max_header_bytes)
 
     @property
     def uploads(self) -> direct_uploads.StagedUploads:

@@ -1,18 +1,20 @@
 """Storing shards: check a shard file, move it into the blob store, record its tensors.
 
-Every way a shard arrives ends in :func:`store_shard`: a file on disk (:func:`ingest_file`,
-hashed here by :func:`verify_shard_file`), bytes hashed as they were received
-(:class:`~service.intake.receiver.ShardReceiver`), or tensors hashed as they were written
-(:func:`write_tensors`). The blob goes in first and its rows after, under the collection lock
-in share mode (:mod:`service.db.lock`), so a version can only ever reference stored bytes.
+A shard enters once, through :class:`Intake`, and every way it arrives ends in the same step:
+a file on disk (:meth:`Intake.ingest_file`, hashed here by :func:`verify_shard_file`), bytes
+hashed as they were received (:class:`~service.intake.receiver.ShardReceiver`), or tensors hashed
+as they were written (:meth:`Intake.write_and_store`). The blob goes in first and its rows after,
+under the collection lock in share mode (:mod:`service.db.lock`), so a version can only ever
+reference stored bytes.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor
 from ckptstore.service.intake.receiver import ShardReceiver
 from ckptstore.service.intake.shard_writer import WrittenShard, write_shard
 from ckptstore.service.intake.unhashed_receiver import UnhashedReceiver
+from ckptstore.service.intake.write_mode import choose_direct_writes
 
 #: A shard re-uploaded while a sweep deletes it is stored again; this many tries at most.
 INGEST_ATTEMPTS = 3
@@ -65,74 +68,6 @@ def verify_shard_file(path: Path, *, max_header_bytes: int = MAX_HEADER_BYTES) -
     return header
 
 
-def ingest_file(*, db: Database, blobs: BlobStore, path: Path, max_header_bytes: int) -> ShardReceipt:
-    """Validate the shard at ``path``, store it and record its tensors; see :meth:`Store.ingest_file`.
-
-    The file is consumed (moved into the blob store or deleted) whatever the outcome. Its
-    tensors are hashed only if the shard is not stored yet.
-    """
-    try:
-        with open(path, "rb") as handle:
-            header = read_header(handle, path.stat().st_size, max_header_bytes=max_header_bytes)
-        verified = False
-
-        def verify() -> None:
-            nonlocal verified
-            if not verified:
-                verify_shard_file(path, max_header_bytes=max_header_bytes)
-                verified = True
-
-        return store_shard(db=db, blobs=blobs, path=path, header=header, verify=verify)
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def store_received(*, db: Database, blobs: BlobStore, receiver: ShardReceiver) -> ShardReceipt:
-    """Store the shard ``receiver`` took in whole; see :meth:`Store.ingest_received`.
-
-    Its bytes were hashed on their way in, so nothing is read back. The staging file is
-    consumed whatever the outcome.
-    """
-    try:
-        header = receiver.finish()
-        return store_shard(db=db, blobs=blobs, path=receiver.path, header=header, verify=lambda: None)
-    finally:
-        receiver.discard()
-
-
-@dataclass(frozen=True)
-class UnhashedUploads:
-    """Uploads of tensors not hashed yet into one store (:mod:`service.intake.unhashed_receiver`)."""
-
-    db: Database
-    blobs: BlobStore
-    staging_path: Callable[[], Path]
-    direct_writes: bool
-    max_layout_bytes: int
-
-    def receiver(self, *, length: int, max_bytes: int) -> UnhashedReceiver:
-        """A receiver for an upload of ``length`` bytes whose tensors hold at most ``max_bytes``,
-        staged in the store's folder; pass it to :meth:`ingest`."""
-        return UnhashedReceiver(
-            self.staging_path(),
-            length=length,
-            max_bytes=max_bytes,
-            max_layout_bytes=self.max_layout_bytes,
-            direct_writes=self.direct_writes,
-        )
-
-    def ingest(self, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
-        """Store the upload ``receiver`` took in whole; the receipt and each tensor's digest in the
-        order sent. The staging file is consumed whatever the outcome."""
-        try:
-            written = receiver.finish()
-            header = written.header
-            receipt = store_shard(db=self.db, blobs=self.blobs, path=receiver.path, header=header, verify=lambda: None)
-            return receipt, written.digests
-        finally:
-            receiver.discard()
-
-
 def check_unhashed(tensors: Sequence[UnhashedTensor]) -> None:
     """Raise InvalidInputError unless ``tensors`` are some tensors, each of a known dtype, whole and not empty."""
     if not tensors:
@@ -145,96 +80,184 @@ def check_unhashed(tensors: Sequence[UnhashedTensor]) -> None:
             raise InvalidInputError("an empty tensor needs no storage; leave it out")
 
 
-def put_tensors(
-    *,
-    db: Database,
-    blobs: BlobStore,
-    path: Path,
-    tensors: Sequence[UnhashedTensor],
-    direct_writes: bool,
-    on_bytes: Callable[[int], object] | None = None,
-) -> tuple[ShardReceipt, list[str]]:
-    """Store ``tensors`` (passed by :func:`check_unhashed`) as one shard at ``path``, laid out by dtype.
+class Intake:
+    """The one way into the store for a shard, holding what every step needs: the database, the
+    blob store, the staging folder, the header cap and the write mode.
 
-    Returns the receipt and each tensor's digest, in the order given; see :meth:`Store.put_tensors`.
+    However a shard arrives (a file on disk, bytes hashed as they are received, or tensors hashed
+    as they are written) it ends in :meth:`_store`: the blob goes in first and its rows after.
     """
-    order = layout_order([tensor.dtype for tensor in tensors])
-    receipt, written = write_tensors(
-        db=db,
-        blobs=blobs,
-        path=path,
-        tensors=[tensors[i] for i in order],
-        direct_writes=direct_writes,
-        on_bytes=on_bytes,
-    )
-    digests = [""] * len(tensors)
-    for index, digest in zip(order, written.digests, strict=True):
-        digests[index] = digest
-    return receipt, digests
+
+    def __init__(
+        self,
+        db: Database,
+        blobs: BlobStore,
+        staging_dir: Path,
+        *,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        direct_writes: bool | None = True,
+    ) -> None:
+        self.db = db
+        self.blobs = blobs
+        self.staging_dir = staging_dir
+        self.max_header_bytes = max_header_bytes
+        self._direct_writes = direct_writes
+        self._direct_lock = threading.Lock()
+
+    @property
+    def direct_writes(self) -> bool:
+        """Whether shards are written around the page cache: as configured, else as measured
+        (once per staging folder, then read from its cache) on the staging folder's disk."""
+        if self._direct_writes is None:
+            with self._direct_lock:
+                if self._direct_writes is None:
+                    self._direct_writes = choose_direct_writes(self.staging_dir).direct
+        return self._direct_writes
+
+    def staging_path(self) -> Path:
+        """A fresh path in the staging folder for a shard being written or received."""
+        return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
+
+    # -- a file on disk ------------------------------------------------------------------------
+
+    def ingest_file(self, path: Path) -> ShardReceipt:
+        """Validate the shard at ``path``, store it and record its tensors; see :meth:`Store.ingest_file`.
+
+        The file is consumed (moved into the blob store or deleted) whatever the outcome. Its
+        tensors are hashed only if the shard is not stored yet.
+        """
+        try:
+            with open(path, "rb") as handle:
+                header = read_header(handle, path.stat().st_size, max_header_bytes=self.max_header_bytes)
+            verified = False
+
+            def verify() -> None:
+                nonlocal verified
+                if not verified:
+                    verify_shard_file(path, max_header_bytes=self.max_header_bytes)
+                    verified = True
+
+            return self._store(path, header, verify)
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- bytes hashed as they are received -------------------------------------------------------
+
+    def receiver(
+        self, *, expected_id: str | None = None, max_bytes: int | None = None, write_behind: bool = False
+    ) -> ShardReceiver:
+        """A :class:`ShardReceiver` writing into the staging folder; pass it to :meth:`store_received`."""
+        return ShardReceiver(
+            self.staging_path(),
+            expected_id=expected_id,
+            max_bytes=max_bytes,
+            max_header_bytes=self.max_header_bytes,
+            direct_writes=self.direct_writes,
+            write_behind=write_behind,
+        )
+
+    def put_shard(
+        self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
+    ) -> ShardReceipt:
+        """Write a shard's ``header`` and then its ``pieces`` through a receiver, and store it.
+
+        ``on_bytes`` is called with each piece's size once it is written.
+        """
+        receiver = self.receiver()
+        try:
+            receiver.write(header)
+            receiver.write_tensors(pieces, on_bytes)
+        except BaseException:
+            receiver.discard()
+            raise
+        return self.store_received(receiver)
+
+    def store_received(self, receiver: ShardReceiver) -> ShardReceipt:
+        """Store the shard ``receiver`` took in whole; its bytes were hashed on their way in, so
+        nothing is read back. The staging file is consumed whatever the outcome."""
+        try:
+            return self._store(receiver.path, receiver.finish(), _verified)
+        finally:
+            receiver.discard()
+
+    def unhashed_receiver(self, *, length: int, max_bytes: int) -> UnhashedReceiver:
+        """A receiver for an upload of tensors not hashed yet (:mod:`service.intake.unhashed_receiver`),
+        ``length`` bytes whose tensors hold at most ``max_bytes``; pass it to :meth:`store_unhashed`."""
+        return UnhashedReceiver(
+            self.staging_path(),
+            length=length,
+            max_bytes=max_bytes,
+            max_layout_bytes=self.max_header_bytes,
+            direct_writes=self.direct_writes,
+        )
+
+    def store_unhashed(self, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
+        """Store the upload ``receiver`` took in whole; the receipt and each tensor's digest in the
+        order sent. The staging file is consumed whatever the outcome."""
+        try:
+            written = receiver.finish()
+            return self._store(receiver.path, written.header, _verified), written.digests
+        finally:
+            receiver.discard()
+
+    # -- tensors hashed as they are written ------------------------------------------------------
+
+    def put_tensors(
+        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+    ) -> tuple[ShardReceipt, list[str]]:
+        """Store ``tensors`` as one shard laid out by dtype; the receipt and each tensor's digest, in
+        the order given; see :meth:`Store.put_tensors`."""
+        check_unhashed(tensors)
+        order = layout_order([tensor.dtype for tensor in tensors])
+        receipt, written = self.write_and_store([tensors[i] for i in order], on_bytes)
+        digests = [""] * len(tensors)
+        for index, digest in zip(order, written.digests, strict=True):
+            digests[index] = digest
+        return receipt, digests
+
+    def write_and_store(
+        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+    ) -> tuple[ShardReceipt, WrittenShard]:
+        """Write ``tensors``, in the order given, as one shard, hashing each, and store it.
+
+        ``on_bytes`` is called with each tensor's size once it is written.
+        """
+        path = self.staging_path()
+        try:
+            written = write_shard(path, tensors, SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes)
+            return self._store(path, written.header, _verified), written
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- where every way ends --------------------------------------------------------------------
+
+    def _store(self, path: Path, header: ShardHeader, verify: Callable[[], None]) -> ShardReceipt:
+        """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new.
+
+        Raises:
+            StorageError: garbage collection kept deleting the shard while it was stored; retry.
+        """
+        for _attempt in range(INGEST_ATTEMPTS):
+            with self.db.transaction() as session:
+                known = session.connection().execute(_SHARD_KNOWN, {"shard_id": header.shard_id}).first() is not None
+            if not known:
+                # Only a shard not yet stored is hashed: a known id names bytes already verified.
+                verify()
+                self.blobs.put_file(header.shard_id, path)
+            created = record_shard(db=self.db, blobs=self.blobs, header=header)
+            if created is not None:
+                return ShardReceipt(
+                    shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
+                )
+            if not path.exists():  # the blob store took the file, and a sweep then deleted it
+                break
+        raise StorageError(
+            f"shard {header.shard_id} was deleted by garbage collection while it was being stored; retry the upload"
+        )
 
 
-def fill(
-    receiver: ShardReceiver, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None
-) -> ShardReceiver:
-    """Write a shard's ``header`` and then its ``pieces`` into ``receiver``; ``receiver``.
-
-    ``on_bytes`` is called with each piece's size once it is written. On any error the
-    receiver's staging file is removed.
-    """
-    try:
-        receiver.write(header)
-        receiver.write_tensors(pieces, on_bytes)
-    except BaseException:
-        receiver.discard()
-        raise
-    return receiver
-
-
-def write_tensors(
-    *,
-    db: Database,
-    blobs: BlobStore,
-    path: Path,
-    tensors: Sequence[UnhashedTensor],
-    direct_writes: bool,
-    on_bytes: Callable[[int], object] | None = None,
-) -> tuple[ShardReceipt, WrittenShard]:
-    """Write ``tensors``, in the order given, as one shard at ``path``, hashing each, and store it.
-
-    ``on_bytes`` is called with each tensor's size once it is written; ``path`` is gone after.
-    """
-    try:
-        written = write_shard(path, tensors, SHARD_METADATA, direct_writes=direct_writes, on_bytes=on_bytes)
-        return store_shard(db=db, blobs=blobs, path=path, header=written.header, verify=lambda: None), written
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def store_shard(
-    *, db: Database, blobs: BlobStore, path: Path, header: ShardHeader, verify: Callable[[], None]
-) -> ShardReceipt:
-    """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new.
-
-    Raises:
-        StorageError: garbage collection kept deleting the shard while it was stored; retry.
-    """
-    for _attempt in range(INGEST_ATTEMPTS):
-        with db.transaction() as session:
-            known = session.connection().execute(_SHARD_KNOWN, {"shard_id": header.shard_id}).first() is not None
-        if not known:
-            # Only a shard not yet stored is hashed: a known id names bytes already verified.
-            verify()
-            blobs.put_file(header.shard_id, path)
-        created = record_shard(db=db, blobs=blobs, header=header)
-        if created is not None:
-            return ShardReceipt(
-                shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
-            )
-        if not path.exists():  # the blob store took the file, and a sweep then deleted it
-            break
-    raise StorageError(
-        f"shard {header.shard_id} was deleted by garbage collection while it was being stored; retry the upload"
-    )
+def _verified() -> None:
+    """The check of a shard whose bytes were hashed as they arrived or were written: nothing left."""
 
 
 def record_shard(*, db: Database, blobs: BlobStore, header: ShardHeader) -> bool | None:
@@ -280,15 +303,9 @@ class _BlobSwept(Exception):
 
 __all__ = [
     "INGEST_ATTEMPTS",
+    "Intake",
     "InvalidShardError",
     "check_unhashed",
-    "fill",
-    "ingest_file",
-    "put_tensors",
     "record_shard",
-    "store_received",
-    "store_shard",
-    "UnhashedUploads",
     "verify_shard_file",
-    "write_tensors",
 ]

@@ -74,7 +74,7 @@ RANK = {None: 0, "read": 1, "write": 2, "admin": 3}
 CALLERS = [None, "read", "write", "admin"]
 
 SHARD = build_shard(tensor(1), tensor(2))
-from ckptstore.service.intake.unhashed_receiver import encode_layout  # noqa: E402
+from ckptstore.service.format.sharding import encode_layout  # noqa: E402
 
 PARAMS = {"shard_id": SHARD.shard_id, "run_id": "run-a", "ref": "1", "name": "best", "upload": "0" * 32}
 #: Routes a server on a local folder answers 409 (direct_uploads_unavailable) once the caller may use them.

@@ -127,7 +127,7 @@ def test_a_crash_between_writing_and_repointing_loses_nothing_and_a_later_gc_cle
 def test_a_failed_write_of_the_new_shard_leaves_the_old_one_in_use(store: Store, ingest: Ingest) -> None:
     old, live, _dead = mostly_dead(store, ingest)
     faulty = FaultyBlobStore(store.blobs)
-    store.blobs = faulty
+    store.blobs = store.intake.blobs = faulty
     faulty.arm("fsync-file", os_error(errno.EIO))
 
     with pytest.raises(StorageError):

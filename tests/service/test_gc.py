@@ -289,7 +289,7 @@ def test_a_blob_deleted_between_an_uploads_put_and_its_record_is_stored_again(
 ) -> None:
     held = sweep_rows_only(store, monkeypatch)
     wrapped = DeleteAfterPut(store.blobs, store.db, held[0])
-    store.blobs = wrapped
+    store.blobs = store.intake.blobs = wrapped
 
     receipt = store.ingest_file(garbage.shard.write(store.staging_path()))
 

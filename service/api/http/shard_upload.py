@@ -68,10 +68,9 @@ async def receive_unhashed(
         raise InvalidInputError("an upload of unhashed tensors needs a Content-Length")
     if _declared(declared_length) > max_bytes + store.max_header_bytes:
         raise PayloadTooLargeError(f"an upload of {declared_length} bytes exceeds the limit of {max_bytes}")
-    uploads = store.unhashed
-    receiver = uploads.receiver(length=int(declared_length), max_bytes=max_bytes)
+    receiver = store.intake.unhashed_receiver(length=int(declared_length), max_bytes=max_bytes)
     await _fill(receiver, body, declared_length, socket_body)
-    receipt, digests = await run_in_threadpool(uploads.ingest, receiver)
+    receipt, digests = await run_in_threadpool(store.intake.store_unhashed, receiver)
     return TensorsReceipt(shard=receipt, digests=digests)
 
 
