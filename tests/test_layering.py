@@ -65,7 +65,7 @@ def test_the_whole_service_imports_without_torch_or_client() -> None:
 
 #: The one reader of pickled bytes: an allow-list interpreter that never imports or calls what
 #: a pickle names. Every other module that meets pickled data hands the bytes to it.
-PICKLE_READER = "client/formats/pickle_reader.py"
+PICKLE_READER = "client/formats/pickled/reader.py"
 #: Ways Python code loads pickled data (or runs a checkpoint's code), none allowed in the product.
 PICKLE_LOADERS = (
     "import pickle",
@@ -106,7 +106,7 @@ def test_one_reader_of_pickled_data_in_the_product() -> None:
     callers = sorted(
         str(path.relative_to(ROOT)) for path in (ROOT / "client").rglob("*.py") if "read_pickle(" in path.read_text()
     )
-    assert callers == ["client/formats/dcp_folder.py", PICKLE_READER, "client/formats/torch_files.py"]
+    assert callers == ["client/formats/dcp/folder.py", PICKLE_READER, "client/formats/torch_save/files.py"]
 
 
 # -- the command line's server commands, and the client over HTTP --------------------------------
