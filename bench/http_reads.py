@@ -31,7 +31,7 @@ from common import served  # noqa: E402
 
 from ckptstore.client import Client  # noqa: E402
 from ckptstore.client.loading.reader import TensorReader  # noqa: E402
-from ckptstore.client.transport import Transport  # noqa: E402
+from ckptstore.client.store_protocol import Transport  # noqa: E402
 
 os.environ["CKPTSTORE_DISABLE_PROGRESS_BARS"] = "1"
 

@@ -7,8 +7,8 @@
 The module-level functions use a client built from ``CKPTSTORE_URL`` / ``CKPTSTORE_HOME``
 as they are when the function is called; build a :class:`Client` to choose explicitly.
 
-Rooms by job: the top-level modules (api, connection, results, transport, state, jsonstate,
-keys, names, placement, tensors, progress, gc_pause) are the floor: none but :mod:`client.api`
+Rooms by job: the top-level modules (api, connection, results, store_protocol, state, jsonstate,
+keys, names, placement, tensors, progress, cyclic_gc) are the floor: none but :mod:`client.api`
 imports a package of ``client`` (the torch-free :mod:`client.connection` opens a server through
 :mod:`client.http`). The Client drives :mod:`client.saving`, :mod:`client.loading`,
 :mod:`client.http` and, for sharded models, :mod:`client.distributed`; above it sit

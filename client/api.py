@@ -14,7 +14,7 @@ import torch
 
 from ckptstore.client import keys
 from ckptstore.client.connection import Connection
-from ckptstore.client.gc_pause import paused_collection
+from ckptstore.client.cyclic_gc import paused_collection
 from ckptstore.client.loading import restore, selection
 from ckptstore.client.loading.readahead import local_reads
 from ckptstore.client.loading.reader import TensorReader

@@ -18,7 +18,7 @@ from ckptstore.service.errors import InvalidInputError, NotFoundError, Permissio
 from ckptstore.service.format.records import GcReport, RetentionPolicy, RunInfo, VersionInfo
 
 if TYPE_CHECKING:
-    from ckptstore.client.transport import Transport
+    from ckptstore.client.store_protocol import Transport
 
 DEFAULT_HOME = "~/.ckptstore"
 

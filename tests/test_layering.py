@@ -247,13 +247,13 @@ def test_a_client_over_http_imports_no_engine(tmp_path: Path) -> None:
 # Imports are read from the source with ast.walk over the whole module, so an import inside a
 # function, or under ``if TYPE_CHECKING:``, counts as much as one at the top.
 
-#: The floor's size: the Client and Connection, results, transport, state flattening and
+#: The floor's size: the Client and Connection, results, the store protocol, state flattening and
 #: placement, and the small helpers they share.
 FLOOR = {
     "api",
     "connection",
     "results",
-    "transport",
+    "store_protocol",
     "state",
     "jsonstate",
     "keys",
@@ -261,7 +261,7 @@ FLOOR = {
     "placement",
     "tensors",
     "progress",
-    "gc_pause",
+    "cyclic_gc",
 }
 #: Most modules side by side in one folder of the product: past a dozen, a folder becomes rooms
 #: (size caps on files make flat files, not rooms).

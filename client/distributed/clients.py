@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 from ckptstore.client.connection import default_connection
 from ckptstore.client.saving.hashing import SaveLedger
 from ckptstore.client.saving.saver import SaveSettings
-from ckptstore.client.transport import Transport
+from ckptstore.client.store_protocol import Transport
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from ckptstore.client.formats.exporting import (
 from ckptstore.client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
 from ckptstore.client.loading import restore, selection
 from ckptstore.client.loading.reader import TensorReader
-from ckptstore.client.transport import Transport
+from ckptstore.client.store_protocol import Transport
 from ckptstore.service.errors import CheckpointError, InvalidInputError, StateMismatchError, StorageError
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "ADAPTER_KEYS", "export_dcp", "export_peft", "peft_file_name"]

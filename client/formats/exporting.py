@@ -29,8 +29,8 @@ from typing import Any
 from ckptstore.client import jsonstate
 from ckptstore.client.loading import selection
 from ckptstore.client.loading.reader import TensorReader
+from ckptstore.client.store_protocol import Transport
 from ckptstore.client.tensors import byte_view, host_contiguous
-from ckptstore.client.transport import Transport
 from ckptstore.service.errors import InvalidInputError, StateMismatchError
 from ckptstore.service.format.manifest import TENSOR_REF, Manifest, TensorEntry
 from ckptstore.service.format.safetensors_header import encode_header, layout_order

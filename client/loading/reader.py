@@ -20,8 +20,8 @@ import torch
 from ckptstore.client.loading.decoding import decode_threads, decoded
 from ckptstore.client.loading.plan import ReadUnit, batch_units, plan_reads
 from ckptstore.client.loading.readahead import run_ahead
+from ckptstore.client.store_protocol import Transport
 from ckptstore.client.tensors import NAME_TO_TORCH, byte_view
-from ckptstore.client.transport import Transport
 from ckptstore.service.errors import IntegrityError, InvalidInputError
 from ckptstore.service.format.digest import TensorHasher, tensor_digest
 from ckptstore.service.format.encoded_reads import decode_into, fetch_chain

@@ -23,7 +23,7 @@ from typing import Any
 
 from ckptstore.client.loading.plan import ReadUnit, Stored, plan_reads
 from ckptstore.client.loading.readahead import read_ahead
-from ckptstore.client.transport import Transport
+from ckptstore.client.store_protocol import Transport
 from ckptstore.service.errors import CheckpointError, IntegrityError, NotFoundError
 from ckptstore.service.format.digest import TensorHasher, tensor_digest
 from ckptstore.service.format.digest import shard_id as shard_id_of

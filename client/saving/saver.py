@@ -38,8 +38,8 @@ from ckptstore.client.saving.hashing import (
 from ckptstore.client.saving.plan import SavePlan, plan_save
 from ckptstore.client.saving.upload import ShardUploader
 from ckptstore.client.state import FlatState, TensorRecord
+from ckptstore.client.store_protocol import Transport
 from ckptstore.client.tensors import dtype_name
-from ckptstore.client.transport import Transport
 from ckptstore.service import __version__
 from ckptstore.service.errors import MissingTensorsError
 from ckptstore.service.format.bounds import MAX_SIZES_PER_QUERY

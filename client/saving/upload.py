@@ -22,8 +22,8 @@ import torch
 from ckptstore.client.saving.gather import byte_views
 from ckptstore.client.saving.plan import SeparatePacker, balanced_shard_bytes
 from ckptstore.client.saving.shards import build_shard
+from ckptstore.client.store_protocol import Transport
 from ckptstore.client.tensors import dtype_name
-from ckptstore.client.transport import Transport
 from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.sharding import UnhashedTensor
 

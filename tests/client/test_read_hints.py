@@ -21,7 +21,7 @@ from ckptstore import client
 from ckptstore.client.loading import decoding
 from ckptstore.client.loading.read_hints import ReadHints, merged
 from ckptstore.client.loading.reader import TensorReader
-from ckptstore.client.transport import Transport
+from ckptstore.client.store_protocol import Transport
 from ckptstore.service.format.records import TensorLocation
 from ckptstore.service.store import Store
 from tests.client.models import tensors_equal

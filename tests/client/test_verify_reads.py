@@ -14,7 +14,7 @@ import ckptstore.client.loading.verify as verifying
 from ckptstore import client
 from ckptstore.client.loading.plan import Stored, plan_reads
 from ckptstore.client.loading.verify import Problem, VerifyReport, verify
-from ckptstore.client.transport import Transport
+from ckptstore.client.store_protocol import Transport
 from ckptstore.service.errors import StorageError
 from ckptstore.service.format.digest import tensor_digest
 from ckptstore.service.format.records import TensorLocation

@@ -24,7 +24,7 @@ from sqlalchemy import select
 from torch import nn
 
 from ckptstore import client
-from ckptstore.client.transport import Transport
+from ckptstore.client.store_protocol import Transport
 from ckptstore.service.blobs import BlobStore
 from ckptstore.service.db.models import Shard, Tensor, TensorNeed, Version
 from ckptstore.service.format.encoded_reads import chain_of

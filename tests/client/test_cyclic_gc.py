@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptstore import client
-from ckptstore.client.gc_pause import paused_collection
+from ckptstore.client.cyclic_gc import paused_collection
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""How the client reaches a store: in-process (embedded) or, later, over HTTP.
+"""The protocol the client reaches a store through: in-process (embedded) or over HTTP.
 
 Both speak the same protocol, so save and load run one code path. The embedded
 transport *is* the engine's :class:`service.store.Store`.
