@@ -102,7 +102,7 @@ def test_the_image_install_step_works_without_torch(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
     env["CKPTSTORE_HOME"] = str(tmp_path / "home")
     probe = (
-        "import importlib.util, service.api.server as s; "
+        "import importlib.util, ckptstore.service.api.server as s; "
         "assert importlib.util.find_spec('torch') is None; "
         "app = s.app_from_env(); print(len(app.openapi()['paths']))"
     )
