@@ -21,6 +21,7 @@ from ckptstore.service.blobs.base import READ_CHUNK_BYTES
 from ckptstore.service.catalog import lookup
 from ckptstore.service.catalog.listings import list_runs, list_versions, overview, version_summary
 from ckptstore.service.catalog.manifest_parts import manifest_text
+from ckptstore.service.catalog.metadata_check import check_metadata
 from ckptstore.service.catalog.retention import apply_now, current_policy, replace_policy
 from ckptstore.service.catalog.retention_rules import check_policy
 from ckptstore.service.catalog.versions import remove_tag, remove_version, resolve_ref, set_tag
@@ -31,6 +32,7 @@ from ckptstore.service.format.encoded_reads import read_tensor
 from ckptstore.service.format.names import LATEST, validate_run_id
 from ckptstore.service.format.records import (
     GcReport,
+    MetadataProblem,
     RetentionPolicy,
     RunInfo,
     ShardReceipt,
@@ -267,6 +269,10 @@ class Store:
         with self.db.transaction() as session:
             version = resolve_ref(session, validate_run_id(run_id), ref)
             return manifest_from_json(manifest_text(session, run_id, version))
+
+    def check_metadata(self, run_id: str, ref: int | str = LATEST) -> list[MetadataProblem]:
+        """What differs in the stored metadata of the version ``ref`` names from the digests covering it."""
+        return check_metadata(db=self.db, run_id=run_id, ref=ref)
 
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live; NotFoundError names any the store lacks."""

@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import ColumnElement, Exists
 
 from ckptstore.service.catalog.listings import SUMMARY_COLUMNS
-from ckptstore.service.catalog.manifest_parts import count_versions, known_parts, store_parts
+from ckptstore.service.catalog.manifest_parts import count_versions, known_parts, manifest_digest, store_parts
+from ckptstore.service.catalog.metadata_check import figures_digest
 from ckptstore.service.catalog.retention import apply_policy
 from ckptstore.service.db import Database
 from ckptstore.service.db.lock import hold_shared
@@ -23,7 +24,7 @@ from ckptstore.service.format.bounds import INT64_MAX, MAX_VERSION
 from ckptstore.service.format.digest import tensor_digest
 from ckptstore.service.format.manifest import ManifestBody, TensorEntry, stamp
 from ckptstore.service.format.names import validate_commit_key, validate_run_id, validate_tag
-from ckptstore.service.format.parts import head_json, split
+from ckptstore.service.format.parts import assemble, head_json, split
 from ckptstore.service.format.records import VersionInfo
 
 BATCH = 500
@@ -270,9 +271,13 @@ def commit_version(
     }
     part_ids = store_parts(session, parts, known)
     count_versions(session, Counter(part_ids))
-    connection.execute(
-        _ADD_VERSION, {**row, "manifest": head_json(manifest), "parts": part_ids, "commit_key": commit_key}
-    )
+    head = head_json(manifest)
+    digests = {
+        # Of the text a load assembles from the rows written here, not of another serialization.
+        "manifest_digest": manifest_digest(assemble(head, [part.body for part in parts])),
+        "figures_digest": figures_digest(run_id, number, row["tensors_new"], row["bytes_new"]),
+    }
+    connection.execute(_ADD_VERSION, {**row, **digests, "manifest": head, "parts": part_ids, "commit_key": commit_key})
     for name in dict.fromkeys(tags):
         existing = session.get(Tag, (run_id, name))
         if existing is None:

@@ -116,6 +116,8 @@ class Version(Base):
 
     ``manifest`` holds the manifest's head (every field but the tensor entries) and ``parts``
     the ids of the :class:`ManifestPart` rows holding its entries, in order.
+    ``manifest_digest`` and ``figures_digest`` cover every byte a load or a listing trusts
+    (``docs/FORMAT.md``, "Metadata digests"); ``ckptstore verify`` checks them.
     """
 
     __tablename__ = "versions"
@@ -137,6 +139,12 @@ class Version(Base):
     #: The key the client named its commit by (``Idempotency-Key``): a commit sent again with
     #: the same key answers with this version instead of committing another.
     commit_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    #: BLAKE3 of the whole manifest text as loads read it (head and parts assembled): a load
+    #: refuses a manifest that reads back otherwise. Empty only where a row was written without it.
+    manifest_digest: Mapped[str] = mapped_column(String(64), server_default="")
+    #: BLAKE3 of the figures the manifest cannot give (``tensors_new``, ``bytes_new``; see
+    #: :func:`service.catalog.metadata_check.figures_digest`).
+    figures_digest: Mapped[str] = mapped_column(String(64), server_default="")
 
     __table_args__ = (Index("ix_versions_commit_key", "run_id", "commit_key", unique=True),)
 

@@ -117,6 +117,19 @@ def tags_by_version(rows: Iterable[Any]) -> dict[int, list[str]]:
     return tags
 
 
+class MetadataProblem(_Record):
+    """One piece of a version's stored metadata that does not match what covers it.
+
+    ``where`` names the piece (``part 12``, ``manifest``, a listed column such as ``step``);
+    ``problem`` says what differs, in one line.
+    """
+
+    run_id: str
+    version: int
+    where: str
+    problem: str
+
+
 class RunInfo(_Record):
     """A run and its totals across versions."""
 
