@@ -12,6 +12,7 @@ from typing import Protocol
 from ckptstore.service.format.manifest import Manifest, ManifestBody
 from ckptstore.service.format.records import (
     GcReport,
+    MetadataProblem,
     RetentionPolicy,
     RunInfo,
     ShardReceipt,
@@ -69,7 +70,10 @@ class Transport(Protocol):
         """The version number a reference names."""
 
     def manifest(self, run_id: str, ref: int | str = "latest") -> Manifest:
-        """A version's manifest."""
+        """A version's manifest (IntegrityError if it no longer hashes to the digest it was committed with)."""
+
+    def check_metadata(self, run_id: str, ref: int | str = "latest") -> list[MetadataProblem]:
+        """What differs in a version's stored metadata from the digests covering it (empty: nothing)."""
 
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes are."""

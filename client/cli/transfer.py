@@ -265,5 +265,5 @@ def verify(
         )
         echo(f"store: {where}")
     if report.problems:
-        echo(f"error: {len(report.problems)} problems found in stored tensors", err=True)
+        echo(f"error: {len(report.problems)} problems found in stored tensors or metadata", err=True)
         raise typer.Exit(EXIT_FAILED)

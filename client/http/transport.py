@@ -37,6 +37,7 @@ from ckptstore.service.format.manifest import Manifest, ManifestBody, manifest_f
 from ckptstore.service.format.names import validate_commit_key, validate_run_id
 from ckptstore.service.format.records import (
     GcReport,
+    MetadataProblem,
     RetentionPolicy,
     RunInfo,
     ShardReceipt,
@@ -321,6 +322,11 @@ class HttpTransport:
         """A version's manifest."""
         path = f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}"
         return manifest_from_json(self.session.request("GET", path, metadata=True).content)
+
+    def check_metadata(self, run_id: str, ref: int | str = "latest") -> list[MetadataProblem]:
+        """What differs in a version's stored metadata from the digests covering it (empty: nothing)."""
+        path = f"/v1/runs/{quote(validate_run_id(run_id))}/versions/{_ref(ref)}/metadata-check"
+        return [MetadataProblem.model_validate(item) for item in self._json("GET", path, metadata=True)]
 
     def locate(self, digests: Iterable[str]) -> dict[str, TensorLocation]:
         """Where each digest's bytes live."""

@@ -1,7 +1,9 @@
 """Re-reading and re-hashing every stored byte a set of versions references.
 
-Every tensor's bytes are hashed against its digest, and every shard's header against the
-shard's id. Works through the transport only (``locate`` + ``read_scatter`` + a digest check), so
+Every version's stored metadata is checked against the digests covering it first (each
+manifest part's body, the whole manifest text, the listed columns: the store's
+``check_metadata``), then every tensor's bytes are hashed against its digest, and every shard's
+header against the shard's id. Works through the transport only (``locate`` + ``read_scatter`` + a digest check), so
 it checks an embedded store and a server alike. Each digest is read once however many versions
 and keys share it; a problem names the first key that references it and the shard holding it.
 
@@ -29,7 +31,7 @@ from ckptstore.service.format.digest import TensorHasher, tensor_digest
 from ckptstore.service.format.digest import shard_id as shard_id_of
 from ckptstore.service.format.encoded_reads import read_tensor
 from ckptstore.service.format.manifest import Manifest
-from ckptstore.service.format.records import TensorLocation
+from ckptstore.service.format.records import MetadataProblem, TensorLocation
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES
 
 #: Largest single read, and the size of each of the two buffers reads take turns in (the
@@ -39,7 +41,8 @@ UNIT_BYTES = 64 << 20
 
 @dataclass
 class Problem:
-    """One thing wrong with the stored bytes of a tensor (or with a whole version)."""
+    """One thing wrong with the stored bytes of a tensor, or with a version's stored metadata
+    (``key`` then names the piece: ``manifest``, ``part 12``, a listed column such as ``step``)."""
 
     run_id: str
     version: int | None
@@ -111,7 +114,8 @@ def verify(
     references: dict[str, _Reference] = {}
     for run_id, ref in versions:
         try:
-            manifest = transport.manifest(run_id, ref)
+            metadata = transport.check_metadata(run_id, ref)
+            manifest = _manifest(transport, run_id, ref, metadata)
         except NotFoundError:
             if strict_refs:
                 raise
@@ -123,6 +127,12 @@ def verify(
             report.problems.append(Problem(run_id, number, "", None, None, f"manifest unreadable: {exc}"))
             continue
         report.versions += 1
+        report.problems.extend(_metadata_problem(problem) for problem in metadata)
+        if isinstance(manifest, Problem):
+            report.problems.append(manifest)
+            continue
+        if manifest is None:
+            continue
         report.tensors += len(manifest.tensors)
         _collect(manifest, references, report)
     stored = sorted(d for d, ref in references.items() if 0 not in ref.shape)
@@ -140,6 +150,23 @@ def verify(
     _check_encoded(transport, [loc for loc in order if loc.encoded], located, references, report, on_bytes)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _metadata_problem(problem: MetadataProblem) -> Problem:
+    return Problem(problem.run_id, problem.version, problem.where, None, None, f"stored metadata: {problem.problem}")
+
+
+def _manifest(
+    transport: Transport, run_id: str, ref: int | str, metadata: list[MetadataProblem]
+) -> Manifest | Problem | None:
+    """The version's manifest; else the Problem its refusal is, or None when the metadata check named it already."""
+    try:
+        return transport.manifest(run_id, ref)
+    except IntegrityError as exc:
+        if any(problem.where in {"manifest", "parts"} or problem.where.startswith("part ") for problem in metadata):
+            return None
+        number = metadata[0].version if metadata else ref if isinstance(ref, int) else None
+        return Problem(run_id, number, "manifest", None, None, f"stored metadata: {exc}")
 
 
 def _collect(manifest: Manifest, references: dict[str, _Reference], report: VerifyReport) -> None:

@@ -129,8 +129,11 @@ def manifest_text(session: Session, run_id: str, version: int) -> str:
     head, parts, expected = row
     ids = listed_ids(parts)
     bodies = stored_bodies(session, ids or [])
-    whole = ids is not None and all(pid in bodies for pid in ids)
-    text = assembled_text(head, [bodies[pid] for pid in ids or []]) if whole else None
+    listed = [bodies[pid] for pid in ids if pid in bodies] if ids is not None else []
+    # A body's brackets are left out when it is spliced in: checked here, every byte it holds is.
+    bracketed = all(len(body) > 1 and body[0] == "[" and body[-1] == "]" for body in listed)
+    whole = ids is not None and len(listed) == len(ids) and bracketed
+    text = assembled_text(head, listed) if whole else None
     if text is None or manifest_digest(text) != expected:
         raise IntegrityError(
             f"run {run_id!r} version {version}: its stored manifest does not match the digest it was committed "

@@ -12,7 +12,7 @@ from ckptstore.service.api.deps import CanAdmin, CanRead, CanWrite, StoreDep
 from ckptstore.service.api.http.strict_json import StrictJSONRoute
 from ckptstore.service.api.schemas import CommitRequest, ResolvedVersion, TagRequest
 from ckptstore.service.format.manifest import Manifest, manifest_to_json
-from ckptstore.service.format.records import RunInfo, VersionInfo
+from ckptstore.service.format.records import MetadataProblem, RunInfo, VersionInfo
 
 router = APIRouter(prefix="/v1/runs", route_class=StrictJSONRoute, tags=["runs"])
 RunId = Annotated[str, Path(max_length=128, description="A run id.")]
@@ -64,6 +64,12 @@ async def get_manifest(run_id: RunId, ref: Ref, store: StoreDep) -> Response:
     """The manifest of a version (``ref`` = number, 'latest' or tag)."""
     manifest = await run_in_threadpool(store.manifest, run_id, ref)
     return Response(manifest_to_json(manifest), media_type="application/json")
+
+
+@router.get("/{run_id}/versions/{ref}/metadata-check", dependencies=[CanRead])
+async def check_metadata(run_id: RunId, ref: Ref, store: StoreDep) -> list[MetadataProblem]:
+    """What differs in a version's stored metadata from the digests covering it (empty: nothing)."""
+    return await run_in_threadpool(store.check_metadata, run_id, ref)
 
 
 @router.delete("/{run_id}/versions/{ref}", dependencies=[CanAdmin])
