@@ -280,3 +280,49 @@ def test_a_store_created_before_migrations_is_stamped_and_opens(tmp_path: Path) 
         assert schema_module.current_revision(database) == schema_module.head_revision()
     finally:
         database.dispose()
+
+
+def test_revision_0007_gives_every_stored_version_the_digests_a_commit_writes(
+    empty_database: Database, tmp_path: Path
+) -> None:
+    from ckptstore.service.blobs import LocalBlobStore
+    from ckptstore.service.db.models import Version, table
+    from ckptstore.service.format.manifest import ManifestBody, TensorEntry
+    from ckptstore.service.format.sharding import UnhashedTensor
+    from ckptstore.service.store import Store
+
+    upgrade(empty_database)
+    store = Store(empty_database, LocalBlobStore(tmp_path / "blobs"), tmp_path / "staging")
+    _receipt, digests = store.put_tensors([UnhashedTensor("U8", (n,), memoryview(bytes(n))) for n in (1, 2, 3)])
+    entries = [
+        TensorEntry(
+            key=f"model/{n}",
+            dtype="U8",
+            shape=[n + 1],
+            dtype_class="integer",
+            digest=digest,
+            placement="target",
+            device_type="cpu",
+            trainable=n == 0,
+        )
+        for n, digest in enumerate(digests)
+    ]
+    # More versions than the migration fills in one batch (200), in two runs.
+    for number in range(205):
+        body = ManifestBody(tensors=entries[: 1 + number % 3], step=number, metrics={"loss": 1 / (number + 1)})
+        store.commit(f"run-{number % 2}", body)
+    versions = table(Version)
+    columns = select(versions.c.run_id, versions.c.version, versions.c.manifest_digest, versions.c.figures_digest)
+    with empty_database.engine.connect() as connection:
+        written = set(connection.execute(columns).all())
+    assert len(written) == 205 and all(len(row[2]) == len(row[3]) == 64 for row in written)
+
+    with empty_database.engine.begin() as connection:
+        command.downgrade(alembic_config(connection), "0006")
+    assert "manifest_digest" not in {c["name"] for c in inspect(empty_database.engine).get_columns("versions")}
+    upgrade(empty_database)
+
+    with empty_database.engine.connect() as connection:
+        assert set(connection.execute(columns).all()) == written
+    assert store.check_metadata("run-0", 1) == [] and store.check_metadata("run-1", "latest") == []
+    assert store.manifest("run-1", 100).step == 199  # run-1 holds the odd numbers
