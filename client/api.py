@@ -34,7 +34,7 @@ from ckptstore.client.state import (
     TensorRecord,
     flatten,
     flatten_extra,
-    flatten_named_optimizer,
+    flatten_optimizer_state,
     flatten_other,
 )
 from ckptstore.service.errors import InvalidInputError, StateEncodingError, StateMismatchError
@@ -277,8 +277,10 @@ class Client(Connection):
 
         ``optim_state`` is an optimizer state_dict keyed by parameter name (the layout
         ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives: ``state`` by name, each
-        group's ``params`` a list of names); its parameters are stored as trainable, and
-        :meth:`load` with ``optim=`` restores it. ``scheduler_state`` is a scheduler's state_dict.
+        group's ``params`` a list of names; its parameters are stored as trainable), or one that
+        numbers its parameters 0, 1, ... in its groups' order (``Optimizer.state_dict()``), kept
+        by position; :meth:`load` with ``optim=`` restores either. ``scheduler_state`` is a
+        scheduler's state_dict.
         """
         self._background.wait(report=True)
         started = time.perf_counter()
@@ -296,7 +298,7 @@ class Client(Connection):
                 raise StateEncodingError(f"{key}: a {type(tensor).__name__}, not a tensor")
             flat.add(TensorRecord(key, tensor, "target", trainable=trainable or name in optimized))
         if optim_state is not None:
-            flatten_named_optimizer(flat, optim_state["state"], optim_state["param_groups"])
+            flatten_optimizer_state(flat, optim_state)
         if scheduler_state is not None:
             flatten_other(flat, "scheduler", scheduler_state)
         if extra is not None:
@@ -458,6 +460,11 @@ class Client(Connection):
         model's other tensors untouched. With ``optim``, only the state of the selected
         parameters is read, and ``optim`` must optimize exactly those (grouped as when saved).
 
+        The version's optimizer class, where recorded, must be ``optim``'s: a strict load into
+        another class is refused before anything is written (``strict=False`` loads it anyway).
+        Optimizer state an import kept by position (the file numbered the parameters) goes to
+        ``optim``'s parameters in its groups' order, as ``optim.load_state_dict`` would.
+
         Every byte is verified. Keys and shapes are all checked before anything is written,
         but the bytes are checked as they arrive: after an IntegrityError the model may hold
         some bytes of the corrupt tensor (and of those after it), so load again from a
@@ -481,6 +488,8 @@ class Client(Connection):
             )
         target = torch.device(device) if device is not None else None
         manifest = self.transport.manifest(validate_run_id(run_id), version)
+        if optim is not None:  # before anything is written
+            restore.check_optimizer(manifest, optim, strict=strict, partial=patterns is not None)
         with byte_bar(lambda: sum(e.nbytes for e in manifest.tensors), "load") as bar:
             reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self.read_threads)
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)

@@ -3,7 +3,12 @@
 Every tensor becomes a :class:`TensorRecord` with its manifest key and placement; every
 other value goes into a JSON tree that refers to tensors by key. Optimizer state is keyed by
 the **parameter's name** in the model, so it loads into a freshly built optimizer whatever
-order its parameters were passed in.
+order its parameters were passed in; the optimizer's class is recorded beside it.
+
+Only an imported state_dict that numbers its parameters (``torch.save(optim.state_dict())``)
+is kept **by position** (:func:`flatten_positional_optimizer`): which parameter an index is,
+only the optimizer that made it knew, so a load pairs positions with the optimizer it is
+given, as ``Optimizer.load_state_dict`` does.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class FlatState:
 
     records: list[TensorRecord] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
+    #: The class of the optimizer whose state ``state["optim"]`` holds, where known (:func:`optimizer_class`).
+    optimizer_class: str | None = None
     _keys: set[str] = field(default_factory=set)
 
     def add(self, record: TensorRecord) -> str:
@@ -58,6 +65,16 @@ class FlatState:
             raise StateEncodingError(f"two tensors map to the key {sorted(self._keys & keys)[0]!r}")
         self._keys |= keys
         self.records += records
+
+
+def optimizer_class(optim: torch.optim.Optimizer) -> str:
+    """The module-qualified name of ``optim``'s class (``torch.optim.adamw.AdamW``), inside any
+    wrapper that holds the real optimizer as ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``)."""
+    inner: Any = optim
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    cls = type(inner)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def parameter_names(model: torch.nn.Module, known: names.ModelNames | None = None) -> dict[int, str]:
@@ -197,6 +214,7 @@ class FlattenCache:
     ) -> None:
         """:func:`flatten_optimizer`, its state's records and JSON from the last save's part of
         ``optim`` while it holds."""
+        flat.optimizer_class = optimizer_class(optim)
         saved = optim.state_dict()
         groups = optim.param_groups
         state = saved["state"]
@@ -264,7 +282,9 @@ def _optimizer_param_names(optim: torch.optim.Optimizer, param_names: dict[int, 
 def flatten_optimizer(
     flat: FlatState, optim: torch.optim.Optimizer, model: torch.nn.Module, known: names.ModelNames | None = None
 ) -> None:
-    """Add optimizer state keyed by parameter name, plus any tensors inside param_groups."""
+    """Add optimizer state keyed by parameter name, plus any tensors inside param_groups, and
+    record the optimizer's class."""
+    flat.optimizer_class = optimizer_class(optim)
     group_names = _optimizer_param_names(optim, parameter_names(model, known))
     saved = optim.state_dict()
     state_json = _flatten_optimizer_state(flat, saved, group_names)
@@ -288,6 +308,45 @@ def flatten_named_optimizer(flat: FlatState, state: dict[str, Any], param_groups
     ``params`` a list of names: the layout ``get_state_dict`` gives), placing Adam's ``step``
     on the host unless its group is fused or capturable."""
     _flatten_param_groups(flat, param_groups, _flatten_named_state(flat, state, param_groups))
+
+
+def is_positional(param_groups: list[dict[str, Any]]) -> bool:
+    """Whether an optimizer state_dict's groups number their parameters (``params`` lists of
+    ints, as ``Optimizer.state_dict`` writes them) rather than name them."""
+    return any(type(p) is int for group in param_groups for p in group["params"])
+
+
+def flatten_optimizer_state(flat: FlatState, optim_state: dict[str, Any]) -> None:
+    """Add an optimizer state_dict given as data (an import): keyed by name
+    (:func:`flatten_named_optimizer`) or numbered (:func:`flatten_positional_optimizer`)."""
+    if is_positional(optim_state["param_groups"]):
+        flatten_positional_optimizer(flat, optim_state["state"], optim_state["param_groups"])
+    else:
+        flatten_named_optimizer(flat, optim_state["state"], optim_state["param_groups"])
+
+
+def flatten_positional_optimizer(flat: FlatState, state: dict[int, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Add an optimizer state_dict that numbers its parameters 0, 1, ... in its groups' order
+    (``state`` by that position, each group's ``params`` a list of positions), kept by position.
+
+    Tensors are stored under ``optim/state/<position>/...`` with placement ``target`` (a load
+    puts them on the device of the parameter at that position of the optimizer it is given),
+    Adam's ``step`` on the host unless its group is fused or capturable.
+    """
+    group_of = {p: g for g, group in enumerate(param_groups) for p in group["params"]}
+    step_on_host = [not group_places_step_on_device(group) for group in param_groups]
+    state_json: dict[str, Any] = {}
+    for position, param_state in state.items():
+        if position not in group_of:
+            raise StateEncodingError(f"optimizer state for parameter {position}, which no param group lists")
+        prefix = keys.join("optim", "state", str(position))
+        host_step = f"{prefix}/step" if step_on_host[group_of[position]] else None
+
+        def store(tensor: torch.Tensor, path: str, host_step: str | None = host_step) -> str:
+            return flat.add(TensorRecord(path, tensor, "host" if path == host_step else "target"))
+
+        state_json[str(position)] = jsonstate.encode(param_state, prefix, store)
+    _flatten_param_groups(flat, param_groups, state_json)
 
 
 def _flatten_named_state(flat: FlatState, state: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -315,7 +374,8 @@ def _flatten_param_groups(flat: FlatState, param_groups: list[dict[str, Any]], s
     groups_json = []
     for group_index, group in enumerate(param_groups):
         group_params = list(group["params"])
-        owner = group_params[0] if group_params else None
+        # A positional group's tensors go where the load is asked to put them (their parameter is not named).
+        owner = group_params[0] if group_params and isinstance(group_params[0], str) else None
 
         def store_group(tensor: torch.Tensor, path: str, owner: str | None = owner) -> str:
             if owner is None:

@@ -35,6 +35,7 @@ from ckptstore.client.formats.exporting import (
 from ckptstore.client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
 from ckptstore.client.loading import restore, selection
 from ckptstore.client.loading.reader import TensorReader
+from ckptstore.client.state import is_positional
 from ckptstore.client.store_protocol import Transport
 from ckptstore.service.errors import CheckpointError, InvalidInputError, StateMismatchError, StorageError
 
@@ -111,6 +112,13 @@ def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Pat
     cpu = torch.device("cpu")
     model, _ = restore.materialize_model(reader, selection.selected_model_keys(manifest, None), cpu, None)
     state: dict[str, Any] = {"model": model}
+    saved_optim: Any = manifest.state.get("optim")
+    if isinstance(saved_optim, dict) and is_positional(saved_optim["param_groups"]):
+        raise StateMismatchError(
+            f"version {manifest.version} of run {manifest.run_id!r} holds optimizer state by position (its source "
+            "numbered the parameters), and a DCP checkpoint keys it by name: load it with client.load(run, "
+            "model=..., optim=...) and store it with client.save, then export that version"
+        )
     on_cpu = {e.param: cpu for e in manifest.tensors if e.param is not None}
     optim = restore.restore_section(reader, "optim", cpu, on_cpu)
     if optim is not None:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from ckptstore.client.api import Client
-from ckptstore.client.formats import budget, confined, peft_folder, sources
+from ckptstore.client.formats import budget, confined, peft_folder, sources, wrapped_names
 from ckptstore.client.formats.json_text import check_structure, parse_json
 from ckptstore.client.results import SaveResult
+from ckptstore.client.state import is_positional
 from ckptstore.client.tensors import NAME_TO_TORCH
 from ckptstore.service.errors import InvalidInputError
 from ckptstore.service.format.dtypes import itemsize
@@ -156,11 +157,17 @@ def read_checkpoint(
     to it. ``expand_limit`` lets expanded (stride-0) tensors of ``.pt`` files through up to
     that many bytes each. Every tensor read is checked against its bytes (:func:`sources.check_tensors`),
     and the whole import may make at most ``max_expansion`` times the source's bytes
-    (:mod:`client.formats.budget`).
+    (:mod:`client.formats.budget`). Names lose the parts torch.compile and DDP add
+    (:mod:`client.formats.wrapped_names`), except in a checkpoint stored whole (Lightning's).
     """
     source = source.resolve()
     with budget.budgeted(source, max_expansion) as allowed:
         imported = _read_checkpoint(source, expand_limit)
+    if imported.tree is None:  # stored under canonical names, as client.save stores a wrapped model's
+        rename = wrapped_names.canonical_rule(imported.model)
+        imported.model = wrapped_names.canonical_model(imported.model, rename, str(source))
+        if imported.optim is not None:
+            imported.optim = wrapped_names.canonical_optimizer(imported.optim, rename, str(source))
     stored = sources.tensor_bytes(imported)
     if stored > allowed.limit:
         raise InvalidInputError(
@@ -248,10 +255,12 @@ def save_imported(
             metrics=imported.metrics or None,
             extra=rest,
         )
+    # Optimizer state by position does not say which weights it trains: all are stored as trainable.
+    positional = imported.optim is not None and is_positional(imported.optim["param_groups"])
     return client.save_state_dict(
         run_id,
         imported.model,
-        trainable=False,
+        trainable=positional,
         tags=tags,
         step=imported.step,
         metrics=imported.metrics or None,

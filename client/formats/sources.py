@@ -5,7 +5,7 @@
   with its optimizer, scheduler, step, epoch and metrics (:mod:`client.formats.torch_dicts`),
   and a Lightning ``.ckpt``;
 - a Hugging Face ``Trainer`` checkpoint folder (``trainer_state.json`` beside the weights):
-  the weights, ``optimizer.pt`` with its state named by parameter, ``scheduler.pt``, and
+  the weights, ``optimizer.pt`` with its state by position, ``scheduler.pt``, and
   ``trainer_state.json`` and ``rng_state*.pth`` as extras;
 - a DCP checkpoint folder (``.metadata`` + ``*.distcp``): its ``model`` and, when saved in
   ``get_state_dict``'s layout (state keyed by parameter name), its ``optim``, plus
@@ -14,9 +14,11 @@
 Every file is untrusted input, read by :mod:`client.formats` only: pickles by its allow-list
 reader (never a general unpickler, never ``torch.load``), paths confined to the source folder,
 every tensor checked against the bytes behind it (:func:`check_tensors`), and configs turned
-into models without running code (:func:`meta_model`). Optimizer state is always stored
-keyed by parameter name, so ``client.load(..., optim=...)`` resumes an imported run with the
-usual placement rules.
+into models without running code (:func:`meta_model`). Optimizer state is stored keyed by
+parameter name where the source names the parameters (DCP's ``get_state_dict`` layout), and
+by position where it numbers them (``Optimizer.state_dict()``): which parameter an index is,
+only the optimizer that wrote it knew, so ``client.load(..., optim=...)`` pairs positions with
+the optimizer it is given, as ``optimizer.load_state_dict`` does.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ckptstore.client.formats import confined, lightning_ckpt
 from ckptstore.client.formats.dcp.folder import read_dcp_folder
 from ckptstore.client.formats.json_text import large_integers, parse_json
 from ckptstore.client.formats.pickled.allowlist import shown
-from ckptstore.client.formats.torch_dicts import read_layout, tensor_dict
+from ckptstore.client.formats.torch_dicts import optimizer_state, read_layout, tensor_dict
 from ckptstore.client.formats.torch_save.constructors import RefusedTensor
 from ckptstore.client.formats.torch_save.files import read_torch_file
 from ckptstore.service.errors import InvalidInputError
@@ -191,39 +193,6 @@ def plain_values(value: Any) -> Any:
     return value
 
 
-def _named_optimizer(state: Any, names: list[list[str]], where: str) -> dict[str, Any]:
-    """An index-keyed optimizer state_dict re-keyed by parameter name, its structure checked."""
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    by_index_state = state.get("state") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or not isinstance(by_index_state, dict):
-        raise InvalidInputError(f"{where}: not an optimizer state_dict (a dict with 'state' and a 'param_groups' list)")
-    if len(groups) != len(names):
-        raise InvalidInputError(
-            f"{where} has {len(groups)} param groups; the model's Trainer grouping has {len(names)}"
-        )
-    by_index: dict[int, str] = {}
-    named_groups = []
-    for group, group_names in zip(groups, names, strict=True):
-        params = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(params, list) or not all(type(i) is int for i in params):
-            raise InvalidInputError(f"{where}: a param group is not a dict with a 'params' list of indices")
-        if len(params) != len(group_names):
-            raise InvalidInputError(
-                f"{where}: a param group holds {len(params)} parameters, the model's Trainer grouping "
-                f"{len(group_names)}"
-            )
-        by_index.update(zip(params, group_names, strict=True))
-        named_groups.append({**group, "params": group_names})
-    unknown = [i for i in by_index_state if i not in by_index]
-    if unknown:
-        raise InvalidInputError(
-            f"{where}: state for parameter index {str(unknown[0])[:40]}, which no param group holds"
-        )
-    if not all(isinstance(s, dict) for s in by_index_state.values()):
-        raise InvalidInputError(f"{where}: a parameter's state is not a dict")
-    return {"state": {by_index[i]: s for i, s in by_index_state.items()}, "param_groups": named_groups}
-
-
 def meta_model(directory: Path, weights: int) -> torch.nn.Module:
     """The transformers model ``config.json`` in ``directory`` describes, on the meta device
     (no memory, no download, no code from the folder), for a checkpoint of ``weights`` tensors.
@@ -336,17 +305,6 @@ def bounded_build(limit: int, subject: str, weights: int) -> Iterator[None]:
             handle.remove()
 
 
-def trainer_param_names(model: torch.nn.Module) -> list[list[str]]:
-    """The parameter names of each param group ``transformers.Trainer`` builds for ``model``:
-    the weight-decay group, then the rest."""
-    import transformers
-
-    # The Trainer's own rule (an instance method that reads nothing from the instance).
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
-    named = [n for n, p in model.named_parameters() if p.requires_grad]
-    return [[n for n in named if n in decay], [n for n in named if n not in decay]]
-
-
 def add_tied(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``tensors`` plus every tied name ``model`` has (``lm_head.weight`` for ``embed_tokens.weight``)
     that the saved weights leave out, as transformers' save_pretrained does."""
@@ -383,18 +341,9 @@ def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor],
     step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
     imported.step = step if isinstance(step, int) else None
     optimizer_path = directory / "optimizer.pt"
-    if exists(optimizer_path):
-        names = trainer_param_names(model)
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        optim = _named_optimizer(read_torch_file(optimizer_path, expand_limit=expand_limit), names, str(optimizer_path))
-        for name, param_state in optim["state"].items():
-            for key, value in param_state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shapes[name]:
-                    raise InvalidInputError(
-                        f"{optimizer_path}: {key} of {name!r} has shape {list(value.shape)}, the parameter "
-                        f"{list(shapes[name])}; the optimizer was not built with the Trainer's grouping"
-                    )
-        imported.optim = optim
+    if exists(optimizer_path):  # numbered by the Trainer's optimizer: kept by position (torch_dicts.optimizer_state)
+        loaded = read_torch_file(optimizer_path, expand_limit=expand_limit)
+        imported.optim = optimizer_state(loaded, imported.model, str(optimizer_path))
     if exists(directory / "scheduler.pt"):
         imported.scheduler = plain_values(read_torch_file(directory / "scheduler.pt", expand_limit=expand_limit))
     rng = {

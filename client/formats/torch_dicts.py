@@ -6,9 +6,10 @@ A tutorial checkpoint is ``{"epoch": 3, "model_state_dict": ..., "optimizer_stat
 and keeps the rest:
 
 - the model's tensors (the one dict of tensors under a model key, or the file itself);
-- the optimizer's state, re-keyed from parameter indices to parameter names
-  (:func:`name_optimizer_state`), so ``client.load(..., optim=...)`` restores it with the usual
-  placement rules; its parameters are then stored as trainable;
+- the optimizer's state: by parameter name where the file names them, else by position
+  (:func:`optimizer_state`: a numbered state_dict says nothing of which parameter each index
+  is), so ``client.load(..., optim=...)`` restores it into the optimizer it is given as
+  ``optimizer.load_state_dict`` would; its parameters are then stored as trainable;
 - the scheduler's state; ``global_step``/``step`` as the version's step;
 - every other key in ``extra`` (``epoch`` and ``loss`` included: ``LoadResult.extra`` gives the
   dict back as saved), numbers under metric-like names also as the version's metrics;
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,14 +43,8 @@ MODEL_KEYS = ("model_state_dict", "state_dict", "model", "net")
 OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optim")
 SCHEDULER_KEYS = ("scheduler_state_dict", "lr_scheduler", "scheduler")
 STEP_KEYS = ("global_step", "step")
-#: Names of buffers, never of parameters (the optimizer's indices count parameters only).
-BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked", "inv_freq", "position_ids")
 _METRIC_RE = re.compile(METRIC_PATTERN)
 _NONE = object()  # what next() gives when nothing is found (None may be a key)
-_ADVICE = (
-    "save the optimizer keyed by parameter name (torch.distributed.checkpoint.state_dict.get_state_dict) "
-    "or store the run with client.save(run, model, optim)"
-)
 
 
 @dataclass
@@ -112,7 +107,7 @@ def read_layout(loaded: Any, where: str) -> Layout:
     layout = Layout(tensor_dict(loaded[model_key], f"{where}[{model_key!r}]"))
     optim_key = _one_of(loaded, OPTIMIZER_KEYS, "optimizer", where)
     if optim_key is not None:
-        layout.optim = name_optimizer_state(loaded[optim_key], layout.model, f"{where}[{optim_key!r}]")
+        layout.optim = optimizer_state(loaded[optim_key], layout.model, f"{where}[{optim_key!r}]")
     scheduler_key = _one_of(loaded, SCHEDULER_KEYS, "scheduler", where)
     if scheduler_key is not None:
         scheduler = loaded[scheduler_key]
@@ -206,58 +201,17 @@ def _path(where: str, steps: list[tuple[int, Any]], step: int) -> str:
     return "/".join([where, *reversed(parts)])
 
 
-def _candidates(model: dict[str, torch.Tensor]) -> list[str]:
-    """The model's names that may be parameters, in order: floating tensors, tied names once,
-    known buffer names left out."""
-    seen: set[tuple[Any, ...]] = set()
-    names = []
-    for name, tensor in model.items():
-        if not (tensor.is_floating_point() or tensor.is_complex()) or name.endswith(BUFFER_SUFFIXES):
-            continue
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-        if tensor.numel() and identity in seen:  # a tied weight: one parameter under two names
-            continue
-        seen.add(identity)
-        names.append(name)
-    return names
+def optimizer_state(state: Any, model: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
+    """An optimizer state_dict as an import stores it: by name where the file names the
+    parameters (every name checked against the model), else by position.
 
-
-def _shapes(state: dict[str, Any]) -> set[tuple[int, ...]]:
-    """The shapes a parameter's optimizer state gives it (its tensors of a dimension or more)."""
-    return {tuple(v.shape) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
-
-
-def _embed(pattern: list[Callable[[str], bool]], names: list[str]) -> list[int] | None:
-    """The one way to pick ``pattern`` in order out of ``names`` (indices), None if there is none
-    or more than one: the leftmost and rightmost embeddings agree exactly when it is unique."""
-    left: list[int] = []
-    at = 0
-    for fits in pattern:
-        while at < len(names) and not fits(names[at]):
-            at += 1
-        if at == len(names):
-            return None
-        left.append(at)
-        at += 1
-    right: list[int] = []
-    at = len(names) - 1
-    for fits in reversed(pattern):
-        while not fits(names[at]):
-            at -= 1
-        right.append(at)
-        at -= 1
-    return left if left == right[::-1] else None
-
-
-def name_optimizer_state(state: Any, model: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
-    """An optimizer state_dict keyed by parameter name, from one keyed by index (or by name already).
-
-    Indices count the optimizer's parameters in its groups' order. With one group they are
-    the model's parameters in order; with several, each group's parameters in the model's
-    order and the groups told apart by their shapes. Every parameter's state must have its
-    parameter's shape. Where the file leaves the mapping open (parameters and buffers of the
-    same shape, groups sharing shapes, a count that does not fit) the import is refused
-    saying why, never guessed.
+    ``Optimizer.state_dict()`` numbers the parameters in its groups' order; which parameter an
+    index is, only the optimizer that made the file knew (two parameters of one shape look
+    alike, and groups need not follow the model's order). So numbered state is never mapped
+    onto names: it is kept by position, renumbered 0, 1, ... in the groups' order (how
+    ``Optimizer.load_state_dict`` pairs saved indices with parameters), and a load resolves the
+    positions against the optimizer it is given. Its structure is checked here: every group's
+    ``params`` a list of distinct indices, every state a dict held by a group.
     """
     groups = state.get("param_groups") if isinstance(state, dict) else None
     by_index = state.get("state") if isinstance(state, dict) else None
@@ -270,84 +224,18 @@ def name_optimizer_state(state: Any, model: dict[str, torch.Tensor], where: str)
         return _checked_by_name(state, model, where)
     if not all(isinstance(p, list) and all(type(i) is int for i in p) for p in params):
         raise InvalidInputError(f"{where}: a param group's 'params' is not a list of indices or of names")
-    indices = [i for p in params for i in p]
-    held = set(indices)
-    if len(held) != len(indices):
-        raise InvalidInputError(f"{where}: a parameter index appears twice in the param groups")
-    unknown = next((i for i in by_index if i not in held), _NONE)
+    position: dict[int, int] = {}
+    for index in (i for p in params for i in p):
+        if index in position:
+            raise InvalidInputError(f"{where}: parameter index {shown(index)} appears twice in the param groups")
+        position[index] = len(position)
+    unknown = next((i for i in by_index if i not in position), _NONE)
     if unknown is not _NONE:
         raise InvalidInputError(f"{where}: state for parameter index {shown(unknown)}, which no param group holds")
-    names = _candidates(model)
-    shapes = {name: tuple(model[name].shape) for name in names}
-    if len(groups) == 1:
-        pattern = [_fits(shapes, _shapes(by_index.get(i, {}))) for i in indices]
-        chosen = _embed(pattern, names)
-        if chosen is None:
-            raise InvalidInputError(
-                f"{where}: its {len(indices)} parameters cannot be told apart among the model's {len(names)} "
-                f"floating tensors by order and shape; {_ADVICE}"
-            )
-        named = dict(zip(indices, (names[c] for c in chosen), strict=True))
-    else:
-        named = _grouped(groups, by_index, names, shapes, where)
     return {
-        "state": {named[i]: s for i, s in by_index.items()},
-        "param_groups": [{**g, "params": [named[i] for i in g["params"]]} for g in groups],
+        "state": {position[i]: s for i, s in by_index.items()},
+        "param_groups": [{**g, "params": [position[i] for i in g["params"]]} for g in groups],
     }
-
-
-def _fits(shapes: dict[str, tuple[int, ...]], wanted: set[tuple[int, ...]]) -> Callable[[str], bool]:
-    if not wanted:
-        return lambda name: True
-    if len(wanted) > 1:
-        return lambda name: False
-    (shape,) = wanted
-    return lambda name: shapes[name] == shape
-
-
-def _grouped(
-    groups: list[dict[str, Any]],
-    by_index: dict[Any, Any],
-    names: list[str],
-    shapes: dict[str, tuple[int, ...]],
-    where: str,
-) -> dict[int, str]:
-    """Several groups: each parameter's group known by its shape, its place by the model's order."""
-    group_shapes: list[set[tuple[int, ...]]] = []
-    owner: dict[tuple[int, ...], int] = {}  # shape -> the first group holding it
-    for b, group in enumerate(groups):
-        found: set[tuple[int, ...]] = set()
-        for index in group["params"]:
-            own = _shapes(by_index.get(index, {}))
-            if len(own) != 1:
-                raise InvalidInputError(
-                    f"{where}: parameter {index} has no state that shows its shape, and with "
-                    f"{len(groups)} param groups its place in the model is not known; {_ADVICE}"
-                )
-            found |= own
-        group_shapes.append(found)
-        shared = [(owner[shape], shape) for shape in found if owner.setdefault(shape, b) != b]
-        if shared:
-            a, shape = min(shared)
-            raise InvalidInputError(
-                f"{where}: param groups {a} and {b} both hold parameters of shape {shape}, so which parameter "
-                f"each index is is not known; {_ADVICE}"
-            )
-    by_shape: dict[tuple[int, ...], list[int]] = {}  # shape -> the places of the model's names of it, in order
-    for at, name in enumerate(names):
-        by_shape.setdefault(shapes[name], []).append(at)
-    named: dict[int, str] = {}
-    for group, own_shapes in zip(groups, group_shapes, strict=True):
-        pool = [names[at] for at in sorted(at for shape in own_shapes for at in by_shape.get(shape, ()))]
-        pattern = [_fits(shapes, _shapes(by_index[i])) for i in group["params"]]
-        chosen = _embed(pattern, pool)
-        if chosen is None:
-            raise InvalidInputError(
-                f"{where}: a param group's {len(pattern)} parameters cannot be told apart among the model's "
-                f"{len(pool)} tensors of their shapes; {_ADVICE}"
-            )
-        named.update(zip(group["params"], (pool[c] for c in chosen), strict=True))
-    return named
 
 
 def _checked_by_name(state: dict[str, Any], model: dict[str, torch.Tensor], where: str) -> dict[str, Any]:

@@ -1,9 +1,15 @@
-"""Putting loaded tensors where they belong: model parameters, optimizer state, scheduler."""
+"""Putting loaded tensors where they belong: model parameters, optimizer state, scheduler.
+
+Optimizer state is stored by parameter name, or, when an import's file numbered the
+parameters, by position: then it goes to the given optimizer's parameters in its groups'
+order, as ``Optimizer.load_state_dict`` pairs them (:func:`check_optimizer` refuses a
+mismatch before anything is written).
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from contextlib import closing
 from typing import Any
 
@@ -14,9 +20,11 @@ from ckptstore.client.loading import selection
 from ckptstore.client.loading.device_copy import DeviceCopier
 from ckptstore.client.loading.reader import TensorReader, plain_empty
 from ckptstore.client.loading.selection import ModelPlan
-from ckptstore.client.placement import device_for
+from ckptstore.client.placement import HOST, device_for
+from ckptstore.client.state import is_positional, optimizer_class
 from ckptstore.client.tensors import NAME_TO_TORCH, byte_view, is_plain_dense
 from ckptstore.service.errors import StateMismatchError, format_list
+from ckptstore.service.format.manifest import Manifest, TensorEntry
 
 
 def compare_keys(stored: set[str], expected: set[str]) -> tuple[list[str], list[str]]:
@@ -166,6 +174,7 @@ def _placed_reader(
     param_devices: dict[str, torch.device],
     target: torch.device,
     wanted: Callable[[str], bool] = lambda key: True,
+    place: Callable[[TensorEntry], torch.device] | None = None,
 ) -> Callable[[str], torch.Tensor]:
     """A key -> placed tensor function for one state section, fetching its ``wanted`` tensors in bulk.
 
@@ -174,11 +183,17 @@ def _placed_reader(
     goes to its device as it arrives (:class:`DeviceCopier`), so the copies overlap the reads and
     host memory holds only the tensors that stay there. Those are read into pageable memory, not
     the copier's pinned blocks: a tensor the optimizer keeps on the host (Adam's ``step``) must
-    not hold a pinned block for as long as the optimizer lives.
+    not hold a pinned block for as long as the optimizer lives. ``place`` (default: the
+    placement rules, :func:`client.placement.device_for`) gives each entry's device.
     """
     keys = [k for k in reader.entries if k.startswith(prefix) and wanted(k)]
+    if place is None:
+
+        def place(entry: TensorEntry) -> torch.device:
+            return device_for(entry, param_devices, target)
+
     # Optimizer tensors keep their saved dtype: no silent upcast of bf16 state.
-    places = {key: device_for(reader.entries[key], param_devices, target) for key in keys}
+    places = {key: place(reader.entries[key]) for key in keys}
     copier = DeviceCopier(places.values())
     fetched: dict[str, torch.Tensor] = {}
     moved = [key for key in keys if places[key].type != "cpu"]
@@ -268,6 +283,47 @@ def _saved_optimizer(
     return state, groups, kept, renamed
 
 
+def check_optimizer(manifest: Manifest, optim: torch.optim.Optimizer, *, strict: bool, partial: bool) -> None:
+    """Refuse, before anything is written, to load ``manifest``'s optimizer state into ``optim``
+    where it cannot be right.
+
+    - The version records its optimizer's class: a strict load into another class is refused
+      (AdamW's state in an SGD fails at its next ``step()``, or worse, runs); ``strict=False``
+      loads it anyway.
+    - State kept by position pairs with ``optim``'s parameters in its groups' order, so the
+      groups must hold as many parameters as the saved ones, and a partial load (``keys=``)
+      cannot select by name.
+
+    Raises:
+        StateMismatchError: naming the version and what differs.
+    """
+    version = manifest.version
+    saved: Any = manifest.state.get("optim")
+    if not isinstance(saved, dict):
+        raise StateMismatchError(f"version {version} holds no optimizer state")
+    stored, ours = manifest.optimizer_class, optimizer_class(optim)
+    if strict and stored is not None and stored != ours:
+        raise StateMismatchError(
+            f"version {version} holds the state of a {stored}, not of a {ours}: resume with an optimizer of "
+            "the saved class, or pass strict=False to load the state into this one anyway"
+        )
+    if not is_positional(saved["param_groups"]):
+        return
+    if partial:
+        raise StateMismatchError(
+            f"version {version} holds optimizer state by position (its source numbered the parameters), "
+            "which keys= cannot select by name; load it without keys="
+        )
+    sizes = [len(group["params"]) for group in saved["param_groups"]]
+    have = [len(group["params"]) for group in optim.param_groups]
+    if sizes != have:
+        raise StateMismatchError(
+            f"version {version} holds optimizer state by position for param groups of {sizes} parameters, "
+            f"this optimizer's groups hold {have}: build it as the optimizer that saved the state was "
+            "built (the same parameters in the same order)"
+        )
+
+
 def restore_optimizer(
     reader: TensorReader,
     optim: torch.optim.Optimizer,
@@ -275,11 +331,17 @@ def restore_optimizer(
     target: torch.device,
     patterns: Sequence[str] | None = None,
 ) -> None:
-    """Load the version's optimizer state into ``optim``, placing every tensor by the rules.
+    """Load the version's optimizer state into ``optim``, placing every tensor by the rules
+    (call :func:`check_optimizer` first).
 
     With ``patterns`` (a partial load), only the state of the parameters they select is read,
-    and ``optim`` must optimize exactly those parameters, grouped as in the checkpoint.
+    and ``optim`` must optimize exactly those parameters, grouped as in the checkpoint. State
+    kept by position goes to ``optim``'s parameters in its groups' order.
     """
+    saved: Any = reader.manifest.state.get("optim")
+    if isinstance(saved, dict) and is_positional(saved["param_groups"]):
+        _restore_positional(reader, optim, saved, target)
+        return
     params = names.parameters(model)
     saved_state, saved_groups, kept, renamed = _saved_optimizer(reader, set(params), patterns)
     current = _current_groups(optim, {id(p): name for name, p in params.items()})
@@ -304,15 +366,62 @@ def restore_optimizer(
         hyper = jsonstate.decode({k: v for k, v in saved_group.items() if k != "params"}, tensor_for)
         hyper["params"] = [order[n] for n in group_names]
         groups.append(hyper)
+    _load_state_dict(optim, state, groups, dict(enumerate(params[n] for group in current for n in group)))
+
+
+def _restore_positional(
+    reader: TensorReader, optim: torch.optim.Optimizer, saved: dict[str, Any], target: torch.device
+) -> None:
+    """Load state kept by position into ``optim``: saved position ``i`` of a group is the
+    parameter at the same place of ``optim``'s group (``Optimizer.load_state_dict``'s pairing),
+    and its tensors go to that parameter's device."""
+    version = reader.manifest.version
+    param_of: dict[int, torch.Tensor] = {}
+    for saved_group, group in zip(saved["param_groups"], optim.param_groups, strict=True):
+        param_of.update(zip(saved_group["params"], group["params"], strict=True))
+
+    def position(text: str, held: Container[int]) -> int:
+        number = int(text) if text.isdecimal() and len(text) < 12 else -1
+        if number not in held:
+            raise StateMismatchError(f"version {version}: optimizer state at place {text[:40]!r}, which no group holds")
+        return number
+
+    def place(entry: TensorEntry) -> torch.device:
+        if entry.placement == "host":
+            return HOST
+        _, section, at, *_ = entry.key.split("/")
+        if section == "state":
+            return param_of[position(keys.unescape(at), param_of)].device
+        group = optim.param_groups[position(keys.unescape(at), range(len(optim.param_groups)))]["params"]
+        return group[0].device if group else target
+
+    tensor_for = _placed_reader(reader, "optim/", {}, target, place=place)
+    state = {position(text, param_of): jsonstate.decode(value, tensor_for) for text, value in saved["state"].items()}
+    groups = []
+    for saved_group in saved["param_groups"]:
+        hyper = jsonstate.decode({k: v for k, v in saved_group.items() if k != "params"}, tensor_for)
+        hyper["params"] = list(saved_group["params"])
+        groups.append(hyper)
+    _load_state_dict(optim, state, groups, param_of)
+
+
+def _load_state_dict(
+    optim: torch.optim.Optimizer,
+    state: dict[int, Any],
+    groups: list[dict[str, Any]],
+    param_of: dict[int, torch.Tensor],
+) -> None:
+    """``optim.load_state_dict`` of decoded and placed ``state`` and ``groups`` (``param_of``: the
+    parameter each index of theirs pairs with), then every value of ours put back where a stock
+    loader cast or moved it."""
     with warnings.catch_warnings():
         # The stock loader casts floating and complex state to the parameter's dtype (warning
         # when that drops an imaginary part); every such cast is undone just below.
         warnings.filterwarnings("ignore", "Casting complex values to real", UserWarning)
         optim.load_state_dict({"state": state, "param_groups": groups})
     stock = type(optim).load_state_dict is torch.optim.Optimizer.load_state_dict
-    ordered_params = [params[n] for group in current for n in group]
     for index, ours in state.items():
-        theirs = optim.state.get(ordered_params[index])
+        theirs = optim.state.get(param_of[index])
         if isinstance(ours, dict) and isinstance(theirs, dict):
             _prefer_ours(theirs, ours, stock)
     for group, ours in zip(optim.param_groups, groups, strict=True):

@@ -268,6 +268,7 @@ def message(
         "size": shared.size,
         "records": records,
         "state": flat.state,
+        "optimizer_class": flat.optimizer_class,
         "digests_of": sorted(snapshot.teach),
         "moved": moved,
     }
@@ -404,6 +405,7 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
         known.append(digest)
         devices.append(device)
     flat.state = request["state"]
+    flat.optimizer_class = request.get("optimizer_class")
     moved = [False] * len(records)
     for index in request.get("moved", ()):
         if type(index) is not int or not 0 <= index < len(records):

@@ -456,6 +456,7 @@ def manifest_body(
             "step": step,
             "metrics": dict(metrics or {}),
             "library": library_versions(),
+            "optimizer_class": flat.optimizer_class,
         }
     )
 

@@ -52,6 +52,9 @@ DTypeName = Literal[
 Placement = Literal["param", "host", "target"]
 StateSection = Literal["optim", "scheduler", "extra", "dcp"]
 ShortText = Annotated[str, StringConstraints(max_length=200)]
+#: A class by its module and qualified name (``torch.optim.adamw.AdamW``; a class made in a function
+#: has ``<locals>`` in its qualified name).
+QualifiedName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.<>]{0,199}$")]
 
 
 @functools.cache
@@ -175,6 +178,11 @@ class ManifestBody(_Strict):
     library: Annotated[
         dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32, fail_fast=True)
     ] = Field(default_factory=dict)
+    optimizer_class: QualifiedName | None = Field(
+        default=None,
+        description="The class of the optimizer whose state state.optim holds (module and qualified name), "
+        "where the save knew it; a strict load into an optimizer of another class is refused.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ManifestBody:
