@@ -49,6 +49,7 @@ from ckptstore.service.reclaim.gc import DEFAULT_GRACE_SECONDS, collect
 from ckptstore.service.secrets_mask import mask_url
 from ckptstore.service.settings import METADATA_FILE, Settings
 
+OnBytes = Callable[[int], object] | None  # told each piece's bytes as they are written
 if TYPE_CHECKING:
     from ckptstore.service.format.manifest import Manifest, ManifestBody
 
@@ -140,19 +141,18 @@ class Store:
         """A fresh path in the staging folder for a shard being written or received."""
         return self.intake.staging_path()
 
-    def missing(self, digests: Iterable[str]) -> list[str]:
-        """The digests among ``digests`` whose tensors the store does not hold, in input order. Those
-        reported present are stamped as seen now: the client may commit a reference to them without
-        sending them, so garbage collection spares them for its grace period."""
-        return lookup.find_missing(db=self.db, digests=digests)
+    def missing(self, digests: Iterable[str], *, save_key: str | None = None) -> list[str]:
+        """The digests among ``digests`` the store lacks, in input order; those present are stamped as seen
+        now (gc spares them for its grace) and held till the save ``save_key`` names commits (holds)."""
+        return lookup.find_missing(db=self.db, digests=digests, save_key=save_key)
 
     def sizes_held(self, sizes: Iterable[int]) -> set[int]:
         """Those of ``sizes`` (byte lengths) some stored tensor has: a save writes a tensor of another
         size at once, hashed as it is written, without asking (a hint; :func:`lookup.sizes_held`)."""
         return lookup.sizes_held(db=self.db, sizes=sizes)
 
-    def ingest_file(self, path: Path) -> ShardReceipt:
-        """Validate the shard at ``path``, store it and record its tensors; idempotent.
+    def ingest_file(self, path: Path, *, save_key: str | None = None) -> ShardReceipt:
+        """Validate the shard at ``path``, store it and record its tensors (held for ``save_key``); idempotent.
 
         The file is consumed (moved into the blob store or deleted) whatever the outcome.
 
@@ -161,7 +161,7 @@ class Store:
             IntegrityError: a tensor's bytes do not match its digest name.
             StorageError: garbage collection kept deleting the shard while it was stored; retry.
         """
-        return self.intake.ingest_file(Path(path))
+        return self.intake.ingest_file(Path(path), save_key=save_key)
 
     def receiver(
         self, *, expected_id: str | None = None, max_bytes: int | None = None, write_behind: bool = False
@@ -173,13 +173,13 @@ class Store:
         """
         return self.intake.receiver(expected_id=expected_id, max_bytes=max_bytes, write_behind=write_behind)
 
-    def ingest_received(self, receiver: ShardReceiver) -> ShardReceipt:
+    def ingest_received(self, receiver: ShardReceiver, *, save_key: str | None = None) -> ShardReceipt:
         """Store the shard ``receiver`` took in whole (its bytes were hashed on the way); idempotent.
         The staging file is consumed whatever the outcome."""
-        return self.intake.store_received(receiver)
+        return self.intake.store_received(receiver, save_key=save_key)
 
     def put_shard(
-        self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
+        self, header: bytes, pieces: Sequence[memoryview], on_bytes: OnBytes = None, *, save_key: str | None = None
     ) -> ShardReceipt:
         """Store a shard given as its header bytes and its tensors' bytes in header order.
 
@@ -187,10 +187,10 @@ class Store:
         is moved into the blob store: one write, one hash, nothing read back. ``on_bytes`` is
         called with each piece's size once it is written.
         """
-        return self.intake.put_shard(header, pieces, on_bytes)
+        return self.intake.put_shard(header, pieces, on_bytes, save_key=save_key)
 
     def put_tensors(
-        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+        self, tensors: Sequence[UnhashedTensor], on_bytes: OnBytes = None, *, save_key: str | None = None
     ) -> tuple[ShardReceipt, list[str]]:
         """Store tensors whose digests the caller does not know as one shard; returns the receipt
         and each tensor's digest, in the order given.
@@ -199,7 +199,7 @@ class Store:
         so nothing is hashed twice; tensors equal to one before them are written once.
         ``on_bytes`` is called with each tensor's size once it is written.
         """
-        return self.intake.put_tensors(tensors, on_bytes)
+        return self.intake.put_tensors(tensors, on_bytes, save_key=save_key)
 
     def _compaction_write(self, tensors: Sequence[UnhashedTensor]) -> tuple[ShardHeader, list[str]]:
         _receipt, written = self.intake.write_and_store(tensors)
@@ -215,7 +215,7 @@ class Store:
         self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
     ) -> VersionInfo:
         """Commit ``body`` as the next version of ``run_id`` (created if new), once for each
-        ``commit_key``: :func:`service.catalog.commit.commit` (which lists what it raises)."""
+        ``commit_key`` (which releases the save's holds): :func:`service.catalog.commit.commit`."""
         from ckptstore.service.catalog.commit import commit
 
         return commit(self.db, run_id, body, tags=tags, commit_key=commit_key)

@@ -14,7 +14,7 @@ from ckptstore.service.catalog.listings import SUMMARY_COLUMNS
 from ckptstore.service.catalog.manifest_parts import count_versions, known_parts, manifest_digest, store_parts
 from ckptstore.service.catalog.metadata_check import figures_digest
 from ckptstore.service.catalog.retention import apply_policy
-from ckptstore.service.db import Database
+from ckptstore.service.db import Database, holds
 from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import ManifestPart, PartRef, Run, Tag, Tensor, Version, table, utcnow
 from ckptstore.service.db.session import insert_new, rows_in
@@ -190,7 +190,8 @@ def commit(
     """Commit ``body`` as the next version of ``run_id`` (created if new), in a transaction of its own.
 
     ``commit_key`` names this commit (a client's random token): sent again with the same key,
-    as after a lost answer, the commit answers with the version it made the first time.
+    as after a lost answer, the commit answers with the version it made the first time. It is
+    also the key the save held its tensors under (:mod:`service.db.holds`): the commit releases them.
 
     Raises:
         MissingTensorsError: the body references digests the store lacks (listed).
@@ -227,6 +228,7 @@ def commit_version(
         connection = session.connection()
         done = connection.execute(_KEYED, {"run_id": run_id, "commit_key": commit_key}).first()
         if done is not None:
+            holds.release(session, commit_key)
             held = connection.execute(_TAGS_OF, {"run_id": run_id, "version": done.version}).scalars()
             return VersionInfo.from_summary(done, list(held))
     if counter >= MAX_VERSION:
@@ -285,6 +287,8 @@ def commit_version(
         else:
             existing.version = number
     session.flush()
+    if commit_key is not None:  # the version's references keep what the save held from here on
+        holds.release(session, commit_key)
     # Last, with the new version and its tags in place and the run still locked: its retention
     # policy sees exactly what this commit leaves, and commits to the run apply it in turn.
     apply_policy(session, run_id)

@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import Text, bindparam, select, type_coerce, update
 from sqlalchemy.orm import Session
 
-from ckptstore.service.db import Database
+from ckptstore.service.db import Database, holds
 from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import Tensor, table, utcnow
 from ckptstore.service.db.session import rows_in
@@ -22,6 +22,7 @@ from ckptstore.service.db.shapes import ShapeCache
 from ckptstore.service.errors import InvalidInputError, NotFoundError
 from ckptstore.service.format.bounds import INT64_MAX, MAX_SIZES_PER_QUERY
 from ckptstore.service.format.digest import all_digests, is_digest
+from ckptstore.service.format.names import validate_commit_key
 from ckptstore.service.format.records import TensorLocation
 
 #: Digests per ``IN`` list of one statement.
@@ -76,23 +77,30 @@ def batches(items: Sequence[str], size: int = QUERY_BATCH) -> Iterable[Sequence[
         yield items[start : start + size]
 
 
-def find_missing(*, db: Database, digests: Iterable[str]) -> list[str]:
+def find_missing(*, db: Database, digests: Iterable[str], save_key: str | None = None) -> list[str]:
     """The digests among ``digests`` that no tensor row holds, in input order; see :meth:`Store.missing`.
 
-    Those present are stamped as seen now, under the collection lock: a sweep either ran
-    before (they are reported missing) or runs after and sees the stamp.
+    Those present are stamped as seen now and, for a save named by ``save_key``, held for it
+    (:mod:`service.db.holds`), under the collection lock: a sweep either ran before (they are
+    reported missing) or runs after and sees the stamp and the holds.
     """
     wanted = check_digests(digests)
+    if save_key is not None:
+        validate_commit_key(save_key)
     present: set[str] = set()
     now = utcnow()
     with db.transaction() as session:
         hold_shared(session)
+        if save_key is not None:
+            holds.renew(session, save_key, now)
         connection = session.connection()
         for batch in batches(wanted):
             found = sorted(connection.execute(_PRESENT, {"digests": batch}).scalars())
             if found:
                 _stamp_seen(session, found, now)
             present.update(found)
+        if save_key is not None:
+            holds.hold(session, save_key, present)
     return [d for d in wanted if d not in present]
 
 

@@ -212,6 +212,25 @@ class RetentionPolicy(Base):
     mode: Mapped[str | None] = mapped_column(String(3), nullable=True)  # "min" | "max"
 
 
+class SaveLease(Base):
+    """A save in progress, named by its commit key: alive while its last call was within the lease
+    (:mod:`service.db.holds`); its commit, or garbage collection once it lapsed, removes it."""
+
+    __tablename__ = "save_leases"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    renewed_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class SaveHold(Base):
+    """A digest a save in progress was told is present, or stored: garbage collection keeps its
+    tensor while the save's lease is alive."""
+
+    __tablename__ = "save_holds"
+    save_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    __table_args__ = (Index("ix_save_holds_digest", "digest"),)
+
+
 class StoreLock(Base):
     """Named rows locked to keep garbage collection and commits from interleaving."""
 

@@ -46,8 +46,9 @@ from sqlalchemy import func, select
 
 from ckptstore.service.blobs import BlobStore
 from ckptstore.service.blobs.base import StagingArea, UploadPlan, check_blob_id, check_staging_token
-from ckptstore.service.db import Database
-from ckptstore.service.db.models import Shard, Tensor
+from ckptstore.service.db import Database, holds
+from ckptstore.service.db.lock import hold_shared
+from ckptstore.service.db.models import Shard, Tensor, utcnow
 from ckptstore.service.errors import (
     DirectUploadsUnavailableError,
     IntegrityError,
@@ -56,6 +57,7 @@ from ckptstore.service.errors import (
     PayloadTooLargeError,
     StorageError,
 )
+from ckptstore.service.format.names import validate_commit_key
 from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, PREFIX_BYTES, ShardHeader
 from ckptstore.service.intake.ingest import INGEST_ATTEMPTS, record_shard
@@ -109,8 +111,10 @@ def complete_upload(
     size: int,
     max_bytes: int,
     max_header_bytes: int = MAX_HEADER_BYTES,
+    save_key: str | None = None,
 ) -> ShardReceipt:
-    """Finish, verify, publish and record the staged upload ``token`` of shard ``shard_id``.
+    """Finish, verify, publish and record the staged upload ``token`` of shard ``shard_id``, its
+    tensors held for the save ``save_key`` names until it commits (:mod:`service.db.holds`).
 
     Idempotent: asked again after it succeeded (an answer lost on the way), it answers the
     stored shard's receipt with ``created`` False.
@@ -126,10 +130,12 @@ def complete_upload(
     area = staging_area(blobs)
     _check_shard_id(shard_id)
     check_staging_token(token)
+    if save_key is not None:
+        validate_commit_key(save_key)
     try:
         staged = area.finish(shard_id, token, size)
     except NotFoundError:
-        stored = _stored_receipt(db, blobs, shard_id)
+        stored = _stored_receipt(db, blobs, shard_id, save_key)
         if stored is not None:
             return stored
         raise
@@ -142,7 +148,7 @@ def complete_upload(
         seal = area.seal(shard_id, token, staged)
         try:
             header = verify_staged(area, shard_id, token, seal, max_bytes=max_bytes, max_header_bytes=max_header_bytes)
-            receipt = _publish_and_record(db, blobs, area, header, token, seal)
+            receipt = _publish_and_record(db, blobs, area, header, token, seal, save_key)
         finally:
             _unseal_quietly(area, shard_id, token, seal)
     except _FINAL:
@@ -197,8 +203,11 @@ class StagedUploads:
             blobs=self.blobs, shard_id=shard_id, size=size, max_bytes=max_bytes, expires_seconds=expires_seconds
         )
 
-    def complete(self, shard_id: str, token: str, size: int, *, max_bytes: int) -> ShardReceipt:
-        """:func:`complete_upload`: finish, verify, publish and record a staged upload; idempotent."""
+    def complete(
+        self, shard_id: str, token: str, size: int, *, max_bytes: int, save_key: str | None = None
+    ) -> ShardReceipt:
+        """:func:`complete_upload`: finish, verify, publish and record a staged upload (held for
+        ``save_key``); idempotent."""
         return complete_upload(
             db=self.db,
             blobs=self.blobs,
@@ -207,6 +216,7 @@ class StagedUploads:
             size=size,
             max_bytes=max_bytes,
             max_header_bytes=self.max_header_bytes,
+            save_key=save_key,
         )
 
     def abort(self, shard_id: str, token: str) -> None:
@@ -215,13 +225,13 @@ class StagedUploads:
 
 
 def _publish_and_record(
-    db: Database, blobs: BlobStore, area: StagingArea, header: ShardHeader, token: str, seal: str
+    db: Database, blobs: BlobStore, area: StagingArea, header: ShardHeader, token: str, seal: str, save_key: str | None
 ) -> ShardReceipt:
     """Copy the verified sealed copy to its blob key and record the shard, as
     :func:`service.intake.ingest.store_shard` stores a verified file (again if a sweep took the blob meanwhile)."""
     for _attempt in range(INGEST_ATTEMPTS):
         area.publish(header.shard_id, token, seal, header.file_size)
-        created = record_shard(db=db, blobs=blobs, header=header)
+        created = record_shard(db=db, blobs=blobs, header=header, save_key=save_key)
         if created is not None:
             return ShardReceipt(
                 shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
@@ -231,9 +241,14 @@ def _publish_and_record(
     )
 
 
-def _stored_receipt(db: Database, blobs: BlobStore, shard_id: str) -> ShardReceipt | None:
-    """The receipt of shard ``shard_id`` if it is stored (row and blob), else None."""
+def _stored_receipt(db: Database, blobs: BlobStore, shard_id: str, save_key: str | None) -> ShardReceipt | None:
+    """The receipt of shard ``shard_id`` if it is stored (row and blob), its tensors held for
+    ``save_key``'s save; else None."""
     with db.transaction() as session:
+        if save_key is not None:
+            hold_shared(session)
+            holds.renew(session, save_key, utcnow())
+            holds.hold_shard(session, save_key, shard_id)
         size = session.scalar(select(Shard.size).where(Shard.id == shard_id))
         tensors = session.scalar(select(func.count()).select_from(Tensor).where(Tensor.shard_id == shard_id))
     if size is None or blobs.size(shard_id) is None:

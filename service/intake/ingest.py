@@ -21,13 +21,14 @@ from typing import Any
 from sqlalchemy import bindparam, select
 
 from ckptstore.service.blobs import BlobStore
-from ckptstore.service.db import Database
+from ckptstore.service.db import Database, holds
 from ckptstore.service.db.lock import hold_shared
-from ckptstore.service.db.models import Shard, Tensor
+from ckptstore.service.db.models import Shard, Tensor, utcnow
 from ckptstore.service.db.session import insert_columns, insert_new
 from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
 from ckptstore.service.format.digest import TensorHasher
 from ckptstore.service.format.dtypes import DTYPES, byte_length
+from ckptstore.service.format.names import validate_commit_key
 from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
 from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor
@@ -120,11 +121,12 @@ class Intake:
 
     # -- a file on disk ------------------------------------------------------------------------
 
-    def ingest_file(self, path: Path) -> ShardReceipt:
+    def ingest_file(self, path: Path, *, save_key: str | None = None) -> ShardReceipt:
         """Validate the shard at ``path``, store it and record its tensors; see :meth:`Store.ingest_file`.
 
         The file is consumed (moved into the blob store or deleted) whatever the outcome. Its
-        tensors are hashed only if the shard is not stored yet.
+        tensors are hashed only if the shard is not stored yet. ``save_key``: the save it is
+        part of, which holds its tensors until it commits (:mod:`service.db.holds`).
         """
         try:
             with open(path, "rb") as handle:
@@ -137,7 +139,7 @@ class Intake:
                     verify_shard_file(path, max_header_bytes=self.max_header_bytes)
                     verified = True
 
-            return self._store(path, header, verify)
+            return self._store(path, header, verify, save_key)
         finally:
             path.unlink(missing_ok=True)
 
@@ -157,11 +159,17 @@ class Intake:
         )
 
     def put_shard(
-        self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
+        self,
+        header: bytes,
+        pieces: Sequence[memoryview],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> ShardReceipt:
         """Write a shard's ``header`` and then its ``pieces`` through a receiver, and store it.
 
-        ``on_bytes`` is called with each piece's size once it is written.
+        ``on_bytes`` is called with each piece's size once it is written; ``save_key`` as for
+        :meth:`ingest_file`.
         """
         receiver = self.receiver()
         try:
@@ -170,13 +178,14 @@ class Intake:
         except BaseException:
             receiver.discard()
             raise
-        return self.store_received(receiver)
+        return self.store_received(receiver, save_key=save_key)
 
-    def store_received(self, receiver: ShardReceiver) -> ShardReceipt:
+    def store_received(self, receiver: ShardReceiver, *, save_key: str | None = None) -> ShardReceipt:
         """Store the shard ``receiver`` took in whole; its bytes were hashed on their way in, so
-        nothing is read back. The staging file is consumed whatever the outcome."""
+        nothing is read back. The staging file is consumed whatever the outcome; ``save_key`` as
+        for :meth:`ingest_file`."""
         try:
-            return self._store(receiver.path, receiver.finish(), _verified)
+            return self._store(receiver.path, receiver.finish(), _verified, save_key)
         finally:
             receiver.discard()
 
@@ -191,52 +200,68 @@ class Intake:
             direct_writes=self.direct_writes,
         )
 
-    def store_unhashed(self, receiver: UnhashedReceiver) -> tuple[ShardReceipt, list[str]]:
+    def store_unhashed(
+        self, receiver: UnhashedReceiver, *, save_key: str | None = None
+    ) -> tuple[ShardReceipt, list[str]]:
         """Store the upload ``receiver`` took in whole; the receipt and each tensor's digest in the
-        order sent. The staging file is consumed whatever the outcome."""
+        order sent. The staging file is consumed whatever the outcome; ``save_key`` as for
+        :meth:`ingest_file`."""
         try:
             written = receiver.finish()
-            return self._store(receiver.path, written.header, _verified), written.digests
+            return self._store(receiver.path, written.header, _verified, save_key), written.digests
         finally:
             receiver.discard()
 
     # -- tensors hashed as they are written ------------------------------------------------------
 
     def put_tensors(
-        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+        self,
+        tensors: Sequence[UnhashedTensor],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> tuple[ShardReceipt, list[str]]:
         """Store ``tensors`` as one shard laid out by dtype; the receipt and each tensor's digest, in
         the order given; see :meth:`Store.put_tensors`."""
         check_unhashed(tensors)
         order = layout_order([tensor.dtype for tensor in tensors])
-        receipt, written = self.write_and_store([tensors[i] for i in order], on_bytes)
+        receipt, written = self.write_and_store([tensors[i] for i in order], on_bytes, save_key=save_key)
         digests = [""] * len(tensors)
         for index, digest in zip(order, written.digests, strict=True):
             digests[index] = digest
         return receipt, digests
 
     def write_and_store(
-        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+        self,
+        tensors: Sequence[UnhashedTensor],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> tuple[ShardReceipt, WrittenShard]:
         """Write ``tensors``, in the order given, as one shard, hashing each, and store it.
 
-        ``on_bytes`` is called with each tensor's size once it is written.
+        ``on_bytes`` is called with each tensor's size once it is written; ``save_key`` as for
+        :meth:`ingest_file`.
         """
         path = self.staging_path()
         try:
             written = write_shard(path, tensors, SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes)
-            return self._store(path, written.header, _verified), written
+            return self._store(path, written.header, _verified, save_key), written
         finally:
             path.unlink(missing_ok=True)
 
     # -- where every way ends --------------------------------------------------------------------
 
-    def _store(self, path: Path, header: ShardHeader, verify: Callable[[], None]) -> ShardReceipt:
-        """Move a validated shard file into the blob store and record it; ``verify`` runs first if it is new.
+    def _store(self, path: Path, header: ShardHeader, verify: Callable[[], None], save_key: str | None) -> ShardReceipt:
+        """Move a validated shard file into the blob store and record it (held for ``save_key``);
+        ``verify`` runs first if it is new.
 
         Raises:
             StorageError: garbage collection kept deleting the shard while it was stored; retry.
+            InvalidNameError: ``save_key`` is not a commit key.
         """
+        if save_key is not None:
+            validate_commit_key(save_key)
         for _attempt in range(INGEST_ATTEMPTS):
             with self.db.transaction() as session:
                 known = session.connection().execute(_SHARD_KNOWN, {"shard_id": header.shard_id}).first() is not None
@@ -244,7 +269,7 @@ class Intake:
                 # Only a shard not yet stored is hashed: a known id names bytes already verified.
                 verify()
                 self.blobs.put_file(header.shard_id, path)
-            created = record_shard(db=self.db, blobs=self.blobs, header=header)
+            created = record_shard(db=self.db, blobs=self.blobs, header=header, save_key=save_key)
             if created is not None:
                 return ShardReceipt(
                     shard_id=header.shard_id, size=header.file_size, tensors=len(header.entries), created=created
@@ -260,8 +285,9 @@ def _verified() -> None:
     """The check of a shard whose bytes were hashed as they arrived or were written: nothing left."""
 
 
-def record_shard(*, db: Database, blobs: BlobStore, header: ShardHeader) -> bool | None:
-    """Record the shard and its tensors not stored elsewhere; whether the shard row is new.
+def record_shard(*, db: Database, blobs: BlobStore, header: ShardHeader, save_key: str | None = None) -> bool | None:
+    """Record the shard and its tensors not stored elsewhere, held for the save ``save_key`` names
+    until it commits (:mod:`service.db.holds`); whether the shard row is new.
 
     None (and nothing recorded) if the blob is gone: a sweep deleted it after this shard
     was found stored or put in place. The check runs under the collection lock, so a sweep
@@ -288,8 +314,12 @@ def record_shard(*, db: Database, blobs: BlobStore, header: ShardHeader) -> bool
     try:
         with db.transaction() as session:
             hold_shared(session)
+            if save_key is not None:
+                holds.renew(session, save_key, utcnow())
             created = insert_new(session, Shard, {"id": shard_id, "size": header.file_size})
             insert_columns(session, Tensor, columns)
+            if save_key is not None:
+                holds.hold(session, save_key, columns["digest"])
             if blobs.size(shard_id) is None:
                 raise _BlobSwept
             return created

@@ -9,16 +9,25 @@ Deleting a version never deletes bytes; :func:`collect` does, later:
   then remove what it decoded from). A shard is *live* while any of its tensor rows is
   referenced. Parts no version lists any more are deleted first, batch by batch under the
   exclusive lock, with their bodies and references.
-- **Grace.** A shard with no referenced tensor is still kept while it is recent (recorded less
+- **Holds.** A shard with no referenced tensor is kept, whatever the grace, while a save in
+  progress holds one of its tensors (:mod:`service.db.holds`): a save that names itself by its
+  commit key holds every digest it was told is present and every tensor it stored, renews its
+  lease with each call, and releases its holds when it commits. A save whose last call is
+  older than the lease (``SAVE_LEASE_SECONDS``, ten minutes) is taken for dead: its holds keep
+  nothing, and each collection deletes them first. So a save never fails because a collection
+  ran, and ``grace_seconds=0`` still frees everything no version references and no live save
+  holds.
+- **Grace.** A shard with no referenced tensor is also kept while it is recent (recorded less
   than ``grace_seconds`` ago: an upload whose commit has not come yet) or while any of its
   tensors was reported present by :meth:`Store.missing` within the grace period (a save that
-  was told "you need not send this" and has not committed yet).
+  was told "you need not send this" and has not committed yet: what protects the saves of
+  clients that name no save).
 - **Sweep.** The rest lose their tensor and shard rows in one transaction (from then on
   ``missing`` reports their tensors absent, so a save sends them again); their blobs are
   deleted after that transaction commits.
 
 The interlock. Every transaction that can make a shard or tensor needed — ``missing`` (which
-stamps ``last_seen_at``), a shard's recording, a commit — first takes the ``store_locks`` row
+stamps ``last_seen_at`` and holds), a shard's recording (which holds), a commit — first takes the ``store_locks`` row
 ``gc`` in share mode (``SELECT … FOR SHARE``). The sweep works in batches of shards: a first
 look without the lock picks candidates, then each batch is marked again and its rows deleted in
 a transaction holding the row exclusively (``FOR UPDATE``). So a commit either finished before
@@ -64,7 +73,7 @@ from sqlalchemy.orm import Session, aliased
 
 from ckptstore.service.blobs import BlobStore, StaleUploads
 from ckptstore.service.catalog.manifest_parts import delete_parts, unlisted_parts
-from ckptstore.service.db import Database
+from ckptstore.service.db import Database, holds
 from ckptstore.service.db.lock import hold_exclusive
 from ckptstore.service.db.models import ManifestPart, PartRef, Shard, Tensor, TensorNeed, utcnow
 from ckptstore.service.errors import InvalidInputError
@@ -94,11 +103,15 @@ class _Unreferenced:
     shard_id: str
     size: int
     tensors: int
-    protected: bool  # recent, or a tensor of it was reported present, within the grace period
+    #: Recent, or a tensor of it was reported present, within the grace period; or a live save holds one.
+    protected: bool
 
 
-def _unreferenced_shards(session: Session, cutoff: datetime, among: Sequence[str] | None = None) -> list[_Unreferenced]:
-    """Every shard (or those of ``among``) none of whose tensors a committed version references."""
+def _unreferenced_shards(
+    session: Session, cutoff: datetime, now: datetime, among: Sequence[str] | None = None
+) -> list[_Unreferenced]:
+    """Every shard (or those of ``among``) none of whose tensors a committed version references;
+    ``cutoff`` ends the grace period, a save alive at ``now`` holds."""
     inner = aliased(Tensor)
     referenced = (
         select(inner.digest)
@@ -126,12 +139,13 @@ def _unreferenced_shards(session: Session, cutoff: datetime, among: Sequence[str
         rows = list(session.execute(statement))
     else:
         rows = [row for ids in _batches(among, IN_LIST) for row in session.execute(statement.where(Shard.id.in_(ids)))]
+    held = holds.held_shards(session, now, among)
     return [
         _Unreferenced(
             shard_id=shard_id,
             size=int(size),
             tensors=int(count),
-            protected=created_at >= cutoff or (seen is not None and seen >= cutoff),
+            protected=created_at >= cutoff or (seen is not None and seen >= cutoff) or shard_id in held,
         )
         for shard_id, size, created_at, seen, count in rows
     ]
@@ -146,15 +160,17 @@ def _recorded(session: Session, shard_ids: Sequence[str]) -> set[str]:
     return set(session.scalars(select(Shard.id).where(Shard.id.in_(shard_ids))))
 
 
-def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tuple[list[_Unreferenced], int, bool]:
+def _sweep_rows(
+    db: Database, shard_ids: Sequence[str], cutoff: datetime, now: datetime
+) -> tuple[list[_Unreferenced], int, bool]:
     """Delete the rows of those of ``shard_ids`` still sweepable; returns them, how many are now in
-    grace, and whether a swept tensor was a delta (what it decoded from may be sweepable now)."""
+    grace or held, and whether a swept tensor was a delta (what it decoded from may be sweepable now)."""
     freed = False
     with db.transaction() as session:
         hold_exclusive(session)
         # Marked again under the lock: since the first look a commit may have referenced some, or
-        # a save been told some are present.
-        marked = _unreferenced_shards(session, cutoff, shard_ids)
+        # a save been told some are present or stored some (and holds them).
+        marked = _unreferenced_shards(session, cutoff, now, shard_ids)
         still = [u for u in marked if not u.protected]
         for ids in _batches([u.shard_id for u in still], IN_LIST):
             swept_tensors = select(Tensor.digest).where(Tensor.shard_id.in_(ids))
@@ -163,6 +179,14 @@ def _sweep_rows(db: Database, shard_ids: Sequence[str], cutoff: datetime) -> tup
             session.execute(delete(Tensor).where(Tensor.shard_id.in_(ids)))
             session.execute(delete(Shard).where(Shard.id.in_(ids)))
         return still, len(marked) - len(still), freed
+
+
+def _drop_lapsed_holds(db: Database, now: datetime) -> None:
+    """Delete the holds of saves whose lease lapsed by ``now`` (under the exclusive lock, so a save
+    renewing at that moment either renewed first, and stays, or starts afresh after)."""
+    with db.transaction() as session:
+        hold_exclusive(session)
+        holds.drop_lapsed(session, now)
 
 
 def _sweep_parts(db: Database) -> int:
@@ -240,7 +264,8 @@ def collect(
         db: the metadata database.
         blobs: the blob store holding the shards.
         grace_seconds: keep unreferenced shards recorded, or with a tensor reported present,
-            less than this many seconds before ``now``. 0 keeps nothing unreferenced.
+            less than this many seconds before ``now``. 0 keeps nothing unreferenced but what
+            saves in progress hold (whatever the grace).
         dry_run: only report; change nothing and take no lock.
         orphans: also delete blobs that no shard row names, and abort uploads left
             unfinished with nothing added within the grace period (see the module docstring).
@@ -253,8 +278,10 @@ def collect(
     """
     check_grace(grace_seconds)
     started = time.perf_counter()
-    cutoff = (now or utcnow()) - timedelta(seconds=grace_seconds)
+    now = now or utcnow()
+    cutoff = now - timedelta(seconds=grace_seconds)
     if not dry_run:
+        _drop_lapsed_holds(db, now)
         _sweep_parts(db)  # the mark below ignores them anyway; this reclaims their rows
     with db.transaction() as session:
         total = int(session.scalar(select(func.count()).select_from(Shard)) or 0)
@@ -265,7 +292,7 @@ def collect(
         # A first look without the lock; each batch is marked again under it before anything
         # goes, so saves wait for one batch at a time, never for the whole collection.
         with db.transaction() as session:
-            unreferenced = _unreferenced_shards(session, cutoff)
+            unreferenced = _unreferenced_shards(session, cutoff, now)
         candidates = [u for u in unreferenced if not u.protected]
         in_grace = len(unreferenced) - len(candidates)
         if dry_run:
@@ -273,7 +300,7 @@ def collect(
             break
         freed = False
         for batch in _batches([u.shard_id for u in candidates], SWEEP_BATCH):
-            gone, seen_meanwhile, freed_batch = _sweep_rows(db, batch, cutoff)
+            gone, seen_meanwhile, freed_batch = _sweep_rows(db, batch, cutoff, now)
             in_grace += seen_meanwhile
             freed = freed or freed_batch
             # Only once their rows are committed: a blob must never go while a row names it.

@@ -45,14 +45,16 @@ async def receive_shard(
     declared_length: str | None,
     max_bytes: int,
     socket_body: SocketBody | None = None,
+    *,
+    save_key: str | None = None,
 ) -> ShardReceipt:
     """Store the streamed shard whose id must be ``shard_id``: its bytes come from ``socket_body``
-    where the server offers it, else from ``body``."""
+    where the server offers it, else from ``body``; held for the save ``save_key`` names."""
     if declared_length is not None and _declared(declared_length) > max_bytes:
         raise PayloadTooLargeError(f"shard of {declared_length} bytes exceeds the limit of {max_bytes}")
     receiver = store.receiver(expected_id=shard_id, max_bytes=max_bytes, write_behind=True)
     await _fill(receiver, body, declared_length, socket_body)
-    return await run_in_threadpool(store.ingest_received, receiver)
+    return await run_in_threadpool(lambda: store.ingest_received(receiver, save_key=save_key))
 
 
 async def receive_unhashed(
@@ -61,16 +63,18 @@ async def receive_unhashed(
     declared_length: str | None,
     max_bytes: int,
     socket_body: SocketBody | None,
+    *,
+    save_key: str | None = None,
 ) -> TensorsReceipt:
     """Store the streamed tensors of an unhashed upload (:mod:`service.intake.unhashed_receiver`): the
-    store hashes each as it writes it; the receipt carries the digests."""
+    store hashes each as it writes it; the receipt carries the digests. Held for ``save_key``'s save."""
     if declared_length is None:
         raise InvalidInputError("an upload of unhashed tensors needs a Content-Length")
     if _declared(declared_length) > max_bytes + store.max_header_bytes:
         raise PayloadTooLargeError(f"an upload of {declared_length} bytes exceeds the limit of {max_bytes}")
     receiver = store.intake.unhashed_receiver(length=int(declared_length), max_bytes=max_bytes)
     await _fill(receiver, body, declared_length, socket_body)
-    receipt, digests = await run_in_threadpool(store.intake.store_unhashed, receiver)
+    receipt, digests = await run_in_threadpool(lambda: store.intake.store_unhashed(receiver, save_key=save_key))
     return TensorsReceipt(shard=receipt, digests=digests)
 
 

@@ -26,6 +26,7 @@ from ckptstore.service.api.schemas import (
     SizesHeld,
 )
 from ckptstore.service.format.digest import DIGEST_PATTERN
+from ckptstore.service.format.names import validate_commit_key
 from ckptstore.service.format.records import ShardReceipt, TensorLocation, TensorsReceipt
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
@@ -34,12 +35,23 @@ router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["data"])
 #: The OpenAPI description of a request body of raw bytes.
 BINARY_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {}}}}
 ShardId = Annotated[str, Path(pattern=DIGEST_PATTERN, description="A shard id (64 lowercase hex characters).")]
+SaveKey = Annotated[
+    str | None,
+    Header(
+        alias="Save-Key",
+        max_length=64,
+        description="The commit key of the save this call is part of (its Idempotency-Key): what the store "
+        "reports present or stores is held for that save until it commits, whatever garbage collection's grace.",
+    ),
+]
 
 
 @router.post("/tensors/missing", dependencies=[CanWrite])
-async def missing_tensors(body: DigestList, store: StoreDep) -> MissingResponse:
-    """Which of these tensor digests the store does not hold yet."""
-    return MissingResponse(missing=await run_in_threadpool(store.missing, body.digests))
+async def missing_tensors(body: DigestList, store: StoreDep, save_key: SaveKey = None) -> MissingResponse:
+    """Which of these tensor digests the store does not hold yet; those it holds are kept for the
+    save ``Save-Key`` names until it commits."""
+    missing = await run_in_threadpool(lambda: store.missing(body.digests, save_key=save_key))
+    return MissingResponse(missing=missing)
 
 
 @router.post("/tensors/sizes", dependencies=[CanWrite])
@@ -72,10 +84,13 @@ async def upload_shard(
     settings: SettingsDep,
     metrics: MetricsDep,
     content_length: Annotated[str | None, Header()] = None,
+    save_key: SaveKey = None,
 ) -> ShardReceipt:
-    """Upload a shard (a safetensors file named by digests); idempotent, verified before it is stored."""
-    limit = settings.max_shard_bytes
-    receipt = await receive_shard(store, shard_id, request.stream(), content_length, limit, offered(request.scope))
+    """Upload a shard (a safetensors file named by digests); idempotent, verified before it is
+    stored, its tensors held for the save ``Save-Key`` names until it commits."""
+    limit, key = settings.max_shard_bytes, checked_key(save_key)
+    stream, socket_body = request.stream(), offered(request.scope)
+    receipt = await receive_shard(store, shard_id, stream, content_length, limit, socket_body, save_key=key)
     return _counted(receipt, response, metrics)
 
 
@@ -92,16 +107,22 @@ async def upload_unhashed(
     settings: SettingsDep,
     metrics: MetricsDep,
     content_length: Annotated[str | None, Header()] = None,
+    save_key: SaveKey = None,
 ) -> TensorsReceipt:
     """Upload tensors not hashed yet as one shard: an 8-byte little-endian layout length, the layout
     (JSON ``[[dtype, shape], ...]``), then the tensors' bytes back to back. The server hashes each
     tensor as it writes it and answers the shard's receipt and the digests in order; the tensors
-    must differ from one another. Idempotent."""
-    limit = settings.max_shard_bytes
+    must differ from one another. Idempotent; held for the save ``Save-Key`` names, as a shard is."""
+    limit, key = settings.max_shard_bytes, checked_key(save_key)
     stream, socket_body = request.stream(), offered(request.scope)
-    answer = await receive_unhashed(store, stream, content_length, limit, socket_body)
+    answer = await receive_unhashed(store, stream, content_length, limit, socket_body, save_key=key)
     _counted(answer.shard, response, metrics)
     return answer
+
+
+def checked_key(save_key: str | None) -> str | None:
+    """``save_key`` once it is seen to be a commit key (InvalidNameError before any byte is read)."""
+    return None if save_key is None else validate_commit_key(save_key)
 
 
 def _counted(receipt: ShardReceipt, response: Response, metrics: Metrics) -> ShardReceipt:

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ckptstore.service.api.deps import CanWrite, SettingsDep, StoreDep
 from ckptstore.service.api.http.strict_json import StrictJSONRoute
+from ckptstore.service.api.routes.data import SaveKey, checked_key
 from ckptstore.service.blobs.base import STAGING_TOKEN_PATTERN
 from ckptstore.service.format.bounds import INT64_MAX
 from ckptstore.service.format.digest import DIGEST_PATTERN
@@ -75,15 +76,24 @@ async def start_upload(
 
 @router.post("/shards/{shard_id}/uploads/{upload}", dependencies=[CanWrite], status_code=201, responses=UNAVAILABLE)
 async def complete_upload(
-    shard_id: ShardId, upload: Token, body: UploadRequest, response: Response, store: StoreDep, settings: SettingsDep
+    shard_id: ShardId,
+    upload: Token,
+    body: UploadRequest,
+    response: Response,
+    store: StoreDep,
+    settings: SettingsDep,
+    save_key: SaveKey = None,
 ) -> ShardReceipt:
-    """Verify the uploaded shard (header, id, every tensor's digest) and store it; idempotent.
+    """Verify the uploaded shard (header, id, every tensor's digest) and store it, held for the save
+    ``Save-Key`` names until it commits; idempotent.
 
     201 when stored now, 200 when it already was; 400 naming the problem (the upload is then
     deleted), 404 when nothing was uploaded under ``upload``.
     """
     receipt = await run_in_threadpool(
-        store.uploads.complete, shard_id, upload, body.size, max_bytes=settings.max_shard_bytes
+        lambda: store.uploads.complete(
+            shard_id, upload, body.size, max_bytes=settings.max_shard_bytes, save_key=checked_key(save_key)
+        )
     )
     if not receipt.created:
         response.status_code = 200
