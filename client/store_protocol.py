@@ -34,6 +34,12 @@ class Transport(Protocol):
     A store with a ``read_ranges(ranges)`` method (a server) answers many ``(shard_id, offset,
     buffers)`` ranges in one request; a load then batches its reads of many shards. A store
     with ``remote`` True (a server) does its work, such as a garbage collection, elsewhere.
+
+    A save names itself from its first call by its commit key, passed as ``save_key`` to
+    :meth:`missing`, :meth:`put_shard` and :meth:`put_tensors` and as ``commit_key`` to
+    :meth:`commit`: the store holds what it reports present and what it stores for that save
+    until it commits (garbage collection keeps it, whatever its grace), while the save keeps
+    calling (``service.db.holds``).
     """
 
     #: Whether :meth:`put_tensors` is available.
@@ -44,16 +50,26 @@ class Transport(Protocol):
         """Where the store is, for people, secrets masked: a server's URL, or the database and
         blob store a process opened itself."""
 
-    def missing(self, digests: Iterable[str]) -> list[str]:
-        """Digests the store lacks."""
+    def missing(self, digests: Iterable[str], *, save_key: str | None = None) -> list[str]:
+        """Digests the store lacks; those it has are held for the save ``save_key`` names."""
 
     def put_shard(
-        self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
+        self,
+        header: bytes,
+        pieces: Sequence[memoryview],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> ShardReceipt:
-        """Store a shard given as header bytes and its tensors' bytes (verified by the store)."""
+        """Store a shard given as header bytes and its tensors' bytes (verified by the store), held
+        for the save ``save_key`` names."""
 
     def put_tensors(
-        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+        self,
+        tensors: Sequence[UnhashedTensor],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> tuple[ShardReceipt, list[str]]:
         """Store tensors not hashed yet as one shard; returns the receipt and their digests in order
         (only where ``takes_unhashed``)."""
@@ -64,7 +80,8 @@ class Transport(Protocol):
     def commit(
         self, run_id: str, body: ManifestBody, *, tags: Sequence[str] = (), commit_key: str | None = None
     ) -> VersionInfo:
-        """Commit a version; sent again with the same ``commit_key``, answers with the version it made."""
+        """Commit a version; sent again with the same ``commit_key``, answers with the version it
+        made. It releases what the save of that key held."""
 
     def resolve(self, run_id: str, ref: int | str = "latest") -> int:
         """The version number a reference names."""

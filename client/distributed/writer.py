@@ -8,12 +8,18 @@ global shape (:meth:`StoreWriter.finish`). Until that commit nothing is visible:
 dies mid-save leaves stored shards that no version references, which garbage collection
 reclaims, and no version.
 
+The coordinator names the save in the global plan (each plan's ``storage_data``: the commit
+key), and every rank asks and stores under that key: what the store reports present and what
+the ranks store is held for the save until the coordinator's commit, whatever garbage
+collection's grace (see :mod:`client.saving.saver`).
+
 Non-tensor items are stored as JSON (:mod:`client.jsonstate`), taken from the planner
 before it would pickle them, or refused with an error naming the item. Nothing is pickled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -104,6 +110,8 @@ class StoreWriter(StorageWriter):
         self.result: SaveResult | None = None
         self.rank = 0
         self.is_coordinator = False
+        #: The key this save commits under, made by the coordinator's global plan.
+        self.save_key: str | None = None
         self._started = time.perf_counter()
 
     # -- the StorageWriter protocol, in the order DCP calls it ----------------------------
@@ -113,6 +121,7 @@ class StoreWriter(StorageWriter):
         if checkpoint_id is not None:
             self.run_id = validate_run_id(str(checkpoint_id))
         self.result = None
+        self.save_key = None
         self._started = time.perf_counter()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -129,8 +138,10 @@ class StoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Nothing to add (DCP has already given each replicated item to one rank)."""
-        return plans
+        """Name the save: every rank's plan carries the key it stores under and the coordinator
+        commits with (DCP has already given each replicated item to one rank)."""
+        self.save_key = uuid.uuid4().hex
+        return [dataclasses.replace(plan, storage_data=self.save_key) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Encode this rank's non-tensor items, then hash and store its chunks the store lacks."""
@@ -147,6 +158,9 @@ class StoreWriter(StorageWriter):
             requires_grad.append(bool(tensor.requires_grad))
         # A fresh ledger: this rank does not commit, so it must not take the last version's
         # digests as stored (see client.saving.hashing.SaveLedger); the coordinator's commit checks all.
+        # The save's key from the global plan (a plan DCP kept from an earlier save may carry that
+        # save's key: holds under it lapse unreleased, as those of a killed save do).
+        key = plan.storage_data if isinstance(plan.storage_data, str) else None
         run = SaveRun(
             self.client.save_settings(SaveLedger()),
             self.run_id,
@@ -156,6 +170,7 @@ class StoreWriter(StorageWriter):
             tags=(),
             started=time.perf_counter(),
             check_manifest=False,
+            save_key=key,
         )
         save_plan, _ = run.store()
         results = []
@@ -210,8 +225,10 @@ class StoreWriter(StorageWriter):
                 "library": library_versions(),
             }
         )
-        # A key of its own: the commit is retried after a lost answer, and commits once.
-        info = self.client.transport.commit(self.run_id, body, tags=self.tags, commit_key=uuid.uuid4().hex)
+        # The save's key: the commit is retried after a lost answer, and commits once; it releases
+        # what the ranks' stores and questions held.
+        key = self.save_key if self.save_key is not None else uuid.uuid4().hex
+        info = self.client.transport.commit(self.run_id, body, tags=self.tags, commit_key=key)
         sent = {c.digest: _nbytes(d, s) for _, d, chunks in tensors for _, s, c in chunks if c.sent}
         every = [c for _, _, chunks in tensors for _, _, c in chunks]
         self.result = SaveResult(

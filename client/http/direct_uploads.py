@@ -110,9 +110,12 @@ class DirectUploads:
         #: False once the server has said it takes none, or S3 could not be reached from here.
         self.offered = True
 
-    def put_shard(self, shard_id: str, header: bytes, pieces: Sequence[memoryview]) -> ShardReceipt | None:
+    def put_shard(
+        self, shard_id: str, header: bytes, pieces: Sequence[memoryview], extra_headers: dict[str, str] | None = None
+    ) -> ShardReceipt | None:
         """Upload a shard to S3 and have the server verify and store it; None when the shard is
-        the server's to take (no direct uploads, or S3 refused or failed them).
+        the server's to take (no direct uploads, or S3 refused or failed them). ``extra_headers``
+        go with the request that has it stored (a save's ``Save-Key``).
 
         Raises:
             CheckpointError: the server refused the uploaded shard (IntegrityError: bytes that do
@@ -145,7 +148,7 @@ class DirectUploads:
                 log.warning("S3 failed the upload of shard %s (%s); sending it through the server", shard_id, exc)
                 return None
             try:
-                return self._complete(shard_id, grant, size)
+                return self._complete(shard_id, grant, size, extra_headers or {})
             except NotFoundError:
                 if attempt == 0:  # the staged bytes went (an expired multipart upload, a sweep): once more
                     continue
@@ -248,9 +251,9 @@ class DirectUploads:
         with self._lock:
             return self._wires.setdefault(origin, wire)
 
-    def _complete(self, shard_id: str, grant: Grant, size: int) -> ShardReceipt:
+    def _complete(self, shard_id: str, grant: Grant, size: int, headers: dict[str, str]) -> ShardReceipt:
         path = f"/v1/shards/{shard_id}/uploads/{grant.token}"
-        answer = self._session.request("POST", path, json={"size": size})
+        answer = self._session.request("POST", path, json={"size": size}, headers=headers)
         return ShardReceipt.model_validate_json(answer.content)
 
     def _abandon(self, shard_id: str, grant: Grant) -> None:

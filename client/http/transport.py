@@ -122,6 +122,11 @@ def _ref(ref: int | str) -> str:
     return quote(str(ref), safe="")
 
 
+def save_headers(save_key: str | None) -> dict[str, str]:
+    """The ``Save-Key`` header naming the save a call is part of (none without one)."""
+    return {} if save_key is None else {"Save-Key": validate_commit_key(save_key)}
+
+
 class HttpTransport:
     """Talks to a ckptstore server at ``url`` (``http://host:port``).
 
@@ -205,15 +210,21 @@ class HttpTransport:
 
     # -- the Transport protocol ----------------------------------------------------------
 
-    def missing(self, digests: Iterable[str]) -> list[str]:
-        """Digests the server lacks."""
+    def missing(self, digests: Iterable[str], *, save_key: str | None = None) -> list[str]:
+        """Digests the server lacks; those it has are held for the save ``save_key`` names (sent as
+        ``Save-Key``). Asking again is safe: it only renews the holds."""
         wanted = list(dict.fromkeys(digests))
         if not wanted:
             return []
-        return list(self._json("POST", "/v1/tensors/missing", json={"digests": wanted})["missing"])
+        answer = self._json("POST", "/v1/tensors/missing", json={"digests": wanted}, headers=save_headers(save_key))
+        return list(answer["missing"])
 
     def put_tensors(
-        self, tensors: Sequence[UnhashedTensor], on_bytes: Callable[[int], object] | None = None
+        self,
+        tensors: Sequence[UnhashedTensor],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> tuple[ShardReceipt, list[str]]:
         """Store tensors not hashed yet as one shard: the server hashes them as it writes them
         (:mod:`client.http.unhashed_uploads`); returns the receipt and their digests in order.
@@ -224,12 +235,12 @@ class HttpTransport:
         sent: tuple[ShardReceipt, list[str]] | None = None
         if self.takes_unhashed:
             try:
-                sent = send_unhashed(self.session, tensors)
+                sent = send_unhashed(self.session, tensors, save_headers(save_key))
             except NotFoundError:  # a server without the route
                 self.takes_unhashed = False
         if sent is None:
             header, pieces, digests = hashed_shard(tensors)
-            sent = self.put_shard(header, pieces), digests
+            sent = self.put_shard(header, pieces, save_key=save_key), digests
         if on_bytes is not None:
             on_bytes(sum(tensor.data.nbytes for tensor in tensors))
         return sent
@@ -275,19 +286,22 @@ class HttpTransport:
         header: bytes,
         pieces: Sequence[memoryview],
         on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> ShardReceipt:
         """Upload a shard straight from memory: its header bytes, then its tensors' bytes.
 
         Where the server's blobs are in S3, the bytes go to S3 directly and the server then
         verifies them there (:mod:`client.http.direct_uploads`); otherwise, or when S3 refuses
         them, they go through the server, which checks the id and hashes every tensor as the
-        body arrives. Retried on network errors and 429/5xx answers (an upload is idempotent).
+        body arrives. Retried on network errors and 429/5xx answers (an upload is idempotent). Its
+        tensors are held for the save ``save_key`` names.
         """
         shard_id = digest_shard_id(header)
-        receipt = uploads_for(self.session).put_shard(shard_id, header, pieces)
+        receipt = uploads_for(self.session).put_shard(shard_id, header, pieces, save_headers(save_key))
         if receipt is None:
             body = [memoryview(header), *pieces]
-            headers = {"Content-Type": "application/octet-stream"}
+            headers = {"Content-Type": "application/octet-stream", **save_headers(save_key)}
             answer = self.session.put_bytes(f"/v1/shards/{shard_id}", body, headers, f"uploading shard {shard_id}")
             receipt = ShardReceipt.model_validate_json(answer.content)
         if on_bytes is not None:

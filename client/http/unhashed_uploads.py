@@ -27,8 +27,11 @@ from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor, en
 PATH = "/v1/shards"
 
 
-def send_unhashed(session: HttpSession, tensors: Sequence[UnhashedTensor]) -> tuple[ShardReceipt, list[str]]:
-    """Store ``tensors`` as one shard the server hashes; the receipt and each tensor's digest, in order.
+def send_unhashed(
+    session: HttpSession, tensors: Sequence[UnhashedTensor], extra_headers: dict[str, str] | None = None
+) -> tuple[ShardReceipt, list[str]]:
+    """Store ``tensors`` as one shard the server hashes; the receipt and each tensor's digest, in
+    order. ``extra_headers`` go with the upload (a save's ``Save-Key``).
 
     Raises:
         NotFoundError: the server has no such route (it predates it).
@@ -40,7 +43,7 @@ def send_unhashed(session: HttpSession, tensors: Sequence[UnhashedTensor]) -> tu
     sent, twins, known = distinct(ordered)
     layout = encode_layout([(ordered[i].dtype, ordered[i].shape) for i in sent])
     body = [memoryview(layout), *(ordered[i].data for i in sent)]
-    headers = {"Content-Type": "application/octet-stream"}
+    headers = {"Content-Type": "application/octet-stream", **(extra_headers or {})}
     answer = session.put_bytes(PATH, body, headers, f"uploading {len(sent)} tensors", method="POST")
     receipt = TensorsReceipt.model_validate_json(answer.content)
     if len(receipt.digests) != len(sent) or not all_digests(receipt.digests):

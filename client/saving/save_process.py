@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -412,9 +413,11 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
             raise CheckpointError(f"the save process was sent a record index it does not have: {index!r}")
         moved[index] = True
     # Digests the client knew are not staged: ask the store for those the last committed
-    # version does not reference (after a first save, none of a LoRA model's frozen weights).
+    # version does not reference (after a first save, none of a LoRA model's frozen weights),
+    # as the save itself, so that those it has are held for it until its commit.
+    save_key = uuid.uuid4().hex
     unasked = [d for d in known if d is not None and d not in settings.ledger.committed]
-    if unasked and settings.transport.missing(unasked):
+    if unasked and settings.transport.missing(unasked, save_key=save_key):
         return {"missing": True}
     run = SaveRun(
         settings,
@@ -425,6 +428,7 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
         tags=list(request["tags"]),
         started=time.perf_counter(),
         snapshot=Snapshot(tensors, known, {}, 0, devices, None, moved=moved),
+        save_key=save_key,
     )
     result = run.run()
     return {"result": dataclasses.asdict(result), "digests": {i: run.digests[i] for i in request["digests_of"]}}

@@ -8,8 +8,15 @@
 3. **Hash, ask, send** — group by group: hash, ask the store which digests it lacks, queue
    those tensors for the uploader. While a group is hashed, the shards of the groups before it
    are being written, so hashing overlaps the store's I/O.
-4. **Commit** — fill in the digests, commit; if garbage collection swept tensors this save was
-   told are stored, send them and commit again, once.
+4. **Commit** — fill in the digests, commit under the save's key.
+
+The save names itself by its commit key from its first question on: everything the store tells
+it is present, and everything it stores, is held for it until that commit (garbage collection
+keeps it whatever its grace; :mod:`service.db.holds`), so a collection running beside the save
+never takes what it is about to reference. Only a save silent past the store's lease (ten
+minutes between two calls) can lose its holds, or one relying on a version deleted meanwhile:
+its commit then names what is missing, and the save sends that and commits once more, under
+holds again.
 """
 
 from __future__ import annotations
@@ -104,12 +111,15 @@ class SaveRun:
         started: float,
         snapshot: Snapshot | None = None,
         check_manifest: bool = True,
+        save_key: str | None = None,
     ) -> None:
         """Save ``flat``'s tensors as they are now, or as a background save's ``snapshot`` of
         them holds them (then the cache is not asked here: the snapshot did). Without
         ``check_manifest`` no manifest is built: the caller only :meth:`store` s the tensors (one
-        rank of a sharded save) and commits elsewhere."""
+        rank of a sharded save) and commits elsewhere. ``save_key`` names the save and its
+        commit (default: a new random key): the store holds what the save relies on under it."""
         self.settings = settings
+        self.save_key = save_key if save_key is not None else uuid.uuid4().hex
         self.snapshot = snapshot
         self.run_id = run_id
         self.flat = flat
@@ -157,7 +167,11 @@ class SaveRun:
         with (
             byte_bar(sum(lengths), "save") as bar,
             ShardUploader(
-                self.settings.transport, self.settings.shard_bytes, bar.update, self.settings.uploads_in_flight
+                self.settings.transport,
+                self.settings.shard_bytes,
+                bar.update,
+                self.settings.uploads_in_flight,
+                self.save_key,
             ) as uploader,
         ):
             taken = self.write_changed(plan, uploader)
@@ -273,7 +287,7 @@ class SaveRun:
         for index, digest in zip(group, hashed, strict=True):
             self.digests[index] = digest
         asked = plan.to_ask(group, hashed)
-        absent = set(self.settings.transport.missing(asked)) if asked else set()
+        absent = set(self.settings.transport.missing(asked, save_key=self.save_key)) if asked else set()
         sending = plan.to_send(group, hashed, absent)
         for index in sending.indexes:
             uploader.add(
@@ -299,25 +313,28 @@ class SaveRun:
                 cache.put(self.tensors[index], digest, taken[index])
 
     def commit(self, plan: SavePlan) -> VersionInfo:
-        """Commit the version with its digests filled in.
+        """Commit the version with its digests filled in, under the save's key.
 
-        If garbage collection swept tensors this save was told are stored (its grace period was
-        shorter than the save took, or the version holding them was deleted and collected
-        meanwhile), the commit changes nothing: send what is missing now, and commit once more.
-        Both tries carry the save's own key, so a commit sent again after a lost answer
-        commits once.
+        What the store told this save is present, and what it stored, is held for it until this
+        commit. If a tensor is missing all the same (the save was silent past the store's lease,
+        or it relied on the last version's tensors and that version was deleted and collected
+        meanwhile), the commit changes nothing: ask again and send what is missing now, both
+        held for the save, and commit once more. Both tries carry the save's key, so a commit
+        sent again after a lost answer commits once.
         """
         transport = self.settings.transport
         assert self.body is not None, "a save built without its manifest does not commit"
         body = with_digests(self.body, self.digests)
-        commit_key = uuid.uuid4().hex
+        commit_key = self.save_key
         try:
             return transport.commit(self.run_id, body, tags=self.tags, commit_key=commit_key)
         except MissingTensorsError as missing:
-            again = set(transport.missing(list(plan.sizes)))
+            again = set(transport.missing(list(plan.sizes), save_key=commit_key))
             if any(self.tensors[i].is_meta for i, digest in enumerate(self.digests) if digest in again):
                 raise missing  # a snapshot without the bytes (a save process's): the caller has them
-            with ShardUploader(transport, self.settings.shard_bytes, None, self.settings.uploads_in_flight) as uploader:
+            with ShardUploader(
+                transport, self.settings.shard_bytes, None, self.settings.uploads_in_flight, commit_key
+            ) as uploader:
                 queued: set[str] = set()
                 for index, digest in enumerate(self.digests):
                     if digest in again and digest not in queued:

@@ -39,6 +39,8 @@ class ShardUploader:
         shard_bytes: target shard size.
         on_bytes: progress callback, given each tensor's size as it is stored.
         in_flight: shards sent at the same time.
+        save_key: the save the shards are part of (its commit key): the store holds their
+            tensors for it until it commits.
     """
 
     def __init__(
@@ -47,8 +49,10 @@ class ShardUploader:
         shard_bytes: int,
         on_bytes: Callable[[int], object] | None = None,
         in_flight: int = 2,
+        save_key: str | None = None,
     ) -> None:
         self.transport = transport
+        self.save_key = save_key
         self.shard_bytes = shard_bytes
         self.on_bytes = on_bytes
         self.in_flight = in_flight
@@ -129,7 +133,8 @@ class ShardUploader:
 
     def _send(self, items: list[tuple[str, str, torch.Tensor]]) -> None:
         shard = build_shard(items)
-        self._submit(lambda: self.transport.put_shard(shard.header, shard.pieces, self.on_bytes))
+        key = self.save_key
+        self._submit(lambda: self.transport.put_shard(shard.header, shard.pieces, self.on_bytes, save_key=key))
 
     def _send_unhashed(self, items: list[tuple[int, str, torch.Tensor, int]]) -> None:
         self._submit(self._unhashed_sender(items))
@@ -144,7 +149,7 @@ class ShardUploader:
         ]
 
         def put() -> ShardReceipt:
-            receipt, digests = store.put_tensors(tensors, self.on_bytes)
+            receipt, digests = store.put_tensors(tensors, self.on_bytes, save_key=self.save_key)
             for (index, _, _, _), digest in zip(items, digests, strict=True):
                 self.digests[index] = digest
             return receipt

@@ -156,9 +156,9 @@ def test_a_resumed_job_asks_the_store_only_about_what_changed(
     transport: Any = resumed.transport
     real = transport.missing
 
-    def spied(digests: Any) -> list[str]:
+    def spied(digests: Any, **kwargs: Any) -> list[str]:
         asked.extend(digests)
-        return real(digests)
+        return real(digests, **kwargs)
 
     monkeypatch.setattr(transport, "missing", spied)
     resumed.save("resumed", model, optim)

@@ -38,8 +38,8 @@ class Racing:
         self._barrier = barrier
         self._asked = False
 
-    def missing(self, digests: Iterable[str]) -> list[str]:
-        answer = self._transport.missing(digests)
+    def missing(self, digests: Iterable[str], **kwargs: Any) -> list[str]:
+        answer = self._transport.missing(digests, **kwargs)
         if not self._asked:
             self._asked = True
             self._barrier.wait(timeout=60)

@@ -22,11 +22,16 @@ class HeldStore(Store):
     release: threading.Event
 
     def put_shard(
-        self, header: bytes, pieces: Sequence[memoryview], on_bytes: Callable[[int], object] | None = None
+        self,
+        header: bytes,
+        pieces: Sequence[memoryview],
+        on_bytes: Callable[[int], object] | None = None,
+        *,
+        save_key: str | None = None,
     ) -> ShardReceipt:
         self.started.set()
         assert self.release.wait(timeout=60), "the test never released the upload"
-        return super().put_shard(header, pieces, on_bytes)
+        return super().put_shard(header, pieces, on_bytes, save_key=save_key)
 
 
 @pytest.fixture

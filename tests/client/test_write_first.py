@@ -38,10 +38,10 @@ class Spy:
             self.hashed += [key for key, _ in tensors]
             return digest_all(tensors, *args, **kwargs)
 
-        def spied_put(store: Store, tensors: list[UnhashedTensor], *args: Any) -> Any:
+        def spied_put(store: Store, tensors: list[UnhashedTensor], *args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             self.unhashed += [t.data.nbytes for t in tensors]
-            return put_tensors(store, tensors, *args)
+            return put_tensors(store, tensors, *args, **kwargs)
 
         monkeypatch.setattr(saving, "digest_all", spied_digest_all)
         monkeypatch.setattr(Store, "put_tensors", spied_put)

@@ -28,13 +28,13 @@ class SmallShardFirst:
         """Set on a class as its ``put_tensors``, bound to each instance as a method is."""
         return functools.partial(self.__call__, transport)
 
-    def __call__(self, transport: Any, tensors: Any, *args: Any) -> Any:
+    def __call__(self, transport: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         """``put_tensors`` of ``transport``, held as the class says."""
         small = all(tensor.data.nbytes < self.small_below for tensor in tensors)
         self.sent.append("small" if small else "large")
         if not small and not self._small_taken.wait(timeout=WAIT_SECONDS):
             raise AssertionError("a large tensors' shard went first and held the only upload turn")
-        answer = self.real(transport, tensors, *args)
+        answer = self.real(transport, tensors, *args, **kwargs)
         if small:
             self._small_taken.set()
         return answer
