@@ -84,13 +84,22 @@ def test_a_ddp_training_checkpoint_imports_under_plain_names_and_resumes(cli: Cl
 
 
 def test_a_submodule_called_module_keeps_its_name(cli: Cli, tmp_path: Path) -> None:
-    """Only a ``module.`` every name starts with is DDP's; here it is the user's own submodule."""
-    state = {"module.weight": torch.ones(2), "head.weight": torch.zeros(2)}
+    """Only a ``module.`` every name starts with is DDP's; here it is the user's own submodule,
+    inside a compiled model."""
+
+    class Owner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+            self.head = torch.nn.Linear(2, 1)
+
+    raw = torch.compile(Owner()).state_dict()
+    assert sorted(raw) == [f"_orig_mod.{n}" for n in ("head.bias", "head.weight", "module.bias", "module.weight")]
     source = tmp_path / "own.pt"
-    _save(state, source)
+    _save(raw, source)
     cli.ok("import", source, "run")
     loaded = cli.client.load("run")
-    assert loaded.state_dict is not None and sorted(loaded.state_dict) == ["head.weight", "module.weight"]
+    assert loaded.state_dict is not None and list(loaded.state_dict) == list(Owner().state_dict())
 
 
 def test_two_names_that_unwrap_to_one_are_refused_naming_both(cli: Cli, tmp_path: Path) -> None:
