@@ -20,6 +20,7 @@
     ├── AuthenticationError              unauthorized      401
     │   └── PermissionDeniedError        forbidden         403
     └── StorageError (OSError)           storage           503
+        └── StorageFullError             storage_full      507
 
 Every class carries a stable ``code`` string. The HTTP face sends it as the
 ``X-Error-Code`` header and the client maps it back with :func:`error_class_for_code`,
@@ -29,6 +30,7 @@ HTTP mode.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -203,6 +205,58 @@ class StorageError(CheckpointError, OSError):
 
     def __init__(self, message: str) -> None:
         super().__init__(mask_urls(message))
+
+
+class StorageFullError(StorageError):
+    """The disk holding the store's files (or the database's) is full, or its quota is spent.
+
+    Not a passing outage: retrying changes nothing until space is freed, so a server answers
+    507 and the client raises at once. The message names the folder that is full and what to
+    run (:meth:`of_folder`).
+    """
+
+    code = "storage_full"
+    http_status = 507
+
+    @classmethod
+    def of_folder(cls, folder: object, cause: object, *, fix: str | None = None) -> StorageFullError:
+        """The error for a full disk under ``folder``, quoting ``cause`` (the system's words) and
+        the way out (``fix``, else :data:`FREE_SPACE`)."""
+        return cls(f"the disk holding {folder} is full ({cause}); nothing was stored: {fix or FREE_SPACE}")
+
+
+#: What to run on a full disk: deleting versions needs no room the store has not kept for it.
+FREE_SPACE = (
+    "free space with `ckptstore rm RUN@VERSION` for versions you can spare, then `ckptstore gc` "
+    "(`--grace 0` once no save is running); both may use the space the store keeps in reserve for them"
+)
+#: ``errno`` values of a disk with no room left: no space, or the user's quota spent.
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: SQLite's primary result code for "database or disk is full", and its extended code for a
+#: shared-memory file (``-shm``) it could not grow, which only a full disk causes.
+_SQLITE_FULL = 13
+_SQLITE_IOERR_SHMSIZE = 4874
+#: PostgreSQL's SQLSTATE ``disk_full``.
+_POSTGRES_DISK_FULL = "53100"
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an error it wraps (``orig`` of a SQLAlchemy error, or its cause), says
+    the disk is full: ENOSPC or EDQUOT, SQLite's SQLITE_FULL, PostgreSQL's ``disk_full``."""
+    for _depth in range(6):
+        if exc is None:
+            return False
+        if isinstance(exc, StorageFullError):
+            return True
+        if isinstance(exc, OSError) and exc.errno in FULL_DISK_ERRNOS:
+            return True
+        code = getattr(exc, "sqlite_errorcode", None)
+        if isinstance(code, int) and (code & 0xFF == _SQLITE_FULL or code == _SQLITE_IOERR_SHMSIZE):
+            return True
+        if getattr(exc, "sqlstate", None) == _POSTGRES_DISK_FULL:
+            return True
+        exc = getattr(exc, "orig", None) or exc.__cause__
+    return False
 
 
 def _all_subclasses(cls: type[CheckpointError]) -> list[type[CheckpointError]]:

@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlparse
 
 from ckptstore.service.blobs import BlobStore, LocalBlobStore
 from ckptstore.service.db import Database
+from ckptstore.service.db.reserve import SpaceReserve
 from ckptstore.service.errors import InvalidInputError, NotFoundError
 from ckptstore.service.secrets_mask import mask_url
 from ckptstore.service.settings import Settings
@@ -74,6 +75,11 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
     if not create:
         check_store_exists(settings)
         require_current_schema = True
+    # A SQLite file keeps a reserve of disk for cleanup; on a full disk it is released before
+    # opening, or SQLite could not even read (service.db.reserve).
+    reserve = SpaceReserve.for_database(settings.resolved_database_url, settings.reserve_bytes)
+    if reserve is not None:
+        reserve.on_opening()
     if settings.embedded_database is not None:
         database = Database.sqlite_file(settings.embedded_database)
     else:
@@ -92,4 +98,5 @@ def open_store(settings: Settings | None = None, *, require_current_schema: bool
         database.dispose()
         raise
     direct, deltas = settings.direct_writes, settings.deltas_per_keyframe
-    return Store(database, blobs, settings.staging_dir, direct_writes=direct, deltas_per_keyframe=deltas)
+    staging = settings.staging_dir
+    return Store(database, blobs, staging, direct_writes=direct, deltas_per_keyframe=deltas, reserve=reserve)

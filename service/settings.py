@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     #: Deltas of later versions one tensor stored whole by ``gc --compress`` may serve as their
     #: keyframe before a tensor is stored whole again (:mod:`service.reclaim.compression`); 0: no deltas.
     deltas_per_keyframe: int = Field(default=4, ge=0, le=64)
+    #: Bytes of disk a store on a SQLite file keeps beside it for ``rm``, retention and ``gc`` to use
+    #: on a full disk (64 MiB; :mod:`service.db.reserve`). 0: none.
+    reserve_bytes: int = Field(default=64 << 20, ge=0, le=1 << 40)
 
     @property
     def home_path(self) -> Path:

@@ -26,6 +26,7 @@ from ckptstore.service.catalog.retention import apply_now, current_policy, repla
 from ckptstore.service.catalog.retention_rules import check_policy
 from ckptstore.service.catalog.versions import remove_tag, remove_version, resolve_ref, set_tag
 from ckptstore.service.db import Database
+from ckptstore.service.db.reserve import SpaceReserve, cleanup_with
 from ckptstore.service.errors import InvalidInputError, NotFoundError
 from ckptstore.service.format.digest import is_digest
 from ckptstore.service.format.encoded_reads import read_tensor
@@ -73,6 +74,7 @@ class Store:
             folder's disk, measured before the first shard is written and kept there
             (:mod:`service.intake.write_mode`).
         deltas_per_keyframe: deltas one tensor ``gc(compress=True)`` stores whole may serve.
+        reserve: disk kept for cleanup on a full disk, which saves never use (:mod:`service.db.reserve`).
     """
 
     #: Takes tensors whose digests the caller does not know (:meth:`put_tensors`).
@@ -87,6 +89,7 @@ class Store:
         max_header_bytes: int = MAX_HEADER_BYTES,
         direct_writes: bool | None = True,
         deltas_per_keyframe: int = 4,
+        reserve: SpaceReserve | None = None,
     ) -> None:
         self.db = db
         self.deltas_per_keyframe = deltas_per_keyframe
@@ -95,8 +98,9 @@ class Store:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.max_header_bytes = max_header_bytes
         #: Where every shard enters (:class:`~service.intake.ingest.Intake`).
+        self.reserve = reserve
         self.intake = Intake(
-            db, blobs, self.staging_dir, max_header_bytes=max_header_bytes, direct_writes=direct_writes
+            db, blobs, self.staging_dir, max_header_bytes=max_header_bytes, direct_writes=direct_writes, reserve=reserve
         )
 
     @property
@@ -123,8 +127,9 @@ class Store:
         settings = Settings()
         direct = settings.direct_writes if direct_writes is None else direct_writes
         blobs, deltas = LocalBlobStore(home / "blobs"), settings.deltas_per_keyframe
+        reserve = SpaceReserve.opening(home, settings.reserve_bytes)  # before SQLite opens: see service.db.reserve
         database = Database.sqlite_file(home / METADATA_FILE)
-        return cls(database, blobs, home / "staging", direct_writes=direct, deltas_per_keyframe=deltas)
+        return cls(database, blobs, home / "staging", direct_writes=direct, deltas_per_keyframe=deltas, reserve=reserve)
 
     def close(self) -> None:
         """Release database connections."""
@@ -243,7 +248,12 @@ class Store:
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
         if compact_below is None and not compress:
-            return collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now)
+            return cleanup_with(
+                None if dry_run else self.reserve,
+                lambda: collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now),
+            )
+        if self.reserve is not None and not dry_run:
+            self.reserve.check_room_for_writes()  # rewriting takes room the reserve must not give
         from ckptstore.service.reclaim.compaction import compact_and_collect
         from ckptstore.service.reclaim.compression import COMPACT_AFTER_COMPRESSION, compressor
 
@@ -343,11 +353,11 @@ class Store:
 
     def untag(self, run_id: str, name: str) -> None:
         """Remove tag ``name`` from ``run_id`` (a reserved name too, should a store hold one)."""
-        remove_tag(db=self.db, run_id=run_id, name=name)
+        cleanup_with(self.reserve, lambda: remove_tag(db=self.db, run_id=run_id, name=name))
 
     def delete_version(self, run_id: str, ref: int | str) -> int:
         """Delete one version (its tags go with it); its blobs stay until garbage collection."""
-        return remove_version(db=self.db, run_id=run_id, ref=ref)
+        return cleanup_with(self.reserve, lambda: remove_version(db=self.db, run_id=run_id, ref=ref))
 
     # -- retention -----------------------------------------------------------------------
 
@@ -374,7 +384,7 @@ class Store:
 
     def apply_retention(self, run_id: str) -> list[int]:
         """Remove now the versions the run's policy does not keep; returns their numbers."""
-        return apply_now(db=self.db, run_id=validate_run_id(run_id))
+        return cleanup_with(self.reserve, lambda: apply_now(db=self.db, run_id=validate_run_id(run_id)))
 
 
 def _shard_id(shard_id: str) -> str:

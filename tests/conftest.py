@@ -14,6 +14,9 @@ os.environ.setdefault("CKPTSTORE_DISABLE_PROGRESS_BARS", "1")
 # Stores made by tests write directly rather than measure their disk each (a quarter of a second
 # per fresh store); tests/service/test_write_probe.py covers the measuring.
 os.environ.setdefault("CKPTSTORE_DIRECT_WRITES", "1")
+# Stores made by tests keep a small reserve of disk for cleanup (64 MiB each would add up over
+# the suite's stores); tests/faults/test_full_disk.py sets its own.
+os.environ.setdefault("CKPTSTORE_RESERVE_BYTES", str(1 << 20))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 from ckptstore.client.cli.shown import shown, shown_lines
-from ckptstore.service.errors import CheckpointError, InvalidInputError, InvalidNameError
+from ckptstore.service.errors import (
+    CheckpointError,
+    InvalidInputError,
+    InvalidNameError,
+    StorageFullError,
+    is_disk_full,
+)
 from ckptstore.service.format.names import LATEST, parse_ref, validate_run_id
 from ckptstore.service.secrets_mask import mask_urls
 
@@ -137,7 +143,19 @@ def reported(*, invalid_input: int = EXIT_FAILED) -> Iterator[None]:
     except CheckpointError as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(str(exc))
+        fail(os_problem(exc))
+
+
+def os_problem(exc: OSError) -> str:
+    """One line for a file-system error no layer below named: what failed, on which path, and
+    for a full disk which folder and what to run, never a bare ``[Errno 28]``."""
+    named = exc.filename2 if exc.filename2 is not None else exc.filename
+    path = Path(os.fsdecode(named)) if isinstance(named, (str, bytes, os.PathLike)) else None
+    if is_disk_full(exc):
+        return StorageFullError.of_folder(path.parent if path is not None else "the store", exc.strerror or exc).message
+    if exc.strerror is None:
+        return str(exc) or type(exc).__name__
+    return f"file-system error: {exc.strerror}" + (f" ({path})" if path is not None else "")
 
 
 def check_folder(directory: Path) -> None:

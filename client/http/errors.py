@@ -14,6 +14,7 @@ from ckptstore.service.errors import (
     MissingTensorsError,
     StateMismatchError,
     StorageError,
+    StorageFullError,
     error_class_for_code,
 )
 
@@ -38,6 +39,8 @@ def raise_for_error(reply: Reply) -> None:
         raise cls(text, body.get("digests") or [])
     if issubclass(cls, StateMismatchError):
         raise cls(text)
+    if cls is CheckpointError and status == StorageFullError.http_status:
+        cls = StorageFullError  # a 507 without our code (a proxy's, an older server's) is a full disk too
     if cls is CheckpointError:
         fallback = StorageError if status >= 500 else CheckpointError
         raise fallback(f"HTTP {status}: {message}" if message else text)

@@ -3,7 +3,9 @@
 Connection errors and 429/5xx answers are retried with exponential backoff and jitter (at most
 :data:`MAX_PAUSE_SECONDS` a pause, longer when the server's ``Retry-After`` asks) for up to the
 retry budget (``retry_seconds``, ``CKPTSTORE_RETRY_SECONDS``, default
-:data:`DEFAULT_RETRY_SECONDS`: long enough to ride out a server restart), but only for requests
+:data:`DEFAULT_RETRY_SECONDS`: long enough to ride out a server restart), but never 507 (the
+server's disk is full: waiting frees nothing, so :class:`~service.errors.StorageFullError` is
+raised at once with the server's message), and only for requests
 that are safe to repeat: every request but a commit without a key. A save commits with an
 ``Idempotency-Key`` (a random token of its own), so its commit is retried like the rest: the
 server answers a repeat with the version the key made. A commit without a key is sent again
@@ -31,6 +33,7 @@ import httpx
 from ckptstore.client.http.route import Route
 from ckptstore.service.errors import InvalidInputError, StorageError
 
+#: Answers that pass with time. Not 507 (Insufficient Storage): a full disk stays full until freed.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 #: What a broken, refused or cut connection raises, through httpx or through the bulk connections.
 NETWORK_ERRORS = (httpx.TransportError, OSError, http.client.HTTPException)

@@ -21,7 +21,9 @@ from ckptstore.service.errors import (
     RangeNotSatisfiableError,
     ServerBusyError,
     StorageError,
+    StorageFullError,
     UnsupportedMediaTypeError,
+    is_disk_full,
 )
 
 log = logging.getLogger("ckptstore.api")
@@ -39,6 +41,7 @@ HTTP_CODES = {
     415: "unsupported_media_type",
     416: "range_not_satisfiable",
     422: "invalid_input",
+    507: StorageFullError.code,
 }
 
 
@@ -110,8 +113,13 @@ def public_message(request: Request, exc: CheckpointError) -> str:
     """The message a client is shown for ``exc``.
 
     A storage failure is logged here with its cause (a database driver's or blob store's text,
-    which is for the operator) and answered with :data:`STORAGE_MESSAGE` and the request alone.
+    which is for the operator) and answered with :data:`STORAGE_MESSAGE` and the request alone;
+    but a full disk is no passing failure, and its message (which folder is full, what to run)
+    is the answer.
     """
+    if isinstance(exc, StorageFullError):
+        log.error("disk full on %s %s: %s", request.method, _route(request), exc.message)
+        return exc.message
     if isinstance(exc, StorageError):
         log.error("storage failed on %s %s: %s", request.method, _route(request), exc.message, exc_info=exc)
         return f"{request.method} {_shown_path(request.url.path)}: {STORAGE_MESSAGE}"
@@ -163,5 +171,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        if is_disk_full(exc):  # a full disk some write path did not name: still a full disk, not a bug
+            full = StorageFullError.of_folder("the server's store", getattr(exc, "strerror", None) or exc)
+            return await checkpoint_error(request, full)
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(500, "internal", "internal server error; the server log has the details")

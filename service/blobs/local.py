@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ckptstore.service.blobs.base import BlobStore, check_blob_id, flat_bytes
-from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError
+from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError, StorageFullError, is_disk_full
 from ckptstore.service.format.digest import is_digest
 
 #: Most buffers one ``preadv`` call takes (the kernel's IOV_MAX on Linux).
@@ -85,6 +85,8 @@ class LocalBlobStore(BlobStore):
                 self._copy_in(Path(path), target)
             fsync_directory(target.parent)
         except OSError as exc:
+            if is_disk_full(exc):  # the copy across file systems, or a new fan-out folder's block
+                raise StorageFullError.of_folder(self.root, f"{exc.strerror or exc} storing blob {blob_id}") from exc
             raise StorageError(f"could not store blob {blob_id} in {self.root}: {exc.strerror or exc}") from exc
 
     def _copy_in(self, source: Path, target: Path) -> None:

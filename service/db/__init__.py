@@ -1,4 +1,5 @@
-"""Metadata database: SQLAlchemy models and sessions (SQLite embedded, PostgreSQL served), schema revisions.
+"""Metadata database: SQLAlchemy models and sessions (SQLite embedded, PostgreSQL served), schema revisions,
+and the reserve of disk space a SQLite database keeps for cleanup (``reserve``).
 
 It may import SQLAlchemy, Alembic and, of the engine, only :mod:`service.errors`,
 :mod:`service.secrets_mask` and :mod:`service.schema_revisions`: never the store, its job modules,

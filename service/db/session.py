@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore.service.db import schema
 from ckptstore.service.db.models import Base, table
-from ckptstore.service.errors import CheckpointError, InvalidInputError, StorageError
+from ckptstore.service.db.reserve import sqlite_folder
+from ckptstore.service.errors import CheckpointError, InvalidInputError, StorageError, StorageFullError, is_disk_full
 from ckptstore.service.secrets_mask import mask_url
 
 #: Rows per executemany of an INSERT: bounds the parameter lists built at once.
@@ -276,10 +277,22 @@ class Database:
     def _or_dispose(self, check: Callable[[Database], None]) -> Database:
         try:
             check(self)
+        except StorageError as exc:
+            self.dispose()
+            if is_disk_full(exc) and not isinstance(exc, StorageFullError):
+                raise self.full_disk(exc) from exc
+            raise
         except BaseException:
             self.dispose()
             raise
         return self
+
+    def full_disk(self, exc: BaseException) -> StorageFullError:
+        """The error for a database whose disk is full: its folder (a SQLite file's) or its server."""
+        folder = sqlite_folder(self.url)
+        where = folder if folder is not None else f"the metadata database at {mask_url(self.url)}"
+        driver = getattr(exc, "orig", None) or exc.__cause__ or exc
+        return StorageFullError.of_folder(where, str(driver).splitlines()[0] if str(driver) else type(driver).__name__)
 
     @classmethod
     def open(cls, url: str, **engine_options: Any) -> Database:
@@ -323,6 +336,8 @@ class Database:
             raise
         except SQLAlchemyError as exc:
             session.rollback()
+            if is_disk_full(exc):  # SQLITE_FULL: not an outage, and the way out is known
+                raise self.full_disk(exc) from exc
             raise StorageError(f"metadata database error: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
         except BaseException:
             session.rollback()

@@ -24,6 +24,7 @@ from ckptstore.service.blobs import BlobStore
 from ckptstore.service.db import Database, holds
 from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import Shard, Tensor, utcnow
+from ckptstore.service.db.reserve import SpaceReserve
 from ckptstore.service.db.session import insert_columns, insert_new
 from ckptstore.service.errors import IntegrityError, InvalidInputError, InvalidShardError, StorageError
 from ckptstore.service.format.digest import TensorHasher
@@ -97,10 +98,13 @@ class Intake:
         *,
         max_header_bytes: int = MAX_HEADER_BYTES,
         direct_writes: bool | None = True,
+        reserve: SpaceReserve | None = None,
     ) -> None:
         self.db = db
         self.blobs = blobs
         self.staging_dir = staging_dir
+        #: Room kept for cleanup: a staging file is not made while the disk lacks it (StorageFullError).
+        self.reserve = reserve
         self.max_header_bytes = max_header_bytes
         self._direct_writes = direct_writes
         self._direct_lock = threading.Lock()
@@ -116,7 +120,10 @@ class Intake:
         return self._direct_writes
 
     def staging_path(self) -> Path:
-        """A fresh path in the staging folder for a shard being written or received."""
+        """A fresh path in the staging folder for a shard being written or received (once the disk
+        has room for it beside the :attr:`reserve`)."""
+        if self.reserve is not None:
+            self.reserve.check_room_for_writes()
         return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
 
     # -- a file on disk ------------------------------------------------------------------------

@@ -11,6 +11,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +22,8 @@ from ckptstore.service.errors import (
     InvalidShardError,
     PayloadTooLargeError,
     StorageError,
+    StorageFullError,
+    is_disk_full,
 )
 from ckptstore.service.format.digest import TensorHasher, tensor_digest
 from ckptstore.service.format.safetensors_header import (
@@ -165,7 +168,7 @@ class ShardReceiver:
         try:
             handle.write(self._head)
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
         return view
 
     def _header_end(self) -> int:
@@ -178,7 +181,7 @@ class ShardReceiver:
             in_flight = UPLOAD_IN_FLIGHT if self.write_behind else 0
             self._handle = DirectFileWriter(self.path, direct=self.direct_writes, in_flight=in_flight)
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
         return self._handle
 
     def _take_data(self, view: memoryview) -> None:
@@ -209,7 +212,7 @@ class ShardReceiver:
         try:
             self._handle.write(view)
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
 
     def _hash_pieces(self, view: memoryview, position: int) -> None:
         """Feed ``view``, starting at data offset ``position``, to the hashers of the tensors it spans."""
@@ -257,7 +260,7 @@ class ShardReceiver:
         try:
             self._handle.close()
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
         return header
 
     def discard(self) -> None:
@@ -316,7 +319,7 @@ def advance(sink: _Sink, nbytes: int) -> None:
     try:
         sink.advance(nbytes)
     except OSError as exc:
-        raise staging_error(exc) from exc
+        raise staging_error(exc, getattr(sink, "path", None)) from exc
 
 
 class _Nowhere:
@@ -387,9 +390,14 @@ def take_prefixed(head: bytearray, view: memoryview, end_of: Callable[[], int]) 
         need = end_of()
 
 
-def staging_error(exc: OSError) -> StorageError:
-    """The error for a shard the staging folder could not take: the store's disk, not the
-    upload, is at fault (ENOSPC, EIO)."""
+def staging_error(exc: OSError, path: Path | None = None) -> StorageError:
+    """The error for a shard the staging folder could not take at ``path`` (else the file the
+    error names): the store's disk, not the upload, is at fault. A full disk (ENOSPC, EDQUOT) is
+    a :class:`StorageFullError` naming the folder and what to run; any other (EIO) a StorageError."""
+    if is_disk_full(exc):
+        named = path if path is not None else (Path(os.fsdecode(exc.filename)) if exc.filename else None)
+        folder = named.parent if named is not None else "the staging folder"
+        return StorageFullError.of_folder(folder, exc.strerror or exc)
     return StorageError(
         f"could not write the shard to the staging folder: {exc.strerror or exc}; nothing was stored, "
         "retry once there is disk space"

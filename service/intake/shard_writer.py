@@ -59,7 +59,7 @@ def write_shard(
     try:
         writer = DirectFileWriter(path, direct=direct_writes, in_flight=DEFAULT_IN_FLIGHT, start=room)
     except OSError as exc:
-        raise staging_error(exc) from exc
+        raise staging_error(exc, path) from exc
     digests: list[str] = []
     written: dict[str, UnhashedTensor] = {}
     seen: set[tuple[str, tuple[int, ...], bytes]] = set()
@@ -89,7 +89,7 @@ def write_shard(
     except OSError as exc:
         writer.abort()
         path.unlink(missing_ok=True)
-        raise staging_error(exc) from exc
+        raise staging_error(exc, path) from exc
     except BaseException:
         writer.abort()
         path.unlink(missing_ok=True)

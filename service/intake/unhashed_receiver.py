@@ -122,7 +122,7 @@ class UnhashedReceiver:
                 self.path, direct=self.direct_writes, in_flight=UPLOAD_IN_FLIGHT, start=self._room
             )
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
         self._left = self._layout[0][2]
         return view
 
@@ -164,7 +164,7 @@ class UnhashedReceiver:
         try:
             self._writer.write(piece, self._hash_data)
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
         return view[piece.nbytes :]
 
     def _hash_data(self, view: memoryview) -> memoryview:
@@ -208,7 +208,7 @@ class UnhashedReceiver:
             self._writer.write_head(header)
             self._writer.close()
         except OSError as exc:
-            raise staging_error(exc) from exc
+            raise staging_error(exc, self.path) from exc
         self._writer = None
         return WrittenShard(list(self._digests), ShardHeader(header, laid_out_entries(named), dict(SHARD_METADATA)))
 

@@ -51,7 +51,7 @@ from ckptstore.service.db import Database
 from ckptstore.service.db.lock import hold_exclusive
 from ckptstore.service.db.models import Shard, Tensor, TensorNeed, Version, table, utcnow
 from ckptstore.service.db.session import insert_missing, insert_new
-from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError
+from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError, StorageFullError
 from ckptstore.service.format.digest import shard_id as blob_id_of
 from ckptstore.service.format.dtypes import itemsize
 from ckptstore.service.format.encoded_reads import ReadInto, chain_of, read_raw
@@ -59,6 +59,7 @@ from ckptstore.service.format.encoding import DELTAS
 from ckptstore.service.format.records import TensorLocation
 from ckptstore.service.format.safetensors_header import header_bytes
 from ckptstore.service.intake.direct_file import DirectFileWriter
+from ckptstore.service.intake.receiver import staging_error
 from ckptstore.service.reclaim.compression_buffers import BufferPool, RecentTensors
 from ckptstore.service.reclaim.encoding_choice import choose
 
@@ -355,6 +356,10 @@ def write_encoded_shard(
             raise
         writer.close()
         blobs.put_file(shard_id, path)  # it makes the file durable
+    except StorageError:
+        raise
+    except OSError as exc:  # the staging file's: a full disk is named as one, never a bare errno
+        raise staging_error(exc, path) from exc
     finally:
         path.unlink(missing_ok=True)
     offsets = []
@@ -434,6 +439,8 @@ def compress(
                     if not dry_run:
                         write_encoded_shard(db, blobs, staging, batch, direct_writes=direct_writes)
                         report.shards += 1
+            except StorageFullError:
+                raise  # no room to write: every next version would meet the same full disk
             except (NotFoundError, StorageError):
                 continue  # deleted, and its parts or tensors collected, while it was visited
             finally:

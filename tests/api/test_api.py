@@ -22,6 +22,7 @@ from ckptstore.service.api.errors import STORAGE_MESSAGE
 from ckptstore.service.api.http.socket_body import MIN_BODY_BYTES
 from ckptstore.service.blobs import LocalBlobStore
 from ckptstore.service.db import Database
+from ckptstore.service.db.reserve import SpaceReserve
 from ckptstore.service.errors import CheckpointError, error_class_for_code
 from ckptstore.service.format.digest import shard_id
 from ckptstore.service.format.safetensors_header import header_bytes
@@ -264,6 +265,13 @@ def broken_store(tmp_path: Path) -> Store:
     )
 
 
+def full_store(tmp_path: Path) -> Store:
+    """A store that must keep more disk in reserve (1 TiB) than its disk has: it takes no shard."""
+    home = tmp_path / "full"
+    database = Database.sqlite_file(home / "metadata.db")
+    return Store(database, LocalBlobStore(home / "blobs"), home / "staging", reserve=SpaceReserve(home, 1 << 40))
+
+
 def test_healthz_is_503_when_the_database_fails(tmp_path: Path) -> None:
     store = broken_store(tmp_path)
     with TestClient(
@@ -312,7 +320,7 @@ def _error_responses(tmp_path: Path, serve: Callable[[FastAPI], Served]) -> dict
     """
     settings = Settings(home=tmp_path / "home", tokens=f"read:{'r' * 20},write:{'w' * 20}", max_json_bytes=1 << 16)
     store = Store.open_home(settings.home_path)
-    broken = broken_store(tmp_path)
+    broken, full = broken_store(tmp_path), full_store(tmp_path)
     read, write = {"Authorization": "Bearer " + "r" * 20}, {"Authorization": "Bearer " + "w" * 20}
     found: dict[type[CheckpointError], httpx.Response] = {}
     try:
@@ -347,10 +355,13 @@ def _error_responses(tmp_path: Path, serve: Callable[[FastAPI], Served]) -> dict
             assert found[errors.ServerBusyError].headers["retry-after"] == "1"
         with serve(create_app(broken, settings)).client() as http:
             found[errors.StorageError] = http.get("/v1/runs", headers=read)
+        with serve(create_app(full, settings)).client() as http:
+            found[errors.StorageFullError] = http.put(upload_to, content=SMALL.data, headers=write)
         found[errors.RequestTimeoutError] = _stalled_upload(store, settings, write)
     finally:
         store.close()
         broken.close()
+        full.close()
     return found
 
 

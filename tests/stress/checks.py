@@ -61,8 +61,8 @@ def census(home: Path, tmp: Path) -> Census:
         if not path.is_file():
             continue
         parts = path.relative_to(home).parts
-        if len(parts) == 1 and parts[0].startswith("metadata.db"):
-            continue
+        if len(parts) == 1 and (parts[0].startswith("metadata.db") or parts[0] == "reserve"):
+            continue  # the database and the disk space it keeps for cleanup (service.db.reserve)
         if parts[0] == "staging":
             found.staging += 1
         elif parts[:2] == ("blobs", ".incoming"):
