@@ -112,9 +112,9 @@ def make_rig(s3_endpoint: str, tmp_path: Path, boto_session: Any) -> Iterator[Ca
             rig = Rig("", store, s3, bucket, gate)
             ingest = store.ingest_received
 
-            def proxied(receiver: ShardReceiver) -> ShardReceipt:
+            def proxied(receiver: ShardReceiver, **kwargs: Any) -> ShardReceipt:
                 rig.proxied.append(str(receiver.expected_id))
-                return ingest(receiver)
+                return ingest(receiver, **kwargs)
 
             store.ingest_received = proxied  # type: ignore[method-assign]
             served = Settings(home=home, tokens=TOKENS, **settings)
