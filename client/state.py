@@ -5,7 +5,7 @@ other value goes into a JSON tree that refers to tensors by key. Optimizer state
 the **parameter's name** in the model, so it loads into a freshly built optimizer whatever
 order its parameters were passed in; the optimizer's class is recorded beside it.
 
-Only an imported state_dict that numbers its parameters (``torch.save(optim.state_dict())``)
+Only an imported state_dict that numbers its parameters (a saved ``optim.state_dict()``)
 is kept **by position** (:func:`flatten_positional_optimizer`): which parameter an index is,
 only the optimizer that made it knew, so a load pairs positions with the optimizer it is
 given, as ``Optimizer.load_state_dict`` does.
