@@ -207,3 +207,28 @@ def test_every_import_resumes_bitwise_or_is_refused(store: client.Client, recipe
         step(model, optim, number)
         step(resumed, resumed_optim, number)
     assert_same_training(resumed, model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_state_by_position_lands_on_each_parameters_device(cli: Cli, tmp_path: Path, fused: bool) -> None:
+    """A CPU file resumed on a CUDA model: moments on the parameter's device, ``step`` on the
+    host unless the saved group is fused (then on the device), the moments as saved."""
+    model = HeadAndBackbone(seed=0)
+    optim = torch.optim.Adam(list(model.head.parameters()) + list(model.backbone.parameters()), lr=0.05, fused=fused)
+    for number in range(2):
+        step(model, optim, number)
+    source = tmp_path / "ckpt.pt"
+    _save({"model": model.state_dict(), "optimizer": optim.state_dict()}, source)
+    cli.ok("import", source, "run")
+
+    resumed = HeadAndBackbone(seed=1).cuda()
+    params = list(resumed.head.parameters()) + list(resumed.backbone.parameters())
+    resumed_optim = torch.optim.Adam(params, lr=0.05, fused=fused)
+    cli.client.load("run", model=resumed, optim=resumed_optim)
+    for param in params:
+        state = resumed_optim.state[param]
+        assert state["exp_avg"].device == param.device and state["exp_avg_sq"].device == param.device
+        assert state["step"].device == (param.device if fused else torch.device("cpu"))
+    original = resumed_optim.state[resumed.head.weight]["exp_avg"].cpu()
+    assert torch.equal(original, optim.state[model.head.weight]["exp_avg"])
