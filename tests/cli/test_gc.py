@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
 from ckptstore import client
+from ckptstore.service.db.holds import SAVE_LEASE_SECONDS
+from ckptstore.service.db.models import utcnow
+from ckptstore.service.store import Store
 from tests.cli.conftest import Cli
 from tests.client.models import TinyNet, tensors_equal
 
@@ -55,29 +60,58 @@ def test_gc_after_deleting_a_version_reclaims_its_shards_and_the_rest_loads_bit_
     assert (again["shards_swept"], again["orphan_blobs"]) == (0, 0)
 
 
-def test_a_save_whose_tensors_are_swept_before_its_commit_sends_them_again(
+def test_a_collection_before_a_saves_commit_keeps_what_the_save_was_told_is_stored(
     ckpt: client.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = TinyNet(seed=4)
-    first = ckpt.save("run", model)
+    ckpt.save("run", model)
     ckpt.delete("run", 1)
     commit = ckpt.transport.commit
-    calls = []
+    swept = []
 
     def collect_then_commit(*args: object, **kwargs: object) -> object:
-        calls.append(1)
-        if len(calls) == 1:  # told everything is stored, the save is overtaken by a collection
-            assert ckpt.gc(grace_seconds=0).shards_swept == first.shards  # its trainable tensors and its buffers
+        # Told everything is stored (no version references it now), the save is overtaken by a
+        # collection with no grace: the save holds it all, so nothing goes.
+        swept.append(ckpt.gc(grace_seconds=0).shards_swept)
         return commit(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ckpt.transport, "commit", collect_then_commit)
     result = ckpt.save("run", model)
 
-    assert len(calls) == 2 and result.version == 2
-    assert (result.tensors_new, result.bytes_stored) == (first.tensors_new, first.bytes_stored)  # all sent again
+    assert swept == [0] and result.version == 2  # one commit, nothing taken
+    assert (result.tensors_new, result.bytes_stored) == (0, 0)  # nothing sent again
     loaded = TinyNet(seed=5)
     ckpt.load("run", model=loaded)
     assert all(tensors_equal(value, model.state_dict()[key]) for key, value in loaded.state_dict().items())
+
+
+def test_a_save_silent_past_its_lease_sends_what_was_swept_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with client.Client(home=tmp_path / "home") as ckpt:
+        model = TinyNet(seed=4)
+        first = ckpt.save("run", model)
+        ckpt.delete("run", 1)
+        store = ckpt.transport
+        assert isinstance(store, Store)
+        commit = store.commit
+        calls = []
+
+        def lapse_then_commit(*args: object, **kwargs: object) -> object:
+            calls.append(1)
+            if len(calls) == 1:  # a collection once the save's lease has lapsed: its holds keep nothing
+                later = utcnow() + timedelta(seconds=SAVE_LEASE_SECONDS + 1)
+                assert store.gc(grace_seconds=0, now=later).shards_swept == first.shards
+            return commit(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(store, "commit", lapse_then_commit)
+        result = ckpt.save("run", model)
+
+        assert len(calls) == 2 and result.version == 2
+        assert (result.tensors_new, result.bytes_stored) == (first.tensors_new, first.bytes_stored)  # all sent again
+        loaded = TinyNet(seed=5)
+        ckpt.load("run", model=loaded)
+        assert all(tensors_equal(value, model.state_dict()[key]) for key, value in loaded.state_dict().items())
 
 
 @pytest.mark.parametrize("grace", ["soon", "-5", "1w", "", "99999d"])
