@@ -70,9 +70,14 @@ def open_transport(
 
         return HttpTransport(url, token, retry_seconds=retry_seconds)
     from ckptstore.service.factory import open_store
+    from ckptstore.service.reclaim.cleanup import OPEN_SWEEP_FILES, clean_staging
     from ckptstore.service.settings import local_settings
 
-    return open_store(local_settings(home), require_current_schema=True, create=create)
+    store = open_store(local_settings(home), require_current_schema=True, create=create)
+    # What saves killed mid-write left in the staging folder: files no live process holds (a
+    # bounded look that never waits for a writer).
+    clean_staging(store, limit=OPEN_SWEEP_FILES)
+    return store
 
 
 class Connection:

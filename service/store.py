@@ -45,7 +45,7 @@ from ckptstore.service.format.sharding import UnhashedTensor
 from ckptstore.service.intake import direct_uploads
 from ckptstore.service.intake.ingest import Intake
 from ckptstore.service.intake.receiver import ShardReceiver
-from ckptstore.service.reclaim.cleanup import STALE_SECONDS, CleanupReport, clean_staging
+from ckptstore.service.reclaim.cleanup import STALE_SECONDS, CleanupReport, clean_staging, with_staging_swept
 from ckptstore.service.reclaim.gc import DEFAULT_GRACE_SECONDS, collect
 from ckptstore.service.secrets_mask import mask_url
 from ckptstore.service.settings import METADATA_FILE, Settings
@@ -136,15 +136,15 @@ class Store:
         self.db.dispose()
 
     def clean_staging(self, older_than_seconds: float = STALE_SECONDS, *, now: float | None = None) -> CleanupReport:
-        """Delete temporary shard files killed clients or servers left, once older than the threshold
-        (:func:`service.reclaim.cleanup.clean_staging`; pass 0 only when no save is running)."""
+        """Delete the temporary shard files no live process holds, left by killed clients or servers
+        (:func:`service.reclaim.cleanup.clean_staging`; the age only judges where locks cannot)."""
         return clean_staging(self, older_than_seconds, now)
 
     # -- writing -------------------------------------------------------------------------
 
     def staging_path(self) -> Path:
-        """A fresh path in the staging folder for a shard being written or received."""
-        return self.intake.staging_path()
+        """A fresh, empty staging file to write a shard into for :meth:`ingest_file`, held till then."""
+        return self.intake.held_staging_path()
 
     def missing(self, digests: Iterable[str], *, save_key: str | None = None) -> list[str]:
         """The digests among ``digests`` the store lacks, in input order; those present are stamped as seen
@@ -241,17 +241,19 @@ class Store:
         """Delete shards no committed version references, sparing recent ones; see :mod:`service.reclaim.gc`.
 
         ``grace_seconds`` (default one hour) spares shards recorded or reported present less than
-        that long ago; ``orphans`` also deletes blobs no shard row names; ``compress`` first
+        that long ago; ``orphans`` also deletes blobs no shard row names and unheld staging files; ``compress`` first
         re-encodes the tensors versions older than that added (:mod:`service.reclaim.compression`; each
         one's raw bytes then told to ``on_bytes``), then compacts below half unless told;
         ``compact_below`` rewrites shards whose live bytes are below that fraction (:mod:`service.reclaim.compaction`).
         """
         grace = DEFAULT_GRACE_SECONDS if grace_seconds is None else grace_seconds
+        swept = clean_staging(self, grace, dry_run=dry_run) if orphans else None
         if compact_below is None and not compress:
-            return cleanup_with(
+            report = cleanup_with(
                 None if dry_run else self.reserve,
                 lambda: collect(self.db, self.blobs, grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now),
             )
+            return with_staging_swept(report, swept)
         if self.reserve is not None and not dry_run:
             self.reserve.check_room_for_writes()  # rewriting takes room the reserve must not give
         from ckptstore.service.reclaim.compaction import compact_and_collect
@@ -260,10 +262,11 @@ class Store:
         deltas, staging, direct = self.deltas_per_keyframe, self.staging_dir, self.direct_writes
         compressing = compressor(self.db, self.blobs, staging, deltas, dry_run, on_bytes, direct) if compress else None
         compact_below = COMPACT_AFTER_COMPRESSION if compress and compact_below is None else compact_below
-        return compact_and_collect(
+        report = compact_and_collect(
             db=self.db, blobs=self.blobs, write=self._compaction_write, below=compact_below,
             grace_seconds=grace, dry_run=dry_run, orphans=orphans, now=now, compress=compressing, staging=staging,
         )  # fmt: skip
+        return with_staging_swept(report, swept)
 
     # -- reading -------------------------------------------------------------------------
 

@@ -85,8 +85,9 @@ def gc(
         bool,
         typer.Option(
             "--orphans",
-            help="Also delete blobs no shard record names and abort S3 uploads left unfinished for longer "
-            "than the grace period (run while no save uploads).",
+            help="Also delete blobs no shard record names, abort S3 uploads left unfinished for longer "
+            "than the grace period (run while no save uploads), and remove the temporary files killed saves "
+            "left in the staging folders (those no live process is writing).",
         ),
     ] = False,
     compact_below: Annotated[
@@ -116,7 +117,7 @@ def gc(
     bytes_swept, shards_kept, shards_in_grace, orphan_blobs, orphan_bytes, orphans_swept,
     stale_uploads, stale_upload_bytes, uploads_aborted, shards_compacted, bytes_compacted,
     versions_compressed, tensors_compressed, tensors_as_deltas, bytes_before_compression,
-    bytes_after_compression, seconds.
+    bytes_after_compression, staging_files_swept, staging_bytes_swept, seconds.
     """
     with reported():
         seconds = parse_duration(grace)
@@ -154,6 +155,11 @@ def gc(
             echo(f"{what}; would abort them")
         else:
             echo(f"{what}; `ckptstore gc --orphans` aborts them")
+    if report.staging_files_swept:
+        echo(
+            f"{'would remove' if report.dry_run else 'removed'} {report.staging_files_swept} temporary files "
+            f"({size(report.staging_bytes_swept)}) that killed saves left in the staging folders"
+        )
     if report.dry_run:
         echo("dry run: nothing was deleted")
 

@@ -136,7 +136,8 @@ class RemovedVersions(BaseModel):
 
 class GcRequest(_Strict):
     """A garbage collection: report only (``dry_run``), the grace period (default one hour), and
-    whether to also delete blobs no shard row names (``orphans``), the live share below which a
+    whether to also delete blobs no shard row names and the staging folders' temporary files no
+    live process holds (``orphans``), the live share below which a
     shard is compacted (``compact_below``, none by default), and whether to first compress the
     tensors of versions older than the grace period (``compress``)."""
 

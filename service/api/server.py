@@ -175,10 +175,11 @@ def app_from_env() -> FastAPI:
 
     An embedded SQLite database upgrades itself; a PostgreSQL database must already be at
     the current schema (``ckptstore db upgrade``), otherwise the server refuses to start.
-    Temporary shard files that a killed server or client left in the staging folders more
-    than an hour ago are deleted first (younger ones may belong to another live worker), and
-    the staging disk's write mode is settled (:meth:`Store.prepare_writes`), and the buffers of
-    four uploads at once are faulted in ahead (they stay pooled once used anyway).
+    Temporary shard files that a killed server or client left in the staging folders are
+    deleted first: those no live process holds (another worker's uploads are held and kept;
+    :mod:`service.reclaim.cleanup`); the staging disk's write mode is settled
+    (:meth:`Store.prepare_writes`), and the buffers of four uploads at once are faulted in
+    ahead (they stay pooled once used anyway).
     uvicorn and glibc malloc are tuned for multi-MiB bodies (:func:`tune_uvicorn`,
     :func:`tune_malloc`).
     """

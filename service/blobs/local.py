@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ckptstore.service.blobs.base import BlobStore, check_blob_id, flat_bytes
+from ckptstore.service.blobs.held_file import hold_new
 from ckptstore.service.errors import IntegrityError, NotFoundError, StorageError, StorageFullError, is_disk_full
 from ckptstore.service.format.digest import is_digest
 
@@ -90,15 +91,13 @@ class LocalBlobStore(BlobStore):
             raise StorageError(f"could not store blob {blob_id} in {self.root}: {exc.strerror or exc}") from exc
 
     def _copy_in(self, source: Path, target: Path) -> None:
-        temporary = self._incoming / f"{target.name}.{uuid.uuid4().hex}.incomplete"
-        try:
-            with open(source, "rb") as src, open(temporary, "wb") as dst:
+        # Held while copied, so a sweep of .incoming (service.reclaim.cleanup) leaves it be.
+        with hold_new(self._incoming / f"{target.name}.{uuid.uuid4().hex}.incomplete") as temporary:
+            with open(source, "rb") as src, open(temporary.path, "wb") as dst:
                 shutil.copyfileobj(src, dst, 4 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())
-            os.replace(temporary, target)
-        finally:
-            temporary.unlink(missing_ok=True)
+            os.replace(temporary.path, target)
 
     def size(self, blob_id: str) -> int | None:
         """Size of the blob's file, or None."""

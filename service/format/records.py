@@ -174,7 +174,10 @@ class GcReport(_Record):
     (see :mod:`service.reclaim.compression`) visited ``versions_compressed`` versions and re-encoded
     ``tensors_compressed`` of their tensors (``tensors_as_deltas`` of them against the parent
     version's), whose ``bytes_before_compression`` raw bytes now take ``bytes_after_compression``;
-    the shards they left are swept once the grace period has passed.
+    the shards they left are swept once the grace period has passed. Asking for orphans also
+    removes the temporary files in the staging folders that no live process holds (left by a
+    writer killed mid-save, see :mod:`service.reclaim.cleanup`): ``staging_files_swept`` of them,
+    ``staging_bytes_swept`` in all.
     """
 
     dry_run: bool
@@ -197,4 +200,6 @@ class GcReport(_Record):
     tensors_as_deltas: int = 0
     bytes_before_compression: int = 0
     bytes_after_compression: int = 0
+    staging_files_swept: int = 0
+    staging_bytes_swept: int = 0
     seconds: float

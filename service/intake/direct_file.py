@@ -120,13 +120,17 @@ class DirectFileWriter:
             is written before :meth:`write` returns).
         start: leave this many bytes (a multiple of :data:`ALIGNMENT`) free at the start of
             the file for :meth:`write_head`, and append from there.
+        exists: the file was made empty beforehand and is held by the caller (a staging file,
+            :func:`service.blobs.held_file.hold_new`): open it rather than create it.
 
     Raises OSError from the file system (ENOSPC, EIO, EEXIST) unchanged; an error of a
     background write is raised by the next :meth:`write` that needs its buffer, or by
     :meth:`close`, and no write is started after it.
     """
 
-    def __init__(self, path: Path | str, *, direct: bool = True, in_flight: int = 0, start: int = 0) -> None:
+    def __init__(
+        self, path: Path | str, *, direct: bool = True, in_flight: int = 0, start: int = 0, exists: bool = False
+    ) -> None:
         if start < 0 or start % ALIGNMENT:
             raise ValueError(f"start must be a non-negative multiple of {ALIGNMENT}, not {start}")
         if in_flight < 0:
@@ -135,7 +139,7 @@ class DirectFileWriter:
         self.in_flight = in_flight
         self.start = start
         self.size = start
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CLOEXEC | (0 if exists else os.O_CREAT | os.O_EXCL)
         self.direct = direct and hasattr(os, "O_DIRECT")
         fd = -1
         if self.direct:

@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import bindparam, select
 
 from ckptstore.service.blobs import BlobStore
+from ckptstore.service.blobs.held_file import HeldFile, hold_new
 from ckptstore.service.db import Database, holds
 from ckptstore.service.db.lock import hold_shared
 from ckptstore.service.db.models import Shard, Tensor, utcnow
@@ -33,7 +34,7 @@ from ckptstore.service.format.names import validate_commit_key
 from ckptstore.service.format.records import ShardReceipt
 from ckptstore.service.format.safetensors_header import MAX_HEADER_BYTES, ShardHeader, layout_order, read_header
 from ckptstore.service.format.sharding import SHARD_METADATA, UnhashedTensor
-from ckptstore.service.intake.receiver import ShardReceiver
+from ckptstore.service.intake.receiver import ShardReceiver, staging_error
 from ckptstore.service.intake.shard_writer import WrittenShard, write_shard
 from ckptstore.service.intake.unhashed_receiver import UnhashedReceiver
 from ckptstore.service.intake.write_mode import choose_direct_writes
@@ -108,6 +109,8 @@ class Intake:
         self.max_header_bytes = max_header_bytes
         self._direct_writes = direct_writes
         self._direct_lock = threading.Lock()
+        self._handed_out: dict[Path, HeldFile] = {}  # staging files made for callers, held until ingested
+        self._handed_lock = threading.Lock()
 
     @property
     def direct_writes(self) -> bool:
@@ -126,6 +129,15 @@ class Intake:
             self.reserve.check_room_for_writes()
         return self.staging_dir / f"{uuid.uuid4().hex}.incomplete"
 
+    def held_staging_path(self) -> Path:
+        """A fresh, empty file in the staging folder for the caller to write a shard into (opened
+        without ``O_EXCL``: it exists) and pass to :meth:`ingest_file`; this process holds it until
+        then, so a sweep of the staging folder leaves it be."""
+        held = hold_new(self.staging_path())
+        with self._handed_lock:
+            self._handed_out[held.path] = held
+        return held.path
+
     # -- a file on disk ------------------------------------------------------------------------
 
     def ingest_file(self, path: Path, *, save_key: str | None = None) -> ShardReceipt:
@@ -135,6 +147,8 @@ class Intake:
         tensors are hashed only if the shard is not stored yet. ``save_key``: the save it is
         part of, which holds its tensors until it commits (:mod:`service.db.holds`).
         """
+        with self._handed_lock:
+            held = self._handed_out.pop(Path(path), None)
         try:
             with open(path, "rb") as handle:
                 header = read_header(handle, path.stat().st_size, max_header_bytes=self.max_header_bytes)
@@ -149,6 +163,8 @@ class Intake:
             return self._store(path, header, verify, save_key)
         finally:
             path.unlink(missing_ok=True)
+            if held is not None:
+                held.release()
 
     # -- bytes hashed as they are received -------------------------------------------------------
 
@@ -250,12 +266,15 @@ class Intake:
         ``on_bytes`` is called with each tensor's size once it is written; ``save_key`` as for
         :meth:`ingest_file`.
         """
-        path = self.staging_path()
         try:
-            written = write_shard(path, tensors, SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes)
-            return self._store(path, written.header, _verified, save_key), written
-        finally:
-            path.unlink(missing_ok=True)
+            held = hold_new(self.staging_path())  # held, so a sweep of the staging folder leaves it be
+        except OSError as exc:
+            raise staging_error(exc) from exc
+        with held:
+            written = write_shard(
+                held.path, tensors, SHARD_METADATA, direct_writes=self.direct_writes, on_bytes=on_bytes, exists=True
+            )
+            return self._store(held.path, written.header, _verified, save_key), written
 
     # -- where every way ends --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from ckptstore.service.blobs.held_file import HeldFile, hold_new
 from ckptstore.service.errors import (
     IntegrityError,
     InvalidInputError,
@@ -78,6 +79,7 @@ class ShardReceiver:
         self.header: ShardHeader | None = None
         self._head = bytearray()
         self._handle: _Sink | None = None
+        self._held: HeldFile | None = None  # the staging file's lock, from its creation to discard()
         self._entry = 0  # index of the tensor the next data byte belongs to
         self._hasher: TensorHasher | None = None  # None until the tensor's first bytes arrive
         self._landing = ReceiveSpace()
@@ -179,7 +181,9 @@ class ShardReceiver:
         try:
             # Its buffer also turns the many small tensors of an adapter's shard into few writes.
             in_flight = UPLOAD_IN_FLIGHT if self.write_behind else 0
-            self._handle = DirectFileWriter(self.path, direct=self.direct_writes, in_flight=in_flight)
+            self._held = hold_new(self.path)  # held, so a sweep of the staging folder leaves it be
+            self.path = self._held.path
+            self._handle = DirectFileWriter(self.path, direct=self.direct_writes, in_flight=in_flight, exists=True)
         except OSError as exc:
             raise staging_error(exc, self.path) from exc
         return self._handle
@@ -271,6 +275,8 @@ class ShardReceiver:
             except OSError:
                 pass
         self.path.unlink(missing_ok=True)
+        if self._held is not None:
+            self._held.release()
 
 
 class _Sink(Protocol):

@@ -48,16 +48,18 @@ def write_shard(
     *,
     direct_writes: bool = True,
     on_bytes: Callable[[int], object] | None = None,
+    exists: bool = False,
 ) -> WrittenShard:
     """Write ``tensors``, in the order given, as a new shard file at ``path``, hashing each on the way.
 
     A tensor equal to one before it is not written again. The file is complete (not yet
     fsynced) when this returns; on an error it is gone. ``on_bytes`` is called with each
-    tensor's size once it is written.
+    tensor's size once it is written. With ``exists`` the file was made empty and is held by
+    the caller (:func:`service.blobs.held_file.hold_new`).
     """
     room = header_size([(t.dtype, t.shape) for t in tensors], metadata, align=ALIGNMENT)
     try:
-        writer = DirectFileWriter(path, direct=direct_writes, in_flight=DEFAULT_IN_FLIGHT, start=room)
+        writer = DirectFileWriter(path, direct=direct_writes, in_flight=DEFAULT_IN_FLIGHT, start=room, exists=exists)
     except OSError as exc:
         raise staging_error(exc, path) from exc
     digests: list[str] = []

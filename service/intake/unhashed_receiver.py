@@ -24,6 +24,7 @@ import json
 import struct
 from pathlib import Path
 
+from ckptstore.service.blobs.held_file import HeldFile, hold_new
 from ckptstore.service.errors import InvalidInputError, PayloadTooLargeError
 from ckptstore.service.format.digest import TensorHasher
 from ckptstore.service.format.dtypes import DTYPES, byte_length
@@ -63,6 +64,7 @@ class UnhashedReceiver:
         self._head = bytearray()
         self._layout: list[tuple[str, tuple[int, ...], int]] | None = None  # dtype, shape, nbytes
         self._writer: DirectFileWriter | None = None
+        self._held: HeldFile | None = None  # the staging file's lock, from its creation to discard()
         self._room = 0
         self._index = 0  # the tensor the next data byte belongs to
         self._left = 0  # its bytes still to come
@@ -118,8 +120,10 @@ class UnhashedReceiver:
             )
         self._room = header_size([(dtype, shape) for dtype, shape, _ in self._layout], SHARD_METADATA, align=ALIGNMENT)
         try:
+            self._held = hold_new(self.path)  # held, so a sweep of the staging folder leaves it be
+            self.path = self._held.path
             self._writer = DirectFileWriter(
-                self.path, direct=self.direct_writes, in_flight=UPLOAD_IN_FLIGHT, start=self._room
+                self.path, direct=self.direct_writes, in_flight=UPLOAD_IN_FLIGHT, start=self._room, exists=True
             )
         except OSError as exc:
             raise staging_error(exc, self.path) from exc
@@ -218,3 +222,5 @@ class UnhashedReceiver:
             self._writer.abort()
             self._writer = None
         self.path.unlink(missing_ok=True)
+        if self._held is not None:
+            self._held.release()

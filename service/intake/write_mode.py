@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ckptstore.service.blobs.held_file import hold_new
 from ckptstore.service.intake.direct_file import DEFAULT_IN_FLIGHT, DirectFileWriter
 
 #: Bytes written per measurement: enough to get past the device's own write cache.
@@ -139,10 +140,11 @@ def _medians(found: list[tuple[float, float]]) -> tuple[float, float]:
 def _timed_write(staging_dir: Path, data: memoryview, *, direct: bool) -> tuple[float, float, bool]:
     """Seconds and CPU seconds (of this process, its writing threads included) to write and fsync
     ``PROBE_BYTES`` as a shard is written, and whether it went direct."""
-    path = staging_dir / f"probe-{uuid.uuid4().hex}.incomplete"  # swept like any staging file if left
+    held = hold_new(staging_dir / f"probe-{uuid.uuid4().hex}.incomplete")  # swept like any staging file if left
+    path = held.path
     try:
         started, cpu_started = time.perf_counter(), time.process_time()
-        writer = DirectFileWriter(path, direct=direct, in_flight=DEFAULT_IN_FLIGHT)
+        writer = DirectFileWriter(path, direct=direct, in_flight=DEFAULT_IN_FLIGHT, exists=True)
         try:
             for _ in range(PROBE_BYTES // data.nbytes):
                 writer.write(data)
@@ -157,7 +159,7 @@ def _timed_write(staging_dir: Path, data: memoryview, *, direct: bool) -> tuple[
             os.close(fd)
         return time.perf_counter() - started, time.process_time() - cpu_started, writer.direct
     finally:
-        path.unlink(missing_ok=True)
+        held.remove()
 
 
 def _read_cache(path: Path, device: int) -> WriteChoice | None:
@@ -176,9 +178,9 @@ def _read_cache(path: Path, device: int) -> WriteChoice | None:
 
 def _write_cache(path: Path, choice: WriteChoice) -> None:
     """Keep ``choice`` for later processes; a store that cannot write it just measures again next time."""
-    temporary = path.with_name(f"{path.name}.{uuid.uuid4().hex}.incomplete")
     try:
-        temporary.write_text(json.dumps(asdict(choice)))
-        os.replace(temporary, path)
+        with hold_new(path.with_name(f"{path.name}.{uuid.uuid4().hex}.incomplete")) as temporary:
+            temporary.path.write_text(json.dumps(asdict(choice)))
+            os.replace(temporary.path, path)
     except OSError:
-        temporary.unlink(missing_ok=True)
+        pass

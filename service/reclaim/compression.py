@@ -45,6 +45,7 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from ckptstore.service.blobs import BlobStore
+from ckptstore.service.blobs.held_file import hold_new
 from ckptstore.service.catalog import lookup
 from ckptstore.service.catalog.manifest_parts import part_bodies
 from ckptstore.service.db import Database
@@ -343,9 +344,11 @@ def write_encoded_shard(
     shard_id = blob_id_of(head)
     size = len(head) + sum(e.size for e in batch)
     path = staging / f"{shard_id}.{os.getpid()}.incomplete"
+    path.unlink(missing_ok=True)  # a killed collection's, should this process have its number
+    held = hold_new(path)  # held, so a sweep of the staging folder leaves it be
+    path = held.path
     try:
-        path.unlink(missing_ok=True)  # a killed collection's, should this process have its number
-        writer = DirectFileWriter(path, direct=direct_writes, in_flight=1)
+        writer = DirectFileWriter(path, direct=direct_writes, in_flight=1, exists=True)
         try:
             writer.write(head)
             for item in batch:
@@ -361,7 +364,7 @@ def write_encoded_shard(
     except OSError as exc:  # the staging file's: a full disk is named as one, never a bare errno
         raise staging_error(exc, path) from exc
     finally:
-        path.unlink(missing_ok=True)
+        held.remove()
     offsets = []
     position = len(head)
     for item in batch:

@@ -114,12 +114,14 @@ def test_a_compression_killed_at_any_step_loses_nothing_and_the_next_gc_finishes
 
     assert uncompressed_versions(store) == []
     assert report.versions_compressed == len(left)
+    # The one file a kill leaves in the staging folder, a shard not yet in the blob store, goes
+    # with the orphans: nobody holds it.
+    assert report.staging_files_swept == (1 if point == "shard-written" else 0)
     again = ckpt.gc(compress=True, orphans=True, grace_seconds=0)
     assert (again.versions_compressed, again.tensors_compressed, again.orphan_blobs, again.shards_swept) == (0, 0, 0, 0)
     assert set(store.blobs.list_ids()) == shard_ids(store)
     assert dangling_needs(store) == []
-    # The one file a kill leaves in the staging folder: a shard not yet in the blob store.
-    assert store.clean_staging(0).removed == (1 if point == "shard-written" else 0)
+    assert store.clean_staging(0).removed == 0
     for version in range(1, VERSIONS + 1):
         digests = large_digests(store, "run", version)
         assert sorted(digests) == sorted(LARGE_KEYS)

@@ -13,6 +13,7 @@ import pytest
 
 from ckptstore.client.http.transport import HttpTransport, remove_stale_staging
 from ckptstore.service.api.server import app_from_env
+from ckptstore.service.blobs.held_file import hold_new
 from ckptstore.service.reclaim.cleanup import CleanupReport, clean_staging
 from ckptstore.service.store import Store
 
@@ -44,11 +45,13 @@ def store(tmp_path: Path) -> Iterator[Store]:
     opened.close()
 
 
-def test_only_stale_temporary_files_are_removed(store: Store, tmp_path: Path) -> None:
+def test_temporary_files_nobody_holds_are_removed_whatever_their_age(store: Store, tmp_path: Path) -> None:
     staging, incoming = store.staging_dir, tmp_path / "home" / "blobs" / ".incoming"
     old = aged(touch(staging / "a.incomplete", b"x" * 100), 2 * HOUR)
     old_copy = aged(touch(incoming / "b.c.incomplete", b"y" * 7), 2 * HOUR)
-    young = touch(staging / "c.incomplete")
+    young = touch(staging / "c.incomplete", b"z" * 3)
+    writing, copying = hold_new(staging / "w.incomplete"), hold_new(incoming / "x.y.incomplete")
+    aged(writing.path, 2 * HOUR)  # held: however old, a live process is writing it
     other = aged(touch(staging / "notes.txt"), 2 * HOUR)  # not a name the store writes
     folder = staging / "d.incomplete"
     folder.mkdir()
@@ -58,36 +61,46 @@ def test_only_stale_temporary_files_are_removed(store: Store, tmp_path: Path) ->
     link.symlink_to(outside)
     aged(link, 2 * HOUR)
 
+    assert clean_staging(store, dry_run=True) == CleanupReport(removed=3, bytes_removed=110, in_use=2)
+    assert old.exists() and old_copy.exists() and young.exists()  # a dry run removes nothing
     report = store.clean_staging()
 
-    assert report == CleanupReport(removed=2, bytes_removed=107, kept=1, failed=0)
-    assert not old.exists() and not old_copy.exists()
-    assert young.exists() and other.exists() and folder.is_dir()
+    assert report == CleanupReport(removed=3, bytes_removed=110, kept=0, failed=0, in_use=2)
+    assert not old.exists() and not old_copy.exists() and not young.exists()
+    assert writing.path.exists() and copying.path.exists()
+    assert other.exists() and folder.is_dir()
     assert link.is_symlink() and outside.read_bytes() == b"x" * 10  # never followed, never ours
+    writing.remove()
+    copying.release()  # its writer is gone: the file is a leftover now
+    assert store.clean_staging() == CleanupReport(removed=1, bytes_removed=0)
+    assert not copying.path.exists()
 
 
-def test_threshold_zero_removes_every_temporary_file_and_now_is_injectable(store: Store) -> None:
-    touch(store.staging_dir / "a.incomplete")
-    assert clean_staging(store, 10.0, now=os.path.getmtime(store.staging_dir / "a.incomplete") + 5).kept == 1
-    assert clean_staging(store, 10.0, now=os.path.getmtime(store.staging_dir / "a.incomplete") + 11).removed == 1
-    touch(store.staging_dir / "b.incomplete")
-    assert store.clean_staging(0).removed == 1
+def test_a_limit_bounds_the_files_looked_at_and_a_negative_threshold_is_refused(store: Store) -> None:
+    for name in "abcde":
+        touch(store.staging_dir / f"{name}.incomplete")
+    assert clean_staging(store, limit=2).removed == 2
+    assert clean_staging(store, 10.0, now=0.0).removed == 3  # the threshold judges no lockable file
     assert list(store.staging_dir.iterdir()) == []
     with pytest.raises(ValueError):
         store.clean_staging(-1)
 
 
-def test_a_starting_server_removes_stale_staging_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_starting_server_removes_the_staging_files_nobody_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     home = tmp_path / "home"
     Store.open_home(home).close()
-    stale = aged(touch(home / "staging" / "killed.incomplete"), 2 * HOUR)
-    fresh = touch(home / "staging" / "uploading.incomplete")
+    killed = touch(home / "staging" / "killed.incomplete")  # fresh: its writer died a moment ago
+    uploading = hold_new(home / "staging" / "uploading.incomplete")  # another worker's, being received
+    aged(uploading.path, 2 * HOUR)
     monkeypatch.setenv("CKPTSTORE_HOME", str(home))
     for name in ("CKPTSTORE_DATABASE_URL", "CKPTSTORE_BLOBS", "CKPTSTORE_TOKENS"):
         monkeypatch.delenv(name, raising=False)
     app = app_from_env()
     assert app is not None
-    assert not stale.exists() and fresh.exists()
+    assert not killed.exists() and uploading.path.exists()
+    uploading.remove()
 
 
 def test_stale_client_upload_folders_go_when_old_and_their_process_is_gone(tmp_path: Path) -> None:
