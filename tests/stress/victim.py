@@ -80,13 +80,13 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
         phases("hash")
         return digest_all(*args, **kwargs)
 
-    def asked(digests: Any) -> list[str]:
+    def asked(digests: Any, **keys: Any) -> list[str]:
         phases("missing")
-        answer = list(missing(digests))
+        answer = list(missing(digests, **keys))
         recorder.missing += answer  # a save asks once per group of tensors it hashes
         return answer
 
-    def put(header: bytes, pieces: Any, on_bytes: Callable[[int], object] | None = None) -> Any:
+    def put(header: bytes, pieces: Any, on_bytes: Callable[[int], object] | None = None, **keys: Any) -> Any:
         with recorder.lock:
             recorder.sent += [(e.digest, e.end - e.begin) for e in parse_header(header).entries]
         phases("ingest")
@@ -96,9 +96,9 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
                 on_bytes(count)
             phases("tensor")
 
-        return put_shard(header, pieces, counted)
+        return put_shard(header, pieces, counted, **keys)
 
-    def put_unhashed(tensors: Any, on_bytes: Callable[[int], object] | None = None) -> Any:
+    def put_unhashed(tensors: Any, on_bytes: Callable[[int], object] | None = None, **keys: Any) -> Any:
         # Tensors of a size the store held none of go unhashed: never asked about, they were
         # missing when the save planned, so they count as asked for and as sent.
         phases("ingest")
@@ -108,7 +108,7 @@ def install_client_hooks(ckpt: Client, phases: Phases) -> Recorder:
                 on_bytes(count)
             phases("tensor")
 
-        receipt, digests = put_tensors(tensors, counted)
+        receipt, digests = put_tensors(tensors, counted, **keys)
         with recorder.lock:
             recorder.missing += digests
             recorder.sent += [(d, t.data.nbytes) for d, t in dict(zip(digests, tensors, strict=True)).items()]
