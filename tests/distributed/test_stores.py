@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,11 @@ from ckptstore import client
 from ckptstore.client.distributed import writer
 from ckptstore.service.api.app import create_app
 from ckptstore.service.db import Database
+from ckptstore.service.db.holds import SAVE_LEASE_SECONDS
+from ckptstore.service.db.models import utcnow
 from ckptstore.service.factory import open_store
 from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
 from tests.backends import empty_tables
 from tests.distributed.fsdp_model import open_client, sharded, train
 from tests.distributed.ranks import RANK_TIMEOUT, run_ranks, start_ranks
@@ -75,7 +79,7 @@ def _save_and_pause(rank: int, world: int, home: str, events: Any) -> str:
 def test_rank_killed_mid_save_leaves_no_version(tmp_path: Path) -> None:
     """Rank 1 stores its shards, then is killed before reporting them: the coordinator's save
     fails, no version exists, and the shards stored are unreferenced (garbage collection takes
-    them). A new save then commits version 1."""
+    them once the save's lease has lapsed). A new save then commits version 1."""
     home = tmp_path / "store"
     started = start_ranks(2, tmp_path, _save_and_pause, str(home), extra_queue=True)
     pid = started.events.get(timeout=RANK_TIMEOUT)
@@ -85,7 +89,10 @@ def test_rank_killed_mid_save_leaves_no_version(tmp_path: Path) -> None:
     assert coordinator.startswith("failed")
     with client.Client(home=home) as store:
         assert store.runs() == []
-        assert store.gc(grace_seconds=0, dry_run=True).shards_swept > 0
+        engine = store.transport
+        assert isinstance(engine, Store)
+        later = utcnow() + timedelta(seconds=SAVE_LEASE_SECONDS + 1)
+        assert engine.gc(grace_seconds=0, dry_run=True, now=later).shards_swept > 0
     run_ranks(2, tmp_path, _train_save_continue, str(home))
     with client.Client(home=home) as store:
         assert [v.version for v in store.versions("fsdp")] == [1]
