@@ -43,6 +43,7 @@ from ckptstore.service.errors import (
     StateEncodingError,
     StateMismatchError,
     StorageError,
+    StorageFullError,
 )
 from ckptstore.service.format.records import RunInfo, VersionInfo
 
@@ -90,6 +91,7 @@ __all__ = [
     "StateEncodingError",
     "StateMismatchError",
     "StorageError",
+    "StorageFullError",
     "VersionInfo",
     "default_client",
     "load",

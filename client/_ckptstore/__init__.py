@@ -43,6 +43,7 @@ CLIENT_NAMES = frozenset(
         "StateEncodingError",
         "StateMismatchError",
         "StorageError",
+        "StorageFullError",
         "VersionInfo",
         "default_client",
         "load",

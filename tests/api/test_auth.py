@@ -60,6 +60,7 @@ ROUTE_SCOPES = {
     ("GET", "/v1/runs/{run_id}/versions"): "read",
     ("POST", "/v1/runs/{run_id}/versions"): "write",
     ("GET", "/v1/runs/{run_id}/versions/{ref}"): "read",
+    ("GET", "/v1/runs/{run_id}/versions/{ref}/metadata-check"): "read",
     ("DELETE", "/v1/runs/{run_id}/versions/{ref}"): "admin",
     ("GET", "/v1/runs/{run_id}/refs/{ref}"): "read",
     ("PUT", "/v1/runs/{run_id}/tags/{name}"): "write",

@@ -31,6 +31,7 @@ EXPECTED = {
     "StateEncodingError",
     "StateMismatchError",
     "StorageError",
+    "StorageFullError",
     "VersionInfo",
     "default_client",
     "load",

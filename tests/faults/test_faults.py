@@ -133,12 +133,20 @@ def _drop_bucket(s3: Any, bucket: str) -> None:
     s3.delete_bucket(Bucket=bucket)
 
 
-def assert_storage_response(response: httpx.Response) -> None:
-    """A 503 with the JSON error body and X-Error-Code 'storage': no 500, no traceback, no success."""
-    assert response.status_code == 503, (response.status_code, response.text[:300])
+def assert_storage_response(response: httpx.Response, *, full: bool = False) -> None:
+    """A 503 'storage' (a passing failure) or, for a full disk, a 507 'storage_full', with the JSON
+    error body: no 500, no traceback, no success."""
+    status, code = (507, "storage_full") if full else (503, "storage")
+    assert response.status_code == status, (response.status_code, response.text[:300])
     assert is_json_error(response), response.text[:300]
-    assert response.json()["code"] == "storage"
+    assert response.json()["code"] == code
     assert "Traceback" not in response.text
+
+
+def is_full_disk(case: Case) -> bool:
+    """Whether the case's fault is a full disk (ENOSPC), which the store reports as such."""
+    error = case.error()
+    return isinstance(error, OSError) and error.errno == errno.ENOSPC
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,7 @@ def test_a_failed_put_over_http_is_a_503_and_changes_nothing(make_rig: Callable[
     rig.blobs.arm(case.point, case.error())
     with rig.http() as http:
         response = http.put(f"/v1/shards/{case.shard.shard_id}", content=case.shard.data)
-        assert_storage_response(response)
+        assert_storage_response(response, full=is_full_disk(case))
         assert case.shard.shard_id in response.json()["message"]
         assert_unchanged_after_failed_put(rig, case)
         missing = http.post("/v1/tensors/missing", json={"digests": case.shard.digests})
@@ -228,7 +236,7 @@ def test_a_failed_put_over_http_is_a_503_and_changes_nothing(make_rig: Callable[
 
 
 @pytest.mark.parametrize("shard", [SMALL, BIG], ids=["written-at-the-end", "written-behind-the-upload"])
-def test_a_full_staging_disk_while_receiving_an_upload_is_a_503_and_changes_nothing(
+def test_a_full_staging_disk_while_receiving_an_upload_is_a_507_and_changes_nothing(
     make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, shard: Shard
 ) -> None:
     # SMALL fits one staging buffer, written when the body is complete; BIG fills several, so
@@ -238,8 +246,9 @@ def test_a_full_staging_disk_while_receiving_an_upload_is_a_503_and_changes_noth
     partial = fail_staging_writes(monkeypatch, os_error(errno.ENOSPC))
     with caplog.at_level(logging.ERROR, logger="ckptstore.api"), rig.http() as http:
         response = http.put(f"/v1/shards/{shard.shard_id}", content=shard.data)
-        assert_storage_response(response)
-        assert "No space left on device" not in response.text  # the server's disk is the operator's business
+        assert_storage_response(response, full=True)  # a full disk is no passing outage: 507, not retried
+        message = response.json()["message"]
+        assert "staging" in message and "ckptstore gc" in message  # what is full, and what to run
         assert any("No space left on device" in record.getMessage() for record in caplog.records)
         ((path, size, thread),) = partial
         assert size > 0 and not path.exists()
