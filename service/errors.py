@@ -227,8 +227,8 @@ class StorageFullError(StorageError):
 
 #: What to run on a full disk: deleting versions needs no room the store has not kept for it.
 FREE_SPACE = (
-    "free space with `ckptstore rm RUN@VERSION` for versions you can spare, then `ckptstore gc` "
-    "(`--grace 0` once no save is running); both may use the space the store keeps in reserve for them"
+    "free space with `ckptstore rm RUN@VERSION` for versions you can spare, then `ckptstore gc --grace 0` "
+    "(saves in progress keep what they hold); both may use the space the store keeps in reserve for them"
 )
 #: ``errno`` values of a disk with no room left: no space, or the user's quota spent.
 FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})

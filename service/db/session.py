@@ -19,7 +19,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptstore.service.db import schema
 from ckptstore.service.db.models import Base, table
 from ckptstore.service.db.reserve import sqlite_folder
-from ckptstore.service.errors import CheckpointError, InvalidInputError, StorageError, StorageFullError, is_disk_full
+from ckptstore.service.errors import (
+    CheckpointError,
+    IntegrityError,
+    InvalidInputError,
+    StorageError,
+    StorageFullError,
+    is_disk_full,
+)
 from ckptstore.service.secrets_mask import mask_url
 
 #: Rows per executemany of an INSERT: bounds the parameter lists built at once.
@@ -194,6 +201,11 @@ BUSY_TIMEOUT_SECONDS = 60
 SQLITE_CACHE_KIB = 32 << 10
 
 
+#: What a metadata file whose bytes no longer make sense is called in errors: ``ckptstore verify``
+#: names what changed where the file still opens; a backup or a replica is the way back.
+DAMAGED = "the metadata file is damaged (restore it from a backup)"
+
+
 def _switch_to_wal(cursor: Any) -> None:
     """Put the database in WAL mode (it stays so: later connections find it there).
 
@@ -223,16 +235,22 @@ def _configure_sqlite(engine: Engine) -> None:
         # start, so two writers queue on busy_timeout instead of failing to upgrade a read lock.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        # The timeout first: switching a fresh file to WAL needs a lock other openers may hold.
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_SECONDS * 1000}")
-        _switch_to_wal(cursor)
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        # SQLite's default page cache (2 MiB) holds a small fraction of the tensor rows of a
-        # model of many tensors: locating 32,768 tensors took 1.6x as long with it. Pages are
-        # taken as needed, up to this much per connection.
-        cursor.execute(f"PRAGMA cache_size={-SQLITE_CACHE_KIB}")
-        cursor.close()
+        try:
+            # The timeout first: switching a fresh file to WAL needs a lock other openers may hold.
+            cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_SECONDS * 1000}")
+            _switch_to_wal(cursor)
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            # SQLite's default page cache (2 MiB) holds a small fraction of the tensor rows of a
+            # model of many tensors: locating 32,768 tensors took 1.6x as long with it. Pages are
+            # taken as needed, up to this much per connection.
+            cursor.execute(f"PRAGMA cache_size={-SQLITE_CACHE_KIB}")
+        except UnicodeDecodeError as exc:
+            # A damaged schema page: SQLite's error quotes the damaged text, which is not UTF-8.
+            # As a driver error, SQLAlchemy reports it as the database's (StorageError here).
+            raise sqlite3.DatabaseError(f"{DAMAGED}: its schema holds bytes that are not text") from exc
+        finally:
+            cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
@@ -325,7 +343,8 @@ class Database:
     def transaction(self) -> Iterator[Session]:
         """A session whose work commits on success and rolls back on any error.
 
-        Database failures surface as StorageError; ckptstore's own errors pass unchanged.
+        Database failures surface as StorageError, stored values that no longer parse (a damaged
+        file) as IntegrityError; ckptstore's own errors pass unchanged.
         """
         session = self._sessions()
         try:
@@ -339,6 +358,18 @@ class Database:
             if is_disk_full(exc):  # SQLITE_FULL: not an outage, and the way out is known
                 raise self.full_disk(exc) from exc
             raise StorageError(f"metadata database error: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        except sqlite3.Error as exc:  # from the driver's own cursor (driver_rows), unwrapped
+            session.rollback()
+            if is_disk_full(exc):
+                raise self.full_disk(exc) from exc
+            raise StorageError(f"metadata database error: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        except ValueError as exc:
+            # A stored value that no longer parses (JSON, a timestamp, text that is not UTF-8):
+            # damaged bytes, never an answer to pass on, and no passing outage to retry.
+            session.rollback()
+            cause = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            message = f"metadata database error: {DAMAGED}: a stored value does not parse ({cause})"
+            raise IntegrityError(message) from exc
         except BaseException:
             session.rollback()
             raise

@@ -18,8 +18,15 @@ class ShapeCache:
 
     def __call__(self, value: Any) -> list[int]:
         if not isinstance(value, str):
-            return list(value)
+            return _sizes(value)
         parsed = self._parsed.get(value)
         if parsed is None:
-            parsed = self._parsed[value] = list(json.loads(value))
+            parsed = self._parsed[value] = _sizes(json.loads(value))
         return parsed
+
+
+def _sizes(value: Any) -> list[int]:
+    """``value`` as a shape: a list of sizes, else ValueError (a damaged row, never passed on)."""
+    if not isinstance(value, list) or not all(type(size) is int and size >= 0 for size in value):
+        raise ValueError(f"a stored shape is not a list of sizes: {str(value)[:40]!r}")
+    return value
