@@ -3,7 +3,8 @@
 Every listed version of each run is loaded and hashed; its listed step names the state it
 must hold (see :mod:`tests.faults.scenarios.savers`). A listed version that does not load, or
 loads other bytes, is partial; an acknowledged version that is not listed, or is partial, is
-lost; version numbers below a run's highest that are not listed are gaps.
+lost; version numbers below a run's highest that are not listed (and were not deleted on
+purpose, ``deleted``) are gaps.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ def check_store(
     runs: Iterable[str],
     acknowledged: dict[tuple[str, int], str],
     expected_hash: Callable[[str, int], str],
+    deleted: Iterable[tuple[str, int]] = (),
 ) -> StoreFindings:
     """Load every listed version of ``runs`` and compare; see the module docstring."""
     found = StoreFindings()
     good: dict[tuple[str, int], int] = {}  # version -> its listed step, where it loads as that step's state
+    removed = set(deleted)
     for run in sorted(set(runs) | {run for run, _ in acknowledged}):
         try:
             versions = ckpt.versions(run)
         except NotFoundError:
             versions = []
         numbers = {info.version for info in versions}
-        missing_numbers = sorted(set(range(1, max(numbers, default=0) + 1)) - numbers)
+        missing_numbers = sorted(
+            n for n in set(range(1, max(numbers, default=0) + 1)) - numbers if (run, n) not in removed
+        )
         if missing_numbers:
             found.gaps += len(missing_numbers)
             found.problems.append(f"{run}: version numbers {missing_numbers} are missing")
