@@ -484,7 +484,7 @@ CASES: list[Case] = [
         "trainer-optimizer-groups-not-dicts",
         _trainer_file("optimizer.pt", lambda path, work: hp.torch_saved({"state": {}, "param_groups": [1, 2]}, path)),
         "optimizer.pt",
-        NOT_A,
+        (("not a", "not an"),),  # "not an optimizer state_dict"
     ),
     Case("trainer-optimizer-unknown-index", _unknown_state_index, "optimizer.pt", ("999",)),
     Case("trainer-optimizer-truncated", _trainer_file("optimizer.pt", _truncated), "optimizer.pt", NOT_A),
