@@ -179,14 +179,16 @@ def test_gc_orphans_spares_a_live_saves_staging_file_and_that_save_commits(victi
     job = {"run": RUN, "seed": SEED, "start": 1, "count": 1, "wait": True, "shard_bytes": SHARD_BYTES}
     victims.send(json.dumps({**job, "home": str(home), "url": None}))
     assert paused.wait(STEP_TIMEOUT), "the save never wrote a tensor"
+    # The paused writer's file, and maybe those of the save's other writers (they go on: their
+    # files are moved into the blob store as they finish, so they may be gone after the sweep).
     live = leftovers(home)
-    assert len(live) == 1 and live[0].parent.name == "staging"
+    assert live and all(path.parent.name == "staging" for path in live)
     dead = written_by_a_process_that_ended(home / "staging" / f"{uuid.uuid4().hex}.incomplete", 4096)
 
     report = json.loads(ckptstore(home, "gc", "--orphans", "--grace", "0", "--json"))
 
     assert not dead.exists()
-    assert live[0].exists(), "gc --orphans removed the staging file of a save in progress"
+    assert any(path.exists() for path in live), "gc --orphans removed the staging file of a save in progress"
     assert report["shards_swept"] == 0
     victims.on_phase = lambda phase: victims.send("go")
     resume[0]()
