@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,15 +19,11 @@ from pathlib import Path
 
 import psycopg
 
-from ckptstore.client.api import Client
-from ckptstore.service.api import create_app
 from ckptstore.service.db import Database, schema
 from ckptstore.service.factory import open_store
 from ckptstore.service.settings import Settings
-from tests.faults.scenarios.checks import check_store
 from tests.faults.scenarios.record import ScenarioResult, Tally
-from tests.faults.scenarios.savers import Savers, state_hash
-from tests.servers import running_server
+from tests.faults.scenarios.savers import saved_through_outages
 from tests.stress.procs import free_port
 
 SAVERS = 3
@@ -106,7 +101,6 @@ def run(workdir: Path, seed: int, scale: int) -> ScenarioResult:
     """Stop the database ``scale`` times under saving clients, each time until they feel it."""
     home = workdir / "home"
     tally = Tally()
-    stop = threading.Event()
     with private_cluster() as cluster:
         database = Database(cluster.url)
         try:
@@ -116,17 +110,12 @@ def run(workdir: Path, seed: int, scale: int) -> ScenarioResult:
         settings = Settings(home=home, database_url=cluster.url)
         store = open_store(settings)
         try:
-            with running_server(create_app(store, settings)) as url:
-                savers = Savers(tally, seed, SAVERS, SAVES, url=url, until=stop, retry_seconds=60).start()
-                try:
-                    for _ in range(scale):
-                        _outage(cluster, tally)
-                finally:
-                    stop.set()
-                    savers.join()
-                with Client(url) as ckpt:
-                    runs = savers.runs
-                    findings = check_store(ckpt, runs, tally.acknowledged, lambda r, s: state_hash(seed, r, s))
+
+            def outages() -> None:
+                for _ in range(scale):
+                    _outage(cluster, tally)
+
+            findings = saved_through_outages(store, settings, tally, seed, SAVERS, SAVES, outages)
         finally:
             store.close()
     return ScenarioResult.of("database", seed, scale, tally, findings, outages=scale)

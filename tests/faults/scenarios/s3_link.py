@@ -15,17 +15,13 @@ import time
 import uuid
 from pathlib import Path
 
-from ckptstore.client.api import Client
-from ckptstore.service.api import create_app
 from ckptstore.service.blobs.s3 import S3BlobStore, make_client
 from ckptstore.service.db import Database
 from ckptstore.service.settings import Settings
 from ckptstore.service.store import Store
 from tests.backends import moto_server
-from tests.faults.scenarios.checks import check_store
 from tests.faults.scenarios.record import ScenarioResult, Tally
-from tests.faults.scenarios.savers import Savers, state_hash
-from tests.servers import running_server
+from tests.faults.scenarios.savers import saved_through_outages
 
 SAVERS = 3
 SAVES = 3
@@ -114,7 +110,6 @@ def run(workdir: Path, seed: int, scale: int) -> ScenarioResult:
     """Cut the link ``scale`` times under saving clients, each time until they feel it."""
     home = workdir / "home"
     tally = Tally()
-    stop = threading.Event()
     with moto_server(workdir / "aws") as endpoint:
         host, port = endpoint.removeprefix("http://").split(":")
         gate = TcpGate((host, int(port)))
@@ -123,17 +118,12 @@ def run(workdir: Path, seed: int, scale: int) -> ScenarioResult:
         blobs = S3BlobStore(bucket, "ckpt", client=make_client(gate.url))
         store = Store(Database.sqlite_file(home / "metadata.db"), blobs, home / "staging")
         try:
-            with running_server(create_app(store, Settings(home=home))) as url:
-                savers = Savers(tally, seed, SAVERS, SAVES, url=url, until=stop, retry_seconds=60).start()
-                try:
-                    for _ in range(scale):
-                        _outage(gate, tally)
-                finally:
-                    stop.set()
-                    savers.join()
-                with Client(url) as ckpt:
-                    runs = savers.runs
-                    findings = check_store(ckpt, runs, tally.acknowledged, lambda r, s: state_hash(seed, r, s))
+
+            def outages() -> None:
+                for _ in range(scale):
+                    _outage(gate, tally)
+
+            findings = saved_through_outages(store, Settings(home=home), tally, seed, SAVERS, SAVES, outages)
         finally:
             store.close()
             gate.close()

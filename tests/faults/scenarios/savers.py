@@ -26,7 +26,12 @@ from ckptstore.client.api import Client
 from ckptstore.client.http.retry import NETWORK_ERRORS, Reply, RetryPolicy
 from ckptstore.client.http.route import Route
 from ckptstore.client.http.transport import HttpTransport
-from tests.faults.scenarios.record import Tally
+from ckptstore.service.api import create_app
+from ckptstore.service.settings import Settings
+from ckptstore.service.store import Store
+from tests.faults.scenarios.checks import check_store
+from tests.faults.scenarios.record import StoreFindings, Tally
+from tests.servers import running_server
 from tests.stress.model import state_sha
 
 R = TypeVar("R", bound=Reply)
@@ -161,6 +166,23 @@ class Savers:
             return None
         self.tally.acknowledge(run, result.version, state_sha(tensors))
         return result
+
+
+def saved_through_outages(
+    store: Store, settings: Settings, tally: Tally, seed: int, savers: int, saves: int, outages: Callable[[], None]
+) -> StoreFindings:
+    """Serve ``store`` and save through it with ``savers`` clients while ``outages`` runs; then check
+    what the store holds. The clients retry for up to a minute (an outage lasts seconds)."""
+    stop = threading.Event()
+    with running_server(create_app(store, settings)) as url:
+        running = Savers(tally, seed, savers, saves, url=url, until=stop, retry_seconds=60).start()
+        try:
+            outages()
+        finally:
+            stop.set()
+            running.join()
+        with Client(url) as ckpt:
+            return check_store(ckpt, running.runs, tally.acknowledged, lambda r, s: state_hash(seed, r, s))
 
 
 class CountedApp:
