@@ -169,6 +169,8 @@ def _plan(
         location = locations[digest]
         if location.encoded or location.nbytes < MIN_BYTES or digest in jobs or digest in inherited:
             continue
+        if recent.encoded is not None and digest in recent.encoded:
+            continue  # a dry run's: an earlier version (of this run or another) would have encoded it
         parent = theirs.get(piece)
         base = None
         if max_deltas > 0 and parent is not None and parent[0] != digest and parent[1] == dtype:
@@ -439,6 +441,8 @@ def compress(
                 for batch in _shard_batches(chosen):
                     if recent.planned is not None:
                         recent.planned.update((e.digest, e.base) for e in batch if e.base is not None)
+                    if recent.encoded is not None:
+                        recent.encoded.update(e.digest for e in batch)
                     if not dry_run:
                         write_encoded_shard(db, blobs, staging, batch, direct_writes=direct_writes)
                         report.shards += 1

@@ -55,6 +55,9 @@ class RecentTensors:
         #: On a dry run nothing is recorded, so the deltas it would store are kept here (delta ->
         #: keyframe), for later versions to see as a real run would.
         self.planned: dict[str, str] | None = {} if dry_run else None
+        #: On a dry run, the tensors it would have encoded: a real pass finds them encoded when
+        #: another run (or a later version) holds them too and leaves them be, so each is counted once.
+        self.encoded: set[str] | None = set() if dry_run else None
         self.pool = pool
         self.previous: dict[str, bytearray] = {}
         self.current: dict[str, bytearray] = {}
