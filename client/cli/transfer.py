@@ -64,7 +64,12 @@ def export(
         typer.Option("--keys", help="Only tensors whose state_dict names match this glob, e.g. '*lora_*'; repeatable."),
     ] = None,
     as_format: Annotated[
-        str, typer.Option("--format", help="hf (safetensors files), peft (an adapter folder) or dcp (a DCP folder).")
+        str,
+        typer.Option(
+            "--format",
+            help="hf (safetensors files), peft (an adapter folder), dcp (a DCP folder) or accelerate (a save_state "
+            "folder); pt, ckpt (a torch.save or Lightning checkpoint file) or trainer (a Trainer checkpoint folder).",
+        ),
     ] = "hf",
     peft_config: Annotated[
         Path | None,
@@ -80,6 +85,9 @@ def export(
     """
     from ckptstore.client.formats.exporting import export_version
 
+    if as_format in TRAINING_FORMATS:
+        _export_training(target, directory, as_format, keys)
+        return
     if as_format != "hf":
         _export_other(target, directory, as_format, peft_config, keys)
         return
@@ -117,8 +125,38 @@ def export(
         )
 
 
+#: ``export --format`` values that write a training checkpoint (:mod:`client.formats.export_training`).
+TRAINING_FORMATS = ("pt", "ckpt", "trainer")
+
+
+def _export_training(target: str, directory: Path, as_format: str, keys: list[str] | None) -> None:
+    """``export --format pt|ckpt|trainer``: DIR is the file written for pt and ckpt, the folder for trainer."""
+    from ckptstore.client.formats.export_training import lightning, pt, trainer
+
+    with reported():
+        parsed = parse_target(target)
+        if keys is not None:
+            raise UsageProblem(f"--format {as_format} writes the whole version: leave out --keys")
+        if as_format == "trainer":
+            check_folder(directory)
+        elif directory.is_dir():
+            raise UsageProblem(f"{directory} is a folder: --format {as_format} writes one file, name it (e.g. out.{as_format})")
+        else:
+            check_folder(directory.parent)
+        with open_client() as ckpt, writing_into(directory):
+            write = {"pt": pt.export_pt, "ckpt": lightning.export_ckpt, "trainer": trainer.export_trainer}[as_format]
+            result = write(ckpt.transport, parsed.run_id, parsed.ref, directory)
+    echo(
+        f"exported {result.run_id}@{result.version} to {shown(str(directory))} as {as_format}: {result.tensors} "
+        f"tensors, {size(result.bytes)} in {result.seconds:.2f} s"
+    )
+    for name in result.files:
+        echo(f"  {shown(name)}")
+
+
 def _export_other(target: str, directory: Path, as_format: str, config: Path | None, keys: list[str] | None) -> None:
-    """``export --format peft|dcp`` (:mod:`client.formats.export_formats`)."""
+    """``export --format peft|dcp|accelerate`` (:mod:`client.formats.export_formats`,
+    :mod:`client.formats.accelerate.export`)."""
     import json
 
     from ckptstore.client.formats.export_formats import export_dcp, export_peft
@@ -132,8 +170,14 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
                 result = export_peft(ckpt.transport, parsed.run_id, parsed.ref, directory, config=settings, keys=keys)
             elif as_format == "dcp" and keys is None:
                 result = export_dcp(ckpt.transport, parsed.run_id, parsed.ref, directory)
+            elif as_format == "accelerate" and keys is None:
+                from ckptstore.client.formats.accelerate.export import export_accelerate
+
+                result = export_accelerate(ckpt.transport, parsed.run_id, parsed.ref, directory)
             else:
-                raise UsageProblem(f"--format {as_format!r}: use hf, peft or dcp (dcp takes no --keys)")
+                raise UsageProblem(
+                    f"--format {as_format!r}: use hf, peft, dcp or accelerate (dcp and accelerate take no --keys)"
+                )
     written = shown(str(directory))
     echo(
         f"exported {result.run_id}@{result.version} to {written} as {as_format}: {result.tensors} tensors, "

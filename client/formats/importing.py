@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from ckptstore.client.api import Client
-from ckptstore.client.formats import budget, confined, peft_folder, sources, wrapped_names
+from ckptstore.client.formats import budget, confined, sources, wrapped_names
+from ckptstore.client.formats.accelerate.folder import is_accelerate_folder, read_accelerate_folder
+from ckptstore.client.formats.hf import peft_folder
 from ckptstore.client.formats.json_text import check_structure, parse_json
 from ckptstore.client.results import SaveResult
 from ckptstore.client.state import is_positional
@@ -188,7 +190,7 @@ def _read_checkpoint(source: Path, expand_limit: int) -> sources.Imported:
         with confined.recording() as opened, confined.reading(source, confined.cache_repo(source)):
             imported = _read_folder(source, expand_limit)
         for entry in sorted(source.iterdir()):
-            if entry not in opened:
+            if entry not in opened and entry.name not in imported.left_out:
                 imported.left_out[entry.name] = UNREAD_FILE if entry.is_file() else UNREAD_FOLDER
     for part, value in (("optimizer", imported.optim), ("scheduler", imported.scheduler), ("extra", imported.extra)):
         sources.check_tensors(value, f"{source} ({part})")
@@ -209,6 +211,8 @@ def _read_folder(source: Path, expand_limit: int) -> sources.Imported:
         return sources.read_trainer_folder(source, read_source(source), expand_limit=expand_limit)
     if sources.exists(source / peft_folder.ADAPTER_CONFIG):
         return peft_folder.read_peft_folder(source, open_safetensors)
+    if is_accelerate_folder(source):
+        return read_accelerate_folder(source, read_source(source), expand_limit=expand_limit)
     return sources.Imported(read_source(source))
 
 
