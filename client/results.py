@@ -14,9 +14,12 @@ from ckptstore.service.format.records import RunInfo, VersionInfo
 class SaveResult:
     """The outcome of a save.
 
-    ``bytes_total`` is the logical size of every tensor; ``bytes_new`` the tensor bytes the
-    store did not already have (what was actually sent); ``bytes_stored`` the shard bytes
-    written, headers included.
+    ``bytes_total`` is the logical size of every tensor; ``bytes_new`` (and ``tensors_new``)
+    what this save added to the store: the tensors no earlier version of any run referenced,
+    the figures the version's record keeps (``ckptstore versions`` shows the same number);
+    ``bytes_sent`` the tensor bytes the save sent, which may include bytes the store already
+    had (a tensor changed since the last save goes unhashed, and the store keeps one copy);
+    ``bytes_stored`` the shard bytes written, headers included.
     """
 
     run_id: str
@@ -28,6 +31,7 @@ class SaveResult:
     tensors_new: int
     shards: int
     seconds: float
+    bytes_sent: int = 0
 
     @property
     def dedup_ratio(self) -> float:
@@ -40,7 +44,8 @@ class LoadResult:
     """The outcome of a load.
 
     ``state_dict`` holds the model tensors when no model was given (else None);
-    ``casts`` lists every dtype conversion made, as ``"key: from -> to"``.
+    ``casts`` lists every dtype conversion made, as ``"key: from -> to"``;
+    ``rng_restored`` says whether the random number generators were set to the version's.
     """
 
     run_id: str
@@ -54,6 +59,7 @@ class LoadResult:
     casts: list[str] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
+    rng_restored: bool = False
 
 
 __all__ = ["LoadResult", "RunInfo", "SaveResult", "VersionInfo"]

@@ -235,12 +235,13 @@ class StoreWriter(StorageWriter):
             run_id=self.run_id,
             version=info.version,
             bytes_total=info.bytes_total,
-            bytes_new=sum(sent.values()),
+            bytes_new=info.bytes_new,  # the version record's: what no earlier version referenced
             bytes_stored=sum(c.stored_bytes for c in every),
             tensors_total=len(entries),
-            tensors_new=len(sent),
+            tensors_new=info.tensors_new,
             shards=sum(c.shards for c in every),
             seconds=time.perf_counter() - self._started,
+            bytes_sent=sum(sent.values()),
         )
         metadata.storage_data = self.result
 

@@ -147,12 +147,13 @@ class SaveRun:
             run_id=self.run_id,
             version=info.version,
             bytes_total=info.bytes_total,
-            bytes_new=plan.bytes_sent(),
+            bytes_new=info.bytes_new,  # the version record's: what no earlier version referenced
             bytes_stored=self.stored_bytes,
             tensors_total=len(self.records),
-            tensors_new=len(plan.sent),
+            tensors_new=info.tensors_new,
             shards=self.shards,
             seconds=time.perf_counter() - self.started,
+            bytes_sent=plan.bytes_sent(),
         )
 
     def store(self) -> tuple[SavePlan, dict[int, Any]]:

@@ -133,9 +133,10 @@ def test_a_tensor_changed_back_to_a_stored_value_keeps_every_version_whole(
         third = ckpt.save("run", model, optim)
         assert spy.calls == 1 and spy.hashed == [k for k in before if k != "model/body.0.weight"]
         assert manifest_digests(ckpt, "run") == before
-        # Its bytes were written again (the save could not know), but the store keeps the first copy.
-        assert third.bytes_new == weight.numel() * 4
-        assert ckpt.versions("run")[-1].bytes_new == 0
+        # Its bytes were sent again (the save could not know), but the store keeps the first copy:
+        # the save added nothing, as its version's record says.
+        assert third.bytes_sent == weight.numel() * 4
+        assert third.bytes_new == ckpt.versions("run")[-1].bytes_new == 0
         for version in (1, 3):
             fresh = TinyNet()
             ckpt.load("run", version, model=fresh)
