@@ -6,6 +6,7 @@
 - :mod:`.export`: a version written as such a folder, which ``Accelerator.load_state`` resumes.
 
 May import torch, numpy, :mod:`client.formats`' floor (``sources``, ``torch_dicts``,
-``exporting``), its ``torch_save`` reader, :mod:`client.loading` and ``ckptstore.service``;
-never the ``accelerate`` library (a folder is read as tensors and plain data).
+``exporting``), its ``torch_save`` reader and ``export_training.torch_file`` writer,
+:mod:`client.loading` and ``ckptstore.service``; never the ``accelerate`` library (a folder is
+read as tensors and plain data).
 """

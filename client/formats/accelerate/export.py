@@ -14,21 +14,20 @@ The folder holds what ``save_state`` writes for one model and one optimizer:
 - ``custom_checkpoint_<n>.pkl``: ``extra["custom"]``, each registered object's state;
 - ``dl_state_dict*.bin``: ``extra["dataloader_states"]``, each data loader's state.
 
-Only reading is restricted to ckptstore's allow-list reader: the files written here are
-``torch.save`` archives, as Accelerate writes and reads them.
+The files are ``torch.save`` archives of plain data, as Accelerate writes and reads them, written by
+the product's one writer of pickled files (:mod:`client.formats.export_training.torch_file`).
 """
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ckptstore.client.formats.export_training.torch_file import write_torch_file
 from ckptstore.client.formats.exporting import FILE_METADATA, ExportResult, model_entries, write_safetensors
 from ckptstore.client.loading import restore
 from ckptstore.client.loading.reader import TensorReader
@@ -137,12 +136,6 @@ def accelerate_rng(rng: dict[str, Any], step: int) -> dict[str, Any]:
 
 
 def _save(value: Any, path: Path) -> str:
-    """``torch.save`` of ``value`` at ``path`` through a temporary file renamed into place; returns the file name."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
-    try:
-        torch.save(value, temporary)  # noqa: TID251 - writing the format Accelerate reads; ckptstore never reads it
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    """``value`` (plain data; numpy arrays for NumPy's generator) written as ``torch.save`` does; the file's name."""
+    write_torch_file(path, value, numpy_arrays=True)
     return path.name
