@@ -66,6 +66,9 @@ def test_the_whole_service_imports_without_torch_or_client() -> None:
 #: The one reader of pickled bytes: an allow-list interpreter that never imports or calls what
 #: a pickle names. Every other module that meets pickled data hands the bytes to it.
 PICKLE_READER = "client/formats/pickled/reader.py"
+#: The one writer of pickled files: an export to a format that is itself a pickle (a ``.pt``, a
+#: Lightning ``.ckpt``, a Trainer's ``optimizer.pt``), of plain data checked before it is written.
+PICKLE_WRITER = "client/formats/export_training/torch_file.py"
 #: Ways Python code loads pickled data (or runs a checkpoint's code), none allowed in the product.
 PICKLE_LOADERS = (
     "import pickle",
@@ -94,7 +97,7 @@ def test_one_reader_of_pickled_data_in_the_product() -> None:
     for path in list((ROOT / "service").rglob("*.py")) + list((ROOT / "client").rglob("*.py")):
         text = path.read_text()
         offenders += [f"{path.relative_to(ROOT)}: {word}" for word in PICKLE_LOADERS if word in text]
-        if "torch.save(" in text:
+        if "torch.save(" in text and str(path.relative_to(ROOT)) != PICKLE_WRITER:
             offenders.append(f"{path.relative_to(ROOT)}: torch.save(")
     assert offenders == []
     readers = sorted(

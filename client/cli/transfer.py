@@ -140,7 +140,9 @@ def _export_training(target: str, directory: Path, as_format: str, keys: list[st
         if as_format == "trainer":
             check_folder(directory)
         elif directory.is_dir():
-            raise UsageProblem(f"{directory} is a folder: --format {as_format} writes one file, name it (e.g. out.{as_format})")
+            raise UsageProblem(
+                f"{directory} is a folder: --format {as_format} writes one file, name it (e.g. out.{as_format})"
+            )
         else:
             check_folder(directory.parent)
         with open_client() as ckpt, writing_into(directory):
