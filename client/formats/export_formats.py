@@ -1,17 +1,20 @@
 """Export a version as a PEFT adapter folder or as a DCP checkpoint folder.
 
 - **PEFT adapter** (``adapter_model.safetensors`` + ``adapter_config.json``), loadable by
-  ``peft.PeftModel.from_pretrained(base, folder)``: the version's adapter tensors (names with
-  ``lora_``, or those the caller's ``keys`` select) under PEFT's file names, which leave out the
-  adapter's name (``…q_proj.lora_A.default.weight`` is written as ``…q_proj.lora_A.weight``).
+  ``peft.PeftModel.from_pretrained(base, folder)``: the tensors ``save_pretrained`` writes of the
+  adapter (its LoRA and DoRA tensors, its ``modules_to_save`` copies, and the embedding layers
+  under LoRA on an embedding; or those the caller's ``keys`` select) under PEFT's file names,
+  which leave out the adapter's name (``…q_proj.lora_A.default.weight`` is written as
+  ``…q_proj.lora_A.weight``; :mod:`client.formats.hf.peft_names`).
   The config is the one given, or the JSON the version holds: ``extra["peft_configs"][adapter]``
   when it holds several adapters' configs, else ``extra["peft_config"]`` (the Trainer plug-in
   stores both, a PEFT folder import the latter; by hand: ``extra={"peft_config":
   model.peft_config["default"].to_dict()}``, sets as lists); export never invents one.
-  ``ckptstore import`` of the folder stores it back (:mod:`client.formats.peft_folder`).
+  ``ckptstore import`` of the folder stores it back (:mod:`client.formats.hf.peft_folder`).
 - **DCP folder**, readable by ``torch.distributed.checkpoint.load``: ``{"model": state_dict,
   "optim": optimizer state by parameter name}``, the layout ``get_state_dict`` gives and
-  ``set_state_dict`` takes.
+  ``set_state_dict`` takes; a version imported from a torchtitan or torchtune folder goes back in
+  that framework's layout (:mod:`client.formats.dcp_layouts`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ckptstore.client.formats.dcp_layouts import written_layout
 from ckptstore.client.formats.exporting import (
     FILE_METADATA,
     ExportResult,
@@ -32,16 +36,16 @@ from ckptstore.client.formats.exporting import (
     write_safetensors,
     write_text_atomically,
 )
-from ckptstore.client.formats.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
+from ckptstore.client.formats.hf.peft_folder import ADAPTER_CONFIG, ADAPTER_FILE
+from ckptstore.client.formats.hf.peft_names import export_names, file_name
 from ckptstore.client.loading import restore, selection
 from ckptstore.client.loading.reader import TensorReader
 from ckptstore.client.state import is_positional
 from ckptstore.client.store_protocol import Transport
 from ckptstore.service.errors import CheckpointError, InvalidInputError, StateMismatchError, StorageError
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "ADAPTER_KEYS", "export_dcp", "export_peft", "peft_file_name"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_FILE", "export_dcp", "export_peft", "peft_file_name"]
 
-ADAPTER_KEYS = ("*lora_*",)
 #: What torch.distributed.checkpoint warns of on every single-process save, which an export is:
 #: that no process group runs, and, over an earlier export, that it overwrites it.
 DCP_NOTICES = (
@@ -51,8 +55,29 @@ DCP_NOTICES = (
 
 
 def peft_file_name(name: str, adapter: str) -> str:
-    """The name PEFT writes for a state_dict name: without the ``.<adapter>`` part."""
-    return ".".join(part for part in name.split(".") if part != adapter)
+    """The name PEFT writes for a state_dict name of adapter ``adapter``
+    (:func:`~client.formats.hf.peft_names.file_name`); any other name without its ``.<adapter>`` part."""
+    found = file_name(name, adapter)
+    return found if found is not None else ".".join(part for part in name.split(".") if part != adapter)
+
+
+#: Keys whose dicts PEFT writes in their own order, not sorted (``peft.config.CONFIG_KEYS_WITH_PRESERVED_ORDER``).
+PEFT_PRESERVED_ORDER = frozenset({"rank_pattern", "alpha_pattern", "paca_indices_pattern"})
+
+
+def peft_config_text(config: dict[str, Any]) -> str:
+    """``adapter_config.json``'s text byte for byte as PEFT's ``save_pretrained`` writes it: keys
+    sorted at every level except inside :data:`PEFT_PRESERVED_ORDER`, indented by 2, ASCII, and no
+    newline at the end."""
+
+    def ordered(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: v if k in PEFT_PRESERVED_ORDER else ordered(v) for k, v in sorted(value.items())}
+        if isinstance(value, (list, tuple)):
+            return [ordered(item) for item in value]
+        return value
+
+    return json.dumps(ordered(config), indent=2)
 
 
 def export_peft(
@@ -79,14 +104,23 @@ def export_peft(
                 "adapter_config.json (--peft-config)"
             )
         config = found
-    selected = selection.selected_model_keys(manifest, selection.check_patterns(list(keys or ADAPTER_KEYS)))
     entries = {e.key: e for e in manifest.tensors}
-    items = [(peft_file_name(name, adapter), entries[key]) for name, key in selected.items()]
+    if keys is None:  # what PEFT's save_pretrained writes of this adapter
+        stored = selection.selected_model_keys(manifest, None)
+        items = [(found, entries[stored[name]]) for name, found in export_names(stored, adapter).items()]
+    else:
+        selected = selection.selected_model_keys(manifest, selection.check_patterns(list(keys)))
+        items = [(peft_file_name(name, adapter), entries[key]) for name, key in selected.items()]
+    if not items:
+        raise StateMismatchError(
+            f"version {manifest.version} of {run_id!r} holds no tensors of adapter {adapter!r} (LoRA tensors named "
+            f"'….lora_A.{adapter}.weight' or modules_to_save copies); choose them with --keys"
+        )
     if len({name for name, _ in items}) != len(items):
         raise StateMismatchError(f"the adapter's tensors do not have distinct names once {adapter!r} is dropped")
     directory.mkdir(parents=True, exist_ok=True)
     write_safetensors(directory / ADAPTER_FILE, items, TensorReader(transport, manifest), FILE_METADATA)
-    write_text_atomically(directory / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_text_atomically(directory / ADAPTER_CONFIG, peft_config_text(config))
     return ExportResult(
         run_id=manifest.run_id,
         version=manifest.version,
@@ -99,7 +133,9 @@ def export_peft(
 
 
 def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Path) -> ExportResult:
-    """Write version ``ref`` to ``directory`` as a DCP checkpoint (``model`` and, if stored, ``optim``).
+    """Write version ``ref`` to ``directory`` as a DCP checkpoint (``model`` and, if stored, ``optim``;
+    a version imported from a torchtitan or torchtune folder in that framework's layout,
+    :func:`~client.formats.dcp_layouts.written_layout`).
 
     Raises:
         OSError: a file or folder in ``directory`` could not be written (as itself, not inside
@@ -123,7 +159,10 @@ def export_dcp(transport: Transport, run_id: str, ref: int | str, directory: Pat
     optim = restore.restore_section(reader, "optim", cpu, on_cpu)
     if optim is not None:
         state["optim"] = optim
-    _save_dcp(state, directory)
+    extra = restore.restore_section(reader, "extra", cpu)
+    scheduler = restore.restore_section(reader, "scheduler", cpu)
+    framework = written_layout(model, optim, scheduler, extra if isinstance(extra, dict) else {})
+    _save_dcp(framework if framework is not None else state, directory)
     tensors = [e for e in manifest.tensors if e.key.startswith(("model/", "optim/"))]
     return ExportResult(
         run_id=manifest.run_id,
