@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ckptstore.client.api import Client
-from ckptstore.client.formats import budget, confined, sources, wrapped_names
+from ckptstore.client.formats import budget, confined, dcp_layouts, sources, wrapped_names
 from ckptstore.client.formats.accelerate.folder import is_accelerate_folder, read_accelerate_folder
 from ckptstore.client.formats.hf import peft_folder
 from ckptstore.client.formats.json_text import check_structure, parse_json
@@ -199,7 +199,7 @@ def _read_checkpoint(source: Path, expand_limit: int) -> sources.Imported:
 
 def _read_folder(source: Path, expand_limit: int) -> sources.Imported:
     if sources.exists(source / sources.DCP_METADATA):
-        return sources.read_dcp(source)
+        return dcp_layouts.read_dcp(source)
     if sources.exists(source / sources.TRAINER_STATE):
         if sources.exists(source / peft_folder.ADAPTER_CONFIG):
             raise InvalidInputError(

@@ -7,9 +7,9 @@
 - a Hugging Face ``Trainer`` checkpoint folder (``trainer_state.json`` beside the weights):
   the weights, ``optimizer.pt`` with its state by position, ``scheduler.pt``, and
   ``trainer_state.json`` and ``rng_state*.pth`` as extras;
-- a DCP checkpoint folder (``.metadata`` + ``*.distcp``): its ``model`` and, when saved in
-  ``get_state_dict``'s layout (state keyed by parameter name), its ``optim``, plus
-  ``scheduler`` and ``extra`` if present.
+- a DCP checkpoint folder (``.metadata`` + ``*.distcp``): its ``model``, optimizer, scheduler,
+  step and extras in ``get_state_dict``'s, torchtitan's or torchtune's layout
+  (:mod:`client.formats.dcp_layouts`).
 
 Every file is untrusted input, read by :mod:`client.formats` only: pickles by its allow-list
 reader (never a general unpickler, never ``torch.load``), paths confined to the source folder,
@@ -36,10 +36,9 @@ from typing import Any
 import torch
 
 from ckptstore.client.formats import confined, lightning_ckpt
-from ckptstore.client.formats.dcp.folder import read_dcp_folder
 from ckptstore.client.formats.json_text import large_integers, parse_json
 from ckptstore.client.formats.pickled.allowlist import shown
-from ckptstore.client.formats.torch_dicts import optimizer_state, read_layout, tensor_dict
+from ckptstore.client.formats.torch_dicts import optimizer_state, read_layout
 from ckptstore.client.formats.torch_save.constructors import RefusedTensor
 from ckptstore.client.formats.torch_save.files import read_torch_file
 from ckptstore.service.errors import InvalidInputError
@@ -352,37 +351,4 @@ def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor],
     }
     if rng:
         imported.extra["rng_state"] = rng
-    return imported
-
-
-def _by_name(optim: Any) -> bool:
-    """Whether an optimizer state_dict is keyed by parameter name (``get_state_dict``'s layout)."""
-    return (
-        isinstance(optim, dict)
-        and isinstance(optim.get("state"), dict)
-        and isinstance(optim.get("param_groups"), list)
-        and all(isinstance(k, str) for k in optim["state"])
-        and all(isinstance(g, dict) and isinstance(g.get("params", []), list) for g in optim["param_groups"])
-        and all(isinstance(n, str) for g in optim["param_groups"] for n in g.get("params", []))
-    )
-
-
-def read_dcp(directory: Path) -> Imported:
-    """A DCP checkpoint folder saved with a ``model`` entry (as ``get_state_dict`` gives it)."""
-    state = read_dcp_folder(directory)
-    if "model" not in state:
-        raise InvalidInputError(
-            f"{directory} is a DCP checkpoint without a 'model' entry (it holds {sorted(state)[:10]}); "
-            "save {'model': model_state_dict, 'optim': optim_state_dict} as get_state_dict gives them"
-        )
-    imported = Imported(tensor_dict(state.pop("model"), f"{directory} 'model'"))
-    if "optim" in state:
-        if not _by_name(state["optim"]):
-            raise InvalidInputError(
-                f"{directory}: its 'optim' is not keyed by parameter name; save it through get_state_dict"
-            )
-        imported.optim = state.pop("optim")
-    imported.scheduler = state.pop("scheduler", None)
-    extra = state.pop("extra", {})
-    imported.extra = {**(extra if isinstance(extra, dict) else {"extra": extra}), **state}
     return imported
