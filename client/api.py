@@ -15,11 +15,13 @@ import torch
 from ckptstore.client import keys
 from ckptstore.client.connection import Connection
 from ckptstore.client.cyclic_gc import paused_collection
+from ckptstore.client.integrations.model_configs import with_model_configs
 from ckptstore.client.loading import restore, selection
 from ckptstore.client.loading.readahead import local_reads
 from ckptstore.client.loading.reader import TensorReader
 from ckptstore.client.progress import byte_bar
 from ckptstore.client.results import LoadResult, SaveResult
+from ckptstore.client.resume import section as resume
 from ckptstore.client.saving import save_process
 from ckptstore.client.saving.background import BackgroundSaves
 from ckptstore.client.saving.cadence import Background, background_mode
@@ -144,6 +146,9 @@ class Client(Connection):
         keep_best: int | None = None,
         metric: str | None = None,
         mode: Literal["min", "max"] | None = None,
+        rng: bool = True,
+        dataloader: Any = None,
+        stateful: Mapping[str, Any] | None = None,
         blocking: Literal[True] = True,
     ) -> SaveResult: ...
 
@@ -163,6 +168,9 @@ class Client(Connection):
         keep_best: int | None = None,
         metric: str | None = None,
         mode: Literal["min", "max"] | None = None,
+        rng: bool = True,
+        dataloader: Any = None,
+        stateful: Mapping[str, Any] | None = None,
         blocking: Literal[False],
     ) -> SaveHandle: ...
 
@@ -182,6 +190,9 @@ class Client(Connection):
         keep_best: int | None = None,
         metric: str | None = None,
         mode: Literal["min", "max"] | None = None,
+        rng: bool = True,
+        dataloader: Any = None,
+        stateful: Mapping[str, Any] | None = None,
         blocking: bool,
     ) -> SaveResult | SaveHandle: ...
 
@@ -201,6 +212,9 @@ class Client(Connection):
         keep_best: int | None = None,
         metric: str | None = None,
         mode: Literal["min", "max"] | None = None,
+        rng: bool = True,
+        dataloader: Any = None,
+        stateful: Mapping[str, Any] | None = None,
         blocking: bool = True,
     ) -> SaveResult | SaveHandle:
         """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``.
@@ -220,12 +234,29 @@ class Client(Connection):
         Given any of ``keep_last``, ``keep_best``, ``metric`` or ``mode``, the run's retention
         policy becomes exactly that before this version is committed, and the commit applies it
         (see :meth:`set_retention`): e.g. ``keep_last=3, keep_best=1, metric="val_loss"``.
+
+        A transformers or PEFT model's configs are recorded in ``extra`` unless it sets those
+        keys itself (:mod:`client.integrations.model_configs`: ``model_config``,
+        ``generation_config``, ``peft_config``), so ``ckptstore export`` writes them back.
+
+        Every version records what a resume needs besides the model (:mod:`client.resume`): the
+        random number generators (Python's ``random``, NumPy's global state, torch's CPU and
+        every CUDA device's; ``rng=False`` leaves them out), and the ``state_dict()`` of
+        ``dataloader`` (a torchdata ``StatefulDataLoader``, so a resume goes on mid-epoch at the
+        next batch) and of each object in ``stateful`` (by name; anything with ``state_dict`` and
+        ``load_state_dict``). :meth:`load` puts them back.
         """
         self._background.wait(report=True, keep=0 if blocking else self._background.overlap)
         started = time.perf_counter()
         validate_run_id(run_id)
         tags = [validate_tag(t) for t in tags]
+        extra = with_model_configs(model, extra)  # a transformers or PEFT model's configs, for export
+        objects = resume.stateful_objects(dataloader, stateful)
         if _sharded(model):  # FSDP2 / DTensor: every rank saves its shards (client.distributed)
+            if objects:
+                raise InvalidInputError(
+                    "dataloader= and stateful= are not supported for a sharded model; save their state_dict() in extra="
+                )
             if not blocking:
                 raise InvalidInputError(
                     "blocking=False is not supported for a sharded model; use "
@@ -239,6 +270,7 @@ class Client(Connection):
                 self, run_id, model, optim, scheduler=scheduler, extra=extra, step=step, metrics=metrics, tags=tags
             )
         flat = flatten(model, optim, scheduler, extra, reuse=self._flattened)
+        resume.record(flat, rng=rng, objects=objects)
         if (keep_last, keep_best, metric, mode) != (None, None, None, None):
             self._use_retention(run_id, keep_last, keep_best, metric, mode)
         if blocking and any(record.tensor.is_cuda for record in flat.records):
@@ -442,6 +474,9 @@ class Client(Connection):
         dtype: torch.dtype | None = None,
         strict: bool = True,
         keys: Sequence[str] | None = None,
+        rng: bool | None = None,
+        dataloader: Any = None,
+        stateful: Mapping[str, Any] | None = None,
     ) -> LoadResult:
         """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict).
 
@@ -465,6 +500,13 @@ class Client(Connection):
         Optimizer state an import kept by position (the file numbered the parameters) goes to
         ``optim``'s parameters in its groups' order, as ``optim.load_state_dict`` would.
 
+        What the version recorded for a resume (:mod:`client.resume`) comes back on request:
+        ``dataloader`` and each object of ``stateful`` get the state saved under their name
+        (refused before anything is written if the version holds none), and the random number
+        generators are restored when the load is a resume (``optim`` given) or ``rng=True``;
+        ``rng=False`` never touches them, and a load of weights alone (no ``optim``) leaves the
+        caller's generators as they are. ``LoadResult.rng_restored`` says whether they were.
+
         Every byte is verified. Keys and shapes are all checked before anything is written,
         but the bytes are checked as they arrive: after an IntegrityError the model may hold
         some bytes of the corrupt tensor (and of those after it), so load again from a
@@ -477,8 +519,12 @@ class Client(Connection):
         if dtype is not None and not dtype.is_floating_point:
             raise InvalidInputError(f"dtype must be a floating dtype, not {dtype}")
         patterns = selection.check_patterns(keys)
+        objects = resume.stateful_objects(dataloader, stateful)
         if model is not None and _sharded(model):  # every rank loads its shards (client.distributed)
             from ckptstore.client.distributed import training
+
+            if objects or rng:
+                raise InvalidInputError("rng=, dataloader= and stateful= are not supported for a sharded model")
 
             if patterns is not None:
                 raise InvalidInputError("keys= is not supported for a sharded model; load every tensor")
@@ -490,6 +536,7 @@ class Client(Connection):
         manifest = self.transport.manifest(validate_run_id(run_id), version)
         if optim is not None:  # before anything is written
             restore.check_optimizer(manifest, optim, strict=strict, partial=patterns is not None)
+        resuming = resume.plan(manifest, rng=rng, resuming=optim is not None, objects=objects)
         with byte_bar(lambda: sum(e.nbytes for e in manifest.tensors), "load") as bar:
             reader = TensorReader(self.transport, manifest, on_bytes=bar.update, read_threads=self.read_threads)
             result = LoadResult(run_id=run_id, version=manifest.version, step=manifest.step, metrics=manifest.metrics)
@@ -505,6 +552,9 @@ class Client(Connection):
                     raise StateMismatchError(f"version {manifest.version} holds no scheduler state")
                 scheduler.load_state_dict(restore.restore_section(reader, "scheduler", host_or_target))
             result.extra = restore.restore_section(reader, "extra", host_or_target)
+            if resuming.anything:
+                resume.apply(resuming, restore.restore_section(reader, resume.SECTION, torch.device("cpu")))
+                result.rng_restored = resuming.rng
         self.ledger.loaded(frozenset(manifest.digests()), restore.live_tensors(model, optim))
         result.bytes_read = reader.bytes_read
         result.seconds = time.perf_counter() - started

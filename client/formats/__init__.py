@@ -23,7 +23,8 @@ as untrusted input:
 
 The readers live in three rooms, one per kind of untrusted bytes (``pickled/``, ``torch_save/``,
 ``dcp/``), beside the floor that reads folders and files (``confined``, ``budget``,
-``json_text``, ``sources``, ``torch_dicts``, ``lightning_ckpt``, ``peft_folder``). The readers
+``json_text``, ``sources``, ``torch_dicts``, ``lightning_ckpt``), and Hugging Face folders
+(PEFT adapters, model configs) in ``hf/``. The readers
 may import torch, numpy (for RNG state), ``ckptstore.service.errors`` and
 ``ckptstore.service.format`` only. Import and export also use the Client (:mod:`client.api`),
 the load path (:mod:`client.loading`) and the top of ``client``; nothing here imports

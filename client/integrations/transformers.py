@@ -4,10 +4,12 @@
 save a ``checkpoint-N`` folder, a version instead: the model (a PEFT model's frozen base is
 stored once, so each version costs about the adapter and its optimizer state), the optimizer,
 the LR scheduler, the ``TrainerState`` (JSON) and the random number generators' state, with the
-step and the metrics logged at that step. The model's config travels with it as
-``extra["model_config"]`` (what ``save_pretrained`` writes as ``config.json``) and a PEFT model's
-adapter config as ``extra["peft_config"]`` (what ``adapter_config.json`` holds), so ``ckptstore
-export`` writes folders ``from_pretrained`` loads. No checkpoint folder is written.
+step and the metrics logged at that step. The model's configs travel with it
+(:mod:`client.integrations.model_configs`): ``extra["model_config"]`` and
+``extra["generation_config"]`` (what ``save_pretrained`` writes as ``config.json`` and
+``generation_config.json``) and a PEFT model's adapter config as ``extra["peft_config"]`` (what
+``adapter_config.json`` holds), so ``ckptstore export`` writes folders ``from_pretrained`` loads.
+No checkpoint folder is written.
 ``save_total_limit`` becomes the run's retention policy (keep the last N versions, plus the best
 by ``metric_for_best_model`` when set).
 
@@ -31,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from transformers import (
-    PreTrainedConfig,
     Trainer,
     TrainerCallback,
     TrainerControl,
@@ -42,6 +43,7 @@ from transformers.trainer_utils import SaveStrategy
 
 from ckptstore.client import jsonstate
 from ckptstore.client.api import Client
+from ckptstore.client.integrations.model_configs import model_configs
 from ckptstore.client.integrations.rng import capture_rng, from_trainer_layout, restore_rng
 from ckptstore.client.integrations.wrapped import inner_optimizer, inner_scheduler
 from ckptstore.service.errors import InvalidInputError, StateMismatchError
@@ -74,41 +76,6 @@ def logged_metrics(state: TrainerState) -> dict[str, float]:
             if _METRIC_RE.fullmatch(name) and math.isfinite(value):
                 metrics[name] = float(value)
     return metrics
-
-
-def _as_json(value: Any) -> Any:
-    """``value`` as plain JSON values: sets become sorted lists (as in a PEFT ``adapter_config.json``)."""
-
-    def plain(item: Any) -> Any:
-        if isinstance(item, (set, frozenset)):
-            return sorted(item, key=repr)
-        raise TypeError(f"a {type(item).__name__} in a config is not JSON")
-
-    return json.loads(json.dumps(value, default=plain))
-
-
-def model_configs(model: Any) -> dict[str, Any]:
-    """The configs that describe ``model``, as JSON, for a version's ``extra``.
-
-    ``model_config``: a transformers model's config as ``save_pretrained`` writes ``config.json``
-    (every field, not the difference from the defaults). For a PEFT model, ``peft_config``: the
-    active adapter's config as ``adapter_config.json`` holds it (what ``ckptstore export --format
-    peft`` writes), and ``peft_configs``: every adapter's config by name, when it has several.
-    """
-    extras: dict[str, Any] = {}
-    config = getattr(model, "config", None)
-    if isinstance(config, PreTrainedConfig):
-        extras["model_config"] = json.loads(config.to_json_string(use_diff=False))
-    adapters = getattr(model, "peft_config", None)
-    if isinstance(adapters, dict) and adapters and all(hasattr(c, "to_dict") for c in adapters.values()):
-        by_name = {str(name): _as_json(c.to_dict()) for name, c in adapters.items()}
-        active = getattr(model, "active_adapter", None)
-        if not isinstance(active, str) or active not in by_name:  # not one adapter by name: the first
-            active = next(iter(by_name))
-        extras["peft_config"] = by_name[active]
-        if len(by_name) > 1:
-            extras["peft_configs"] = by_name
-    return extras
 
 
 class CkptstoreCallback(TrainerCallback):

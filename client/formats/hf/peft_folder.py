@@ -3,19 +3,22 @@
 The folder is what ``PeftModel.save_pretrained`` and ``ckptstore export --format peft`` write:
 the adapter's tensors under PEFT's file names, which leave out the adapter's name. An import
 stores them under the names a PeftModel's ``state_dict`` uses, the adapter called ``default``
-(``…q_proj.lora_A.weight`` becomes ``…q_proj.lora_A.default.weight``: PEFT's own rule when it
-loads such a file, and the inverse of :func:`client.formats.export_formats.peft_file_name`),
-and the config as ``extra["peft_config"]``, the JSON ``export --format peft`` writes back. So the
-version is what the Trainer plug-in stores of a PEFT model, less its frozen base: the adapter
-tensors are stored as trainable (they are what training changes), with no optimizer state.
+(:mod:`.peft_names`: ``…q_proj.lora_A.weight`` becomes ``…q_proj.lora_A.default.weight``, DoRA's
+``…lora_magnitude_vector`` becomes ``…lora_magnitude_vector.default.weight``, a ``modules_to_save``
+copy ``…lm_head.weight`` becomes ``…lm_head.modules_to_save.default.weight``, and the embedding
+layers PEFT saves beside LoRA on them keep their names), and the config as
+``extra["peft_config"]``, the JSON ``export --format peft`` writes back. So the version is what
+the Trainer plug-in stores of a PEFT model, less its frozen base: the adapter tensors are stored
+as trainable (they are what training changes), with no optimizer state.
 
 Load it into a PeftModel built on its base model with ``client.load(run, model=peft_model,
-keys=["*lora_*"])``: strict for the adapter (every LoRA tensor of the model must be in the
-version, with its shape), the base left as it is.
+keys=[...])``, the patterns selecting what the adapter holds (``"*lora_*"``, and
+``"*.modules_to_save.*"`` for its copies): strict for those (every selected tensor of the model
+must be in the version, with its shape), the base left as it is.
 
-Only LoRA adapters are read (``peft_type`` ``"LORA"``, every tensor name holding ``lora_``);
-``modules_to_save`` copies and other PEFT methods are refused by name, as is a pickled
-``adapter_model.bin``.
+Only LoRA adapters are read (``peft_type`` ``"LORA"``); a tensor that is none of the kinds above
+(another PEFT method's, a bias, a ``trainable_token_indices`` delta) is refused by name, as is a
+pickled ``adapter_model.bin``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from ckptstore.client.formats import confined
+from ckptstore.client.formats.hf.peft_names import DEFAULT_ADAPTER, LORA_PREFIX, MODULES_TO_SAVE, model_names
 from ckptstore.client.formats.json_text import parse_json
 from ckptstore.client.formats.sources import Imported, exists
 from ckptstore.service.errors import InvalidInputError
@@ -34,10 +38,6 @@ from ckptstore.service.errors import InvalidInputError
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PICKLED_ADAPTER_FILE = "adapter_model.bin"
-#: The adapter name a PeftModel gives the adapter it loads unless told otherwise.
-DEFAULT_ADAPTER = "default"
-#: What a LoRA tensor's name holds (PEFT's parameter prefix for LoRA).
-LORA_PREFIX = "lora_"
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 #: Where the import keeps the adapter's tensors (named as the model names them) in ``Imported.tree``.
 WEIGHTS_KEY = "state_dict"
@@ -46,18 +46,16 @@ SafetensorsOpener = Callable[[Path], dict[str, torch.Tensor]]
 
 
 def state_dict_name(file_name: str, adapter: str = DEFAULT_ADAPTER) -> str:
-    """The PeftModel ``state_dict`` name of a tensor PEFT saved as ``file_name``.
+    """The PeftModel ``state_dict`` name of a LoRA tensor PEFT saved as ``file_name``.
 
     The adapter's name goes after the ``lora_*`` part (``lora_A.weight`` → ``lora_A.default.weight``;
-    ``lora_embedding_A`` → ``lora_embedding_A.default``), as ``peft`` inserts it when loading.
+    ``lora_embedding_A`` → ``lora_embedding_A.default``; ``lora_magnitude_vector`` →
+    ``lora_magnitude_vector.default.weight``), as ``peft`` inserts it when loading.
     """
-    head, prefix, suffix = file_name.rpartition(LORA_PREFIX)
-    if not prefix:
-        raise ValueError(f"{file_name!r} holds no {LORA_PREFIX!r}")
-    if "." not in suffix:
-        return f"{file_name}.{adapter}"
-    module, rest = suffix.split(".", 1)
-    return f"{head}{prefix}{module}.{adapter}.{rest}"
+    found = model_names([file_name], (), adapter)[file_name]
+    if found is None:
+        raise ValueError(f"{file_name!r} holds no {LORA_PREFIX!r} part")
+    return found
 
 
 def read_adapter_config(directory: Path) -> dict[str, Any]:
@@ -75,6 +73,9 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
         raise InvalidInputError(
             f"{path}: peft_type {str(peft_type)[:40]!r}; ckptstore imports LoRA adapters (peft_type 'LORA') only"
         )
+    saved = config.get(MODULES_TO_SAVE)
+    if saved is not None and not (isinstance(saved, list) and all(isinstance(m, str) and m for m in saved)):
+        raise InvalidInputError(f"{path}: {MODULES_TO_SAVE} is not a list of module names")
     return config
 
 
@@ -95,14 +96,17 @@ def read_peft_folder(directory: Path, open_safetensors: SafetensorsOpener) -> Im
             f"{directory} has {ADAPTER_CONFIG} but no {ADAPTER_FILE}"
             f"{found if exists(directory / PICKLED_ADAPTER_FILE) else ''}"
         )
+    found = open_safetensors(path)
+    names = model_names(found, config.get(MODULES_TO_SAVE) or ())
     tensors: dict[str, torch.Tensor] = {}
-    for file_name, tensor in open_safetensors(path).items():
-        if LORA_PREFIX not in file_name:
+    for file_name, tensor in found.items():
+        name = names[file_name]
+        if name is None:
             raise InvalidInputError(
-                f"{path}: tensor {file_name[:80]!r} is not a LoRA tensor (no {LORA_PREFIX!r} in its name); "
-                "ckptstore imports LoRA adapter tensors only, not modules_to_save or other PEFT methods"
+                f"{path}: tensor {file_name[:80]!r} is not a LoRA tensor (no {LORA_PREFIX!r} part in its name), "
+                f"a copy of a module the config's {MODULES_TO_SAVE} names, nor the base layer of a module the "
+                "adapter adapts; ckptstore imports those of a LoRA adapter only"
             )
-        name = state_dict_name(file_name)
         if name in tensors:
             raise InvalidInputError(f"{path}: two tensors would both be named {name[:80]!r}")
         tensors[name] = tensor
