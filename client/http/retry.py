@@ -3,7 +3,8 @@
 Connection errors and 429/5xx answers are retried with exponential backoff and jitter (at most
 :data:`MAX_PAUSE_SECONDS` a pause, longer when the server's ``Retry-After`` asks) for up to the
 retry budget (``retry_seconds``, ``CKPTSTORE_RETRY_SECONDS``, default
-:data:`DEFAULT_RETRY_SECONDS`: long enough to ride out a server restart), but never 507 (the
+:data:`DEFAULT_RETRY_SECONDS`: long enough to ride out a server restart; with no budget set, a
+server that has never answered is tried for :data:`FIRST_REACH_SECONDS` only), but never 507 (the
 server's disk is full: waiting frees nothing, so :class:`~service.errors.StorageFullError` is
 raised at once with the server's message), and only for requests
 that are safe to repeat: every request but a commit without a key. A save commits with an
@@ -42,6 +43,9 @@ NOT_SENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, ConnectionRefusedEr
 #: How long requests safe to repeat are retried, by default: a server restart takes up to ~30 s.
 DEFAULT_RETRY_SECONDS = 60.0
 RETRY_SECONDS_VARIABLE = "CKPTSTORE_RETRY_SECONDS"
+#: How long a client tries a server that has never answered it, unless a budget was set: a
+#: server that is not there fails within seconds, one that answered once is waited for (restarts).
+FIRST_REACH_SECONDS = 5.0
 #: The longest pause between two tries of a request (unless the server's Retry-After asks for more).
 MAX_PAUSE_SECONDS = 4.0
 #: The longest pause a server's Retry-After may ask for.
@@ -91,6 +95,12 @@ def retry_budget(seconds: float | None = None) -> float:
     if isinstance(seconds, bool) or not 0 <= seconds <= 86400:
         raise InvalidInputError(f"{source} must be a number of seconds from 0 to 86400, not {seconds!r}")
     return float(seconds)
+
+
+def budget_is_set(seconds: float | None = None) -> bool:
+    """Whether someone chose the retry budget (``seconds``, or ``$CKPTSTORE_RETRY_SECONDS``):
+    then a server that has not answered yet is tried for all of it, as they asked."""
+    return seconds is not None or bool((os.environ.get(RETRY_SECONDS_VARIABLE) or "").strip())
 
 
 @dataclass(frozen=True)

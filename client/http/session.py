@@ -73,6 +73,12 @@ class HttpSession:
             BulkHttp(self.route, headers, timeout_seconds) if carries(self.route) else HttpxBulk(self._http)
         )
 
+    def reach_within(self, seconds: float) -> None:
+        """Until the server first answers, retry a request for at most ``seconds`` (not the
+        policy's whole budget) and without a logged warning: a server that is not there is an
+        error within seconds, naming its URL; once it has answered, the whole budget applies."""
+        self._reaching = replace(self.policy, seconds=min(self.policy.seconds, seconds), warn=False)
+
     def limit_waiting(self, *, reach_seconds: float | None, answer_seconds: float) -> None:
         """Give up sooner on a server that cannot be reached or does not answer: for a command
         someone waits on, not for a training job (whose client keeps the patient defaults).

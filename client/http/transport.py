@@ -27,7 +27,7 @@ from pydantic import TypeAdapter
 
 from ckptstore.client.http.direct_reads import DirectReads
 from ckptstore.client.http.direct_uploads import uploads_for
-from ckptstore.client.http.retry import RetryPolicy
+from ckptstore.client.http.retry import FIRST_REACH_SECONDS, RetryPolicy, budget_is_set
 from ckptstore.client.http.session import HttpSession
 from ckptstore.client.http.unhashed_uploads import hashed_shard, send_unhashed
 from ckptstore.service import __version__
@@ -130,9 +130,12 @@ def save_headers(save_key: str | None) -> dict[str, str]:
 class HttpTransport:
     """Talks to a ckptstore server at ``url`` (``http://host:port``).
 
-    Patient by default, as a training job's client should be: a request safe to repeat is
-    retried for the whole retry budget (60 s unless set), long enough to ride out a server
-    restart. The command line calls :meth:`limit_waiting` to give up within seconds instead.
+    Patient by default, as a training job's client should be: once the server has answered,
+    a request safe to repeat is retried for the whole retry budget (60 s unless set), long
+    enough to ride out a server restart. A server that has never answered (nothing listening,
+    a wrong ``CKPTSTORE_URL``) is tried for :data:`~client.http.retry.FIRST_REACH_SECONDS`
+    unless a budget was set. The command line calls :meth:`limit_waiting` to give up within
+    seconds on a server that does not answer either.
     """
 
     #: Work such as a garbage collection runs on the server, not in this process.
@@ -171,6 +174,8 @@ class HttpTransport:
         self.url = url.rstrip("/")
         self.policy = RetryPolicy.configured(retry_seconds, retries, backoff_seconds)
         self.session = HttpSession(self.url, headers, self.policy, timeout_seconds)
+        if not budget_is_set(retry_seconds):
+            self.session.reach_within(FIRST_REACH_SECONDS)
         #: Shard bytes straight from the blob store where the server signs read URLs (S3).
         self.direct_reads = DirectReads(self.session, timeout_seconds)
         # Older clients staged uploads in temporary folders; one killed mid-save left its folder.
