@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ckptstore.client.formats import confined, lightning_ckpt
+from ckptstore.client.formats.hf.model_configs import read_configs
 from ckptstore.client.formats.json_text import large_integers, parse_json
 from ckptstore.client.formats.pickled.allowlist import shown
 from ckptstore.client.formats.torch_dicts import optimizer_state, read_layout
@@ -161,8 +162,13 @@ def tensor_bytes(imported: Imported) -> int:
 
 
 def read_pickled_file(path: Path, *, expand_limit: int = 0) -> Imported:
-    """A ``.pt``/``.pth``/``.bin`` state_dict or a Lightning ``.ckpt``."""
-    loaded = read_torch_file(path, expand_limit=expand_limit)
+    """A ``.pt``/``.pth``/``.bin`` state_dict or a Lightning ``.ckpt``.
+
+    numpy scalars and arrays of plain numeric dtypes (``best_acc: np.float64(0.9)`` in older
+    checkpoints) are read as data, never through numpy's own reconstructors, and kept as
+    :func:`plain_values` makes them: scalars as numbers, arrays as tensors.
+    """
+    loaded = plain_values(read_torch_file(path, numpy_arrays=True, expand_limit=expand_limit))
     if lightning_ckpt.is_lightning_checkpoint(loaded):  # stored whole, as the Lightning plug-in stores one
         return Imported(**lightning_ckpt.lightning_fields(loaded, str(path)))
     layout = read_layout(loaded, str(path))
@@ -186,8 +192,8 @@ def plain_values(value: Any) -> Any:
     if type(value).__module__ == "numpy":
         import numpy
 
-        if isinstance(value, numpy.ndarray):
-            return torch.from_numpy(value.copy())
+        if isinstance(value, numpy.ndarray):  # in native byte order and C order, as torch holds it
+            return torch.from_numpy(numpy.ascontiguousarray(value, dtype=value.dtype.newbyteorder("=")).copy())
         return value.item()
     return value
 
@@ -322,8 +328,9 @@ def add_tied(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[s
 def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor], *, expand_limit: int = 0) -> Imported:
     """A Trainer checkpoint folder: ``model_tensors`` (its weights, read by the caller) and the rest.
 
-    ``extra`` holds ``trainer_state`` (``trainer_state.json``), ``model_config`` (``config.json``,
-    which ``ckptstore export`` writes back) and ``rng_state``: each ``rng_state*.pth`` by file
+    ``extra`` holds ``trainer_state`` (``trainer_state.json``), ``model_config`` and
+    ``generation_config`` (``config.json`` and ``generation_config.json``, which ``ckptstore export``
+    writes back: :mod:`client.formats.hf.model_configs`) and ``rng_state``: each ``rng_state*.pth`` by file
     stem, in the Trainer's own layout (``python``, ``numpy``, ``cpu``, ``cuda``), as
     ``client.integrations.transformers.resume`` reads it.
     """
@@ -332,11 +339,8 @@ def read_trainer_folder(directory: Path, model_tensors: dict[str, torch.Tensor],
         confined.read_small(state_path, MAX_TRAINER_STATE_BYTES), str(state_path), floats=True, constants=True
     )
     model = meta_model(directory, len(model_tensors))  # the config is checked here: parsed, built, no remote code
-    config_path = directory / "config.json"
-    model_config = parse_json(confined.read_small(config_path, MAX_CONFIG_BYTES), str(config_path), floats=True)
-    imported = Imported(
-        add_tied(model_tensors, model), extra={"trainer_state": trainer_state, "model_config": model_config}
-    )
+    configs = read_configs(directory)  # config.json, and generation_config.json where the folder has one
+    imported = Imported(add_tied(model_tensors, model), extra={"trainer_state": trainer_state, **configs})
     step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
     imported.step = step if isinstance(step, int) else None
     optimizer_path = directory / "optimizer.pt"
