@@ -2,9 +2,11 @@
 
 ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` files plus
 ``model.safetensors.index.json`` when the model is larger than the shard limit, loadable by
-``safetensors.torch.load_file`` and by ``transformers``' ``from_pretrained``: ``config.json`` is
-written from the version's ``extra["model_config"]`` where it holds one (the Trainer plug-in
-stores it, and a Trainer folder import keeps the folder's), and never invented. With the
+``safetensors.torch.load_file`` and by ``transformers``' ``from_pretrained``: ``config.json`` and
+``generation_config.json`` are written from the version's ``extra["model_config"]`` and
+``extra["generation_config"]`` where it holds them (``client.save`` and the Trainer plug-in record
+a transformers model's, and an import of a ``save_pretrained`` or Trainer folder keeps the
+folder's: :mod:`client.formats.hf.model_configs`), and never invented. With the
 optimizer: ``optimizer.safetensors`` (tensors under their manifest keys less ``optim/``) and
 ``optimizer.json`` (the state tree).
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.client import jsonstate
+from ckptstore.client.formats.hf.model_configs import CONFIG_FILES
 from ckptstore.client.loading import selection
 from ckptstore.client.loading.reader import TensorReader
 from ckptstore.client.store_protocol import Transport
@@ -39,7 +42,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_STATE_FILE = "optimizer.json"
-CONFIG_FILE = "config.json"
 SHARD_NAME = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
 #: What transformers expects in ``__metadata__`` of a PyTorch safetensors file.
 FILE_METADATA = {"format": "pt"}
@@ -188,7 +190,8 @@ def export_version(
     keys: Sequence[str] | None = None,
 ) -> ExportResult:
     """Write version ``ref`` of ``run_id`` to ``directory`` in the Hugging Face layout, with
-    ``config.json`` when the version holds ``extra["model_config"]``.
+    ``config.json`` and ``generation_config.json`` when the version holds ``extra["model_config"]``
+    and ``extra["generation_config"]``.
 
     ``keys`` (glob patterns over state_dict names, as :meth:`Client.load` takes them) writes
     only the model tensors they select, e.g. ``["*lora_*"]``.
@@ -225,10 +228,11 @@ def export_version(
         write_text_atomically(directory / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
         result.files.append(INDEX_FILE)
     _remove_stale(directory, set(result.files))
-    config = stored_json(manifest, "model_config")
-    if isinstance(config, dict):
-        write_text_atomically(directory / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        result.files.append(CONFIG_FILE)
+    for name, key in CONFIG_FILES.items():  # config.json and generation_config.json, as the version holds them
+        config = stored_json(manifest, key)
+        if isinstance(config, dict):
+            write_text_atomically(directory / name, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            result.files.append(name)
     if optimizer:
         write_safetensors(directory / OPTIMIZER_FILE, optim, reader, FILE_METADATA)
         state = _strip_refs(manifest.state["optim"], "optim/")

@@ -21,7 +21,7 @@ import torch
 from ckptstore.client.api import Client
 from ckptstore.client.formats import budget, confined, dcp_layouts, sources, wrapped_names
 from ckptstore.client.formats.accelerate.folder import is_accelerate_folder, read_accelerate_folder
-from ckptstore.client.formats.hf import peft_folder
+from ckptstore.client.formats.hf import model_configs, peft_folder
 from ckptstore.client.formats.json_text import check_structure, parse_json
 from ckptstore.client.results import SaveResult
 from ckptstore.client.state import is_positional
@@ -213,7 +213,8 @@ def _read_folder(source: Path, expand_limit: int) -> sources.Imported:
         return peft_folder.read_peft_folder(source, open_safetensors)
     if is_accelerate_folder(source):
         return read_accelerate_folder(source, read_source(source), expand_limit=expand_limit)
-    return sources.Imported(read_source(source))
+    # A save_pretrained folder: its config.json and generation_config.json kept for export.
+    return sources.Imported(read_source(source), extra=model_configs.read_configs(source))
 
 
 def import_weights(
