@@ -10,6 +10,7 @@ import json
 
 from ckptstore.client.http.retry import Reply
 from ckptstore.service.errors import (
+    AuthenticationError,
     CheckpointError,
     MissingTensorsError,
     StateMismatchError,
@@ -17,6 +18,19 @@ from ckptstore.service.errors import (
     StorageFullError,
     error_class_for_code,
 )
+
+
+#: What a refused token's error adds: where the client's token comes from (the token itself is never shown).
+TOKEN_HINT = "set CKPTSTORE_TOKEN to a token this server accepts (client.Client(url, token=...) from Python)"
+SCOPE_HINT = "set CKPTSTORE_TOKEN to a token of that scope (client.Client(url, token=...) from Python)"
+
+
+def _with_token_hint(cls: type[CheckpointError], text: str) -> str:
+    """A 401's or 403's message, told where the client's token is set."""
+    if not issubclass(cls, AuthenticationError):
+        return text
+    hint = TOKEN_HINT if cls is AuthenticationError else SCOPE_HINT
+    return f"{text.rstrip('. ')}: {hint}"
 
 
 def raise_for_error(reply: Reply) -> None:
@@ -44,4 +58,4 @@ def raise_for_error(reply: Reply) -> None:
     if cls is CheckpointError:
         fallback = StorageError if status >= 500 else CheckpointError
         raise fallback(f"HTTP {status}: {message}" if message else text)
-    raise cls(text)
+    raise cls(_with_token_hint(cls, text))
