@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ckptstore.client import connection
@@ -141,6 +141,9 @@ def save(
     keep_best: int | None = None,
     metric: str | None = None,
     mode: Literal["min", "max"] | None = None,
+    rng: bool = True,
+    dataloader: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     blocking: Literal[True] = True,
 ) -> SaveResult: ...
 
@@ -160,6 +163,9 @@ def save(
     keep_best: int | None = None,
     metric: str | None = None,
     mode: Literal["min", "max"] | None = None,
+    rng: bool = True,
+    dataloader: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     blocking: Literal[False],
 ) -> SaveHandle: ...
 
@@ -179,6 +185,9 @@ def save(
     keep_best: int | None = None,
     metric: str | None = None,
     mode: Literal["min", "max"] | None = None,
+    rng: bool = True,
+    dataloader: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     blocking: bool,
 ) -> SaveResult | SaveHandle: ...
 
@@ -197,6 +206,9 @@ def save(
     keep_best: int | None = None,
     metric: str | None = None,
     mode: Literal["min", "max"] | None = None,
+    rng: bool = True,
+    dataloader: Any = None,
+    stateful: Mapping[str, Any] | None = None,
     blocking: bool = True,
 ) -> SaveResult | SaveHandle:
     """Store the model (and optimizer, scheduler, extras) as the next version of ``run_id``,
@@ -205,7 +217,9 @@ def save(
     Only tensors the store lacks are written; the version becomes visible once all of its
     bytes are stored. ``keep_last``, ``keep_best``, ``metric`` and ``mode`` set the run's
     retention policy first; ``blocking=False`` returns a :class:`SaveHandle` once the state is
-    snapshotted and saves in the background. Every argument is as in :meth:`Client.save`.
+    snapshotted and saves in the background. The random number generators are recorded too
+    (``rng=False`` leaves them out), and the state of ``dataloader`` and ``stateful`` objects.
+    Every argument is as in :meth:`Client.save`.
     """
     return default_client().save(
         run_id,
@@ -220,6 +234,9 @@ def save(
         keep_best=keep_best,
         metric=metric,
         mode=mode,
+        rng=rng,
+        dataloader=dataloader,
+        stateful=stateful,
         blocking=blocking,
     )
 
@@ -235,12 +252,18 @@ def load(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     keys: Sequence[str] | None = None,
+    rng: bool | None = None,
+    dataloader: Any = None,
+    stateful: Mapping[str, Any] | None = None,
 ) -> LoadResult:
     """Load a version into ``model``/``optim``/``scheduler`` (or return its state_dict), with
     the default client (:func:`default_client`).
 
     Every byte is verified; strict by default (missing or unexpected model keys raise
-    StateMismatchError before anything is written). Every argument is as in :meth:`Client.load`.
+    StateMismatchError before anything is written). A load with ``optim`` is a resume: it also
+    restores the random number generators the version recorded (``rng=`` forces either way), and
+    ``dataloader`` / ``stateful`` objects get their saved state. Every argument is as in
+    :meth:`Client.load`.
     """
     return default_client().load(
         run_id,
@@ -252,6 +275,9 @@ def load(
         dtype=dtype,
         strict=strict,
         keys=keys,
+        rng=rng,
+        dataloader=dataloader,
+        stateful=stateful,
     )
 
 

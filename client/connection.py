@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -62,7 +63,20 @@ def open_transport(
     the variables to set) rather than created.
     """
     # Imported here, not at the top: a client over HTTP never pays for the engine (SQLAlchemy,
-    # Alembic), an embedded one never for httpx.
+    # Alembic), an embedded one never for httpx. Some of what they import draws from Python's
+    # global ``random`` as it loads (rich, under httpx); a training job that opens its first client
+    # at its first save must not see its random stream moved by it, so that state is kept.
+    kept = random.getstate()
+    try:
+        return _open_transport(url, home, token, create=create, retry_seconds=retry_seconds)
+    finally:
+        random.setstate(kept)
+
+
+def _open_transport(
+    url: str | None, home: Path | str | None, token: str | None, *, create: bool, retry_seconds: float | None
+) -> Transport:
+    """:func:`open_transport`, without keeping Python's random state."""
     if url:
         if not url.startswith(("http://", "https://")):
             raise InvalidInputError(f"CKPTSTORE_URL must start with http:// or https://, not {url[:80]!r}")

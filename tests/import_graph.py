@@ -22,7 +22,7 @@ def repo_name(target: str) -> str:
 
 
 #: The client's packages by job; the modules directly in client/ are the floor.
-ROOMS = ("saving", "loading", "http", "formats", "distributed", "integrations", "cli")
+ROOMS = ("saving", "loading", "resume", "http", "formats", "distributed", "integrations", "cli")
 
 
 def module_name(path: Path) -> str:

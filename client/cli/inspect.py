@@ -26,10 +26,11 @@ SECTIONS = (
     ("optim/param_groups/", "optimizer param groups"),
     ("scheduler/", "scheduler"),
     ("extra/", "extra"),
+    ("resume/", "resume"),
 )
 
 #: JSON state section -> title, for sections that hold no tensors.
-STATE_TITLES = {"optim": "optimizer", "scheduler": "scheduler", "extra": "extra"}
+STATE_TITLES = {"optim": "optimizer", "scheduler": "scheduler", "extra": "extra", "resume": "resume"}
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 

@@ -42,7 +42,9 @@ TensorShape = Annotated[
         "the tensor's size in elements and bytes and each of its strides fit 64-bit integers.",
     ),
 ]
-TensorKey = Annotated[str, StringConstraints(pattern=r"^(model|optim|scheduler|extra)/[^\x00-\x1f\x7f]{1,1000}$")]
+TensorKey = Annotated[
+    str, StringConstraints(pattern=r"^(model|optim|scheduler|extra|resume)/[^\x00-\x1f\x7f]{1,1000}$")
+]
 ParamName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,1000}$")]
 DeviceType = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 DTypeName = Literal[
@@ -50,7 +52,7 @@ DTypeName = Literal[
     "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F16", "BF16", "F32", "F64", "C64",
 ]  # fmt: skip
 Placement = Literal["param", "host", "target"]
-StateSection = Literal["optim", "scheduler", "extra", "dcp"]
+StateSection = Literal["optim", "scheduler", "extra", "dcp", "resume"]
 ShortText = Annotated[str, StringConstraints(max_length=200)]
 #: A class by its module and qualified name (``torch.optim.adamw.AdamW``; a class made in a function
 #: has ``<locals>`` in its qualified name).
@@ -105,6 +107,8 @@ class TensorEntry(_Strict):
     param: ParamName | None = None
     device_type: DeviceType
     trainable: bool | None = None
+    #: A model parameter's ``requires_grad``, where the save knew it (see FORMAT.md); absent otherwise.
+    requires_grad: bool | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> TensorEntry:
@@ -122,6 +126,8 @@ class TensorEntry(_Strict):
             raise ValueError(f"{self.key}: 'param' is required with placement 'param' and only then")
         if self.key.startswith("model/") != (self.trainable is not None):
             raise ValueError(f"{self.key}: 'trainable' is required for model tensors and only for them")
+        if self.requires_grad is not None and not self.key.startswith("model/"):
+            raise ValueError(f"{self.key}: 'requires_grad' is for model tensors only")
         if self.chunks is not None:
             _check_tiling(self.key, self.shape, self.chunks)
         return self
