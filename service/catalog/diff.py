@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ckptstore.service.format.manifest import Manifest, TensorEntry
+from ckptstore.service.format.names import metrics_to_json
 
 
 class TensorChange(BaseModel):
@@ -66,7 +67,9 @@ def _flatten(value: Any, path: str, out: dict[str, Any]) -> None:
         out[path] = value
 
 
-def _hyperparameters(manifest: Manifest) -> dict[str, Any]:
+def hyperparameters(manifest: Manifest) -> dict[str, Any]:
+    """A version's values a diff compares, by path: each param group's settings
+    (``optim/param_groups/0/lr``), the scheduler's state, ``metrics/<name>`` and ``step``."""
     flat: dict[str, Any] = {}
     optim: Any = manifest.state.get("optim")
     if isinstance(optim, dict):
@@ -75,7 +78,8 @@ def _hyperparameters(manifest: Manifest) -> dict[str, Any]:
                 _flatten({k: v for k, v in group.items() if k != "params"}, f"optim/param_groups/{index}", flat)
     if "scheduler" in manifest.state:
         _flatten(manifest.state["scheduler"], "scheduler", flat)
-    flat.update({f"metrics/{k}": v for k, v in manifest.metrics.items()})
+    # As JSON writes them ("NaN" for NaN): NaN is then the same as NaN, and a diff stays JSON.
+    flat.update({f"metrics/{k}": v for k, v in metrics_to_json(manifest.metrics).items()})
     flat["step"] = manifest.step
     return flat
 
@@ -100,7 +104,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> VersionDiff:
     for change in changes:
         totals[change.status].count += 1
         totals[change.status].nbytes += change.nbytes
-    old_values, new_values = _hyperparameters(a), _hyperparameters(b)
+    old_values, new_values = hyperparameters(a), hyperparameters(b)
     values = [
         ValueChange(path=path, before=old_values.get(path), after=new_values.get(path))
         for path in sorted(old_values.keys() | new_values.keys())

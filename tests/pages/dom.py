@@ -26,8 +26,8 @@ class Node:
         """All text below this element, whitespace collapsed."""
         parts: list[str] = []
         for child in self.children:
-            parts.append(child if isinstance(child, str) else child.text)
-        return " ".join(" ".join(parts).split())
+            parts.append(child if isinstance(child, str) else "\0" if child.tag == "wbr" else child.text)
+        return " ".join(" ".join(parts).replace(" \0 ", "").split())  # <wbr> is a break point, no text
 
     def walk(self) -> Iterator[Node]:
         """This element and every element below it."""

@@ -74,8 +74,10 @@ def test_the_latest_value_of_each_runs_main_metric(client: TestClient) -> None:
     doc = page(client, "/")
     assert doc.one("table", id="runs").header()[4] == "Latest metric"
     rows = runs(doc)
-    assert [rows[r][4] for r in ("alpha", "copycat", "quiet", LONG)] == ["loss 1.5", "val_loss 0.75", "—", "loss 0"]
-    assert doc.one("span", title="loss = 1.5 at v2").text == "loss 1.5"  # the full value on hover
+    assert [rows[r][4] for r in ("alpha", "copycat", "quiet", LONG)] == ["loss 1.50", "val_loss 0.75", "—", "loss 0.00"]
+    assert (
+        doc.one("span", title="loss = 1.5 at v2").text == "loss 1.50"
+    )  # one format per column, the full value on hover
     chosen = page(client, "/?metric=acc")
     assert chosen.one("table", id="runs").header()[4] == "acc"
     assert [runs(chosen)[r][4] for r in ("alpha", "copycat", LONG)] == ["0.5", "0.5", "—"]

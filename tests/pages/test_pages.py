@@ -78,7 +78,7 @@ def test_runs_index_lists_each_run_with_versions_sizes_and_tags(client: TestClie
     assert rows["lora-sweep"][1:3] == [str(LONG_VERSIONS), f"v{LONG_VERSIONS}"]
     # 120 versions of a 16 KiB frozen base stored once, plus 512 new bytes (adapter, exp_avg) each.
     assert (120 * (16384 + 512), 16384 + 120 * 512) == (2_027_520, 77_824)
-    assert rows["lora-sweep"][4:8] == [f"loss {long_loss(LONG_VERSIONS):g}", "1.9 MiB", "76.0 KiB", "1.9 MiB (96.2%)"]
+    assert rows["lora-sweep"][4:8] == [f"loss {long_loss(LONG_VERSIONS):.1f}", "1.9 MiB", "76.0 KiB", "1.9 MiB (96.2%)"]
     assert rows["lora-sweep"][8] == "lowest-loss v120 release-1 v100"
     links = dict(table.links())
     assert links["/runs/alpha"] == "alpha"
@@ -115,7 +115,8 @@ def test_run_page_lists_versions_newest_first_with_their_figures(client: TestCli
     assert header[5:7] == ["acc", "loss"]  # every metric in its own column
     assert header[7:] == ["Logical size", "New bytes stored", "Dedup saving", "Trainable", "Parent"]
     v2, v1 = table.rows()
-    assert v2[1:2] + v2[3:] == ["v2", "best", "20", "0.5", "1.5", "455 B", "183 B", "59.8%", "24.6%", "v1"]
+    # One format per metric column: acc 0.125 and 0.5 both with three decimals.
+    assert v2[1:2] + v2[3:] == ["v2", "best", "20", "0.500", "1.5", "455 B", "183 B", "59.8%", "24.6%", "v1"]
     assert v1[1:2] + v1[3:] == ["v1", "first", "10", "0.125", "2.5", "420 B", "420 B", "0.0%", "19.0%", "—"]
     links = table.links()
     assert ("/runs/alpha/versions/2", "v2") in links and ("/runs/alpha/versions/1", "v1") in links
@@ -339,10 +340,10 @@ def test_diff_page_counts_each_status_and_lists_what_differs(client: TestClient)
     assert tensors["model/fc.weight"][0] == "changed"
     values = {row[0]: row[1:] for row in doc.one("table", id="values").rows()}
     assert values == {
-        "metrics/acc": ["0.125", "0.5", "+0.375", "+300.0%"],
-        "metrics/loss": ["2.5", "1.5", "−1", "−40.0%"],
-        "optim/param_groups/0/lr": ["0.1", "0.05", "−0.05", "−50.0%"],
-        "step": ["10", "20", "+10", "+100.0%"],
+        "metrics/acc": ["0.125", "0.500", "+0.375", "+300.0%"],
+        "metrics/loss": ["2.5", "1.5", "−1.0", "−40.0%"],
+        "optim/param_groups/0/lr": ["0.10", "0.05", "−0.05", "−50.0%"],
+        "step": ["10", "20", "+10", "—"],  # a counter: its change, no percentage
     }
     assert ("/runs/alpha/diff?a=1&b=2&all=1", "show all 9") in doc.links()
 

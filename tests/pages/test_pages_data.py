@@ -91,12 +91,16 @@ def test_sections_of_keys() -> None:
 def test_values_read_rounded_with_their_change() -> None:
     assert reading_json(0.0022499999999999994) == "0.00225"
     assert reading_json([0.9, 0.9990000000000001]) == "[0.9, 0.999]"
+    assert reading_json({"__tuple__": [0.89, 0.9990000000000001]}) == "(0.89, 0.999)"  # betas, as Python writes them
     assert reading_json({"b": 1 / 3, "a": "x"}) == '{"a": "x", "b": 0.333333}'
-    assert (reading_json(None), reading_json(True), reading_json(12000)) == ("—", "true", "12,000")
+    assert (reading_json(None), reading_json(True), reading_json(12000)) == ("—", "True", "12,000")
     assert full_json(0.0022499999999999994) == "0.0022499999999999994"
     assert delta(0.0025, 0.0022499999999999994) == ("−0.00025", repr(0.0022499999999999994 - 0.0025), "−10.0%")
     assert delta(0, 5) == ("+5", "5", "—")
-    assert delta(2, 2) == ("±0", "0", "+0.0%")
+    assert delta(2, 2) == ("±0", "0", "—")  # whole numbers (counters, sizes): no percentage
+    assert delta(2.0, 2.0) == ("±0", "0.0", "+0.0%")
+    assert delta(10.0, 59.0, "metrics/epoch") == ("+49", "49.0", "—")  # a counter by name
+    assert delta(-1.5, 2.5) == ("+4.0", "4.0", "—")  # across zero a percentage means nothing
     assert delta(-4.0, -2.0) == ("+2", "2.0", "+50.0%")  # over the magnitude of the old value
     assert delta([1], [2]) is None and delta(True, False) is None and delta("a", 1) is None
 

@@ -212,4 +212,4 @@ def test_a_run_without_steps_is_charted_over_version_numbers(tmp_path: Path) -> 
     assert "over version" in loss.one("figcaption").text  # one version has no step
     assert points(loss) == [1, 2, 3]
     assert hover(loss, 2) == "v2 · loss 1"
-    assert [t.text for t in loss.all("text", class_="y")] == ["0.9", "0.95", "1", "1.05", "1.1"]
+    assert [t.text for t in loss.all("text", class_="y")] == ["0.90", "0.95", "1.00", "1.05", "1.10"]

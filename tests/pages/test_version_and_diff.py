@@ -110,17 +110,21 @@ def test_a_filter_matching_nothing_or_holding_markup_is_text(client: TestClient)
 def test_the_version_page_says_how_to_load_it(client: TestClient, guarded: TestClient) -> None:
     doc = page(client, "/runs/alpha/versions/best")
     python = doc.one("pre", id="snippet-python").text
-    assert 'client.load("alpha", version=2, model=model, optim=optim)' in python
+    assert 'store.load("alpha", version=2, model=model, optim=optim)' in python
+    # The store the page came from, the token from the environment: it runs as pasted.
+    assert 'store = client.Client("http://127.0.0.1", token=os.environ.get("CKPTSTORE_TOKEN"))' in python
     cli = doc.one("pre", id="snippet-cli").text
     assert "export CKPTSTORE_URL=http://127.0.0.1" in cli
     assert "ckptstore show alpha@2" in cli and "ckptstore export alpha@2 ./alpha-v2" in cli
     weights_only = page(client, "/runs/nudge/versions/1").one("pre", id="snippet-python").text
-    assert 'client.load("nudge", version=1, model=model, optim=optim)' in weights_only  # optim as JSON state
+    assert 'store.load("nudge", version=1, model=model, optim=optim)' in weights_only  # optim as JSON state
     # A Host a server with tokens answers is still not pasted into a shell line as it came.
     hostile = guarded.get(
         "/runs/alpha/versions/2", headers={"Host": "evil$(reboot)", "Authorization": f"Bearer {READ_TOKEN}"}
     )
     assert "export CKPTSTORE_URL=http://HOST:PORT" in parse(hostile.text).one("pre", id="snippet-cli").text
+    assert 'client.Client("http://HOST:PORT"' in parse(hostile.text).one("pre", id="snippet-python").text
+    assert READ_TOKEN not in hostile.text  # never the token, though the request carried one
     assert client.get("/runs/alpha/versions/2", headers={"Host": "evil$(reboot)"}).status_code == 403  # no tokens
 
 
@@ -152,10 +156,10 @@ def values(doc: Node) -> dict[str, list[str]]:
 def test_numbers_are_rounded_for_reading_and_exact_on_hover(client: TestClient) -> None:
     doc = page(client, "/runs/nudge/diff?a=1&b=2")
     found = values(doc)
-    assert found["optim/param_groups/0/lr"] == ["0.0025", "0.00225", "−0.00025", "−10.0%"]
-    assert found["metrics/loss"] == ["0.333333", "0.25", "−0.0833333", "−25.0%"]
-    assert found["metrics/acc"] == ["0", "0.5", "+0.5", "—"]  # no relative change from 0
-    assert found["step"] == ["1,000", "2,000", "+1,000", "+100.0%"]
+    assert found["optim/param_groups/0/lr"] == ["0.00250", "0.00225", "−0.00025", "−10.0%"]
+    assert found["metrics/loss"] == ["0.333333", "0.250000", "−0.083333", "−25.0%"]
+    assert found["metrics/acc"] == ["0.0", "0.5", "+0.5", "—"]  # no relative change from 0
+    assert found["step"] == ["1,000", "2,000", "+1,000", "—"]  # a counter: no percentage
     cells = {cell.text: cell.attrs.get("title") for cell in doc.one("table", id="values").all("td")}
     assert cells["0.00225"] == repr(LR2) == "0.0022499999999999994"
     assert cells["0.333333"] == repr(1 / 3)

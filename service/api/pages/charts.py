@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ckptstore.service.api.pages.formatting import human_size, short
+from ckptstore.service.api.pages.formatting import human_size
+from ckptstore.service.api.pages.numbers import NumberFormat
+from ckptstore.service.format.names import metric_to_json
 
 WIDTH, HEIGHT = 480, 210
+#: A point to draw: (x: a step or version number, y, the version it stands for, hover text).
+Point = tuple[float, float, int, str]
 LEFT, RIGHT, TOP, BOTTOM = 62, 14, 12, 34
 
 
@@ -34,6 +38,17 @@ class Mark:
     y: float
     version: int
     label: str
+
+
+@dataclass(frozen=True)
+class Line:
+    """One series of a chart that draws several (a run on the compare page): its name, the number
+    of its colour, its marks and the polyline through them."""
+
+    name: str
+    index: int
+    marks: list[Mark]
+    points: str
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,9 @@ class Chart:
     height: int = HEIGHT
     left: int = LEFT
     top: int = TOP
+    lines: list[Line] = field(default_factory=list)
+    #: Points not drawn because their value is NaN or infinite, as "v7 NaN" (a diverging run).
+    left_out: list[str] = field(default_factory=list)
 
     @property
     def right(self) -> int:
@@ -75,15 +93,24 @@ class Chart:
         return self.height - BOTTOM
 
 
-def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About ``count`` round values (steps of 1, 2 or 5 times a power of ten) covering ``low``..``high``."""
+def nice_ticks(low: float, high: float, count: int = 5, *, integer: bool = False) -> list[float]:
+    """About ``count`` round values (steps of 1, 2, 2.5 or 5 times a power of ten) covering ``low``..``high``.
+
+    With ``integer`` (a step or version axis) every tick is a whole number: steps of at least 1,
+    and never 2.5 where that would give halves (7.5, 12.5).
+    """
     if not (math.isfinite(low) and math.isfinite(high)) or high < low:
         return []
     if high == low:
-        return [low]
+        return [float(round(low))] if integer else [low]
+    if integer:
+        low, high = math.ceil(low), math.floor(high)
+        if high <= low:
+            return [float(low)] if high == low else []
     raw = (high - low) / max(1, count)
     power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    steps = (m * power for m in (1, 2, 2.5, 5, 10))
+    step = next(s for s in steps if s >= raw and (not integer or (s >= 1 and float(s).is_integer())))
     first = math.ceil(low / step - 1e-9)
     ticks: list[float] = []
     index = first
@@ -122,10 +149,34 @@ def _padded(values: Sequence[float]) -> tuple[float, float]:
     return low - margin, high + margin
 
 
-def line_chart(title: str, points: Sequence[tuple[float, float, int, str]], x_label: str) -> Chart:
-    """A line through ``points`` ((x, y, version, hover text)), ordered by x then version."""
-    ordered = sorted(points, key=lambda p: (p[0], p[2]))
-    chart = Chart(title, x_label, [], [], [], [], "")
+Axis = tuple[float, float, Callable[[float], float]]
+
+
+def _ticks(x: Axis, y: Axis) -> tuple[list[Tick], list[Tick]]:
+    """Ticks of a step (or version) axis and a value axis, each (low, high, position of a value).
+
+    The x axis counts steps or versions, so its ticks are whole numbers (never 7.5); the y axis
+    writes every tick in one notation (never 5e-05 beside 0.0001).
+    """
+    x_low, x_high, to_x = x
+    y_low, y_high, to_y = y
+    x_ticks = [Tick(to_x(v), f"{int(v):,}") for v in nice_ticks(x_low, x_high, integer=True)]
+    y_values = [v for v in nice_ticks(y_low, y_high) if y_low <= v <= y_high]
+    y_format = NumberFormat.of(y_values)
+    return x_ticks, [Tick(to_y(v), y_format(v)) for v in y_values]
+
+
+def _not_finite(points: Sequence[Point]) -> list[str]:
+    """The points whose value cannot be drawn (NaN, infinite), as "v7 NaN", by version."""
+    return [f"v{p[2]} {metric_to_json(p[1])}" for p in sorted(points, key=lambda p: p[2]) if not math.isfinite(p[1])]
+
+
+def line_chart(title: str, points: Sequence[Point], x_label: str) -> Chart:
+    """A line through ``points`` ((x, y, version, hover text)), ordered by x then version; points
+    whose value is NaN or infinite are not drawn but listed in ``left_out``."""
+    left_out = _not_finite(points)
+    ordered = sorted((p for p in points if math.isfinite(p[1])), key=lambda p: (p[0], p[2]))
+    chart = Chart(title, x_label, [], [], [], [], "", left_out=left_out)
     if not ordered:
         return chart
     xs, ys = [p[0] for p in ordered], [p[1] for p in ordered]
@@ -134,10 +185,33 @@ def line_chart(title: str, points: Sequence[tuple[float, float, int, str]], x_la
     to_x = _scale(x_low, x_high, chart.left + 4, chart.right - 4)
     to_y = _scale(y_low, y_high, chart.bottom, chart.top)
     marks = [Mark(to_x(x), to_y(y), version, label) for x, y, version, label in ordered]
-    x_ticks = [Tick(to_x(v), short(int(v)) if float(v).is_integer() else short(v)) for v in nice_ticks(x_low, x_high)]
-    y_ticks = [Tick(to_y(v), short(v)) for v in nice_ticks(y_low, y_high) if y_low <= v <= y_high]
+    x_ticks, y_ticks = _ticks((x_low, x_high, to_x), (y_low, y_high, to_y))
     line = " ".join(f"{m.x},{m.y}" for m in marks)
-    return Chart(title, x_label, x_ticks, y_ticks, marks, [], line)
+    return Chart(title, x_label, x_ticks, y_ticks, marks, [], line, left_out=left_out)
+
+
+def series_chart(title: str, series: Sequence[tuple[str, int, Sequence[Point]]], x_label: str) -> Chart:
+    """Several lines on one pair of axes: ``series`` is (name, colour number, points) per line,
+    each line's points ordered by x then version; the axes cover every line. Points whose value is
+    NaN or infinite are not drawn but listed in ``left_out`` (with their line's name)."""
+    left_out = [f"{name} {text}" for name, _, points in series for text in _not_finite(points)]
+    series = [(name, index, [p for p in points if math.isfinite(p[1])]) for name, index, points in series]
+    chart = Chart(title, x_label, [], [], [], [], "", left_out=left_out)
+    every = [p for _, _, points in series for p in points]
+    if not every:
+        return chart
+    xs, ys = [p[0] for p in every], [p[1] for p in every]
+    x_low, x_high = min(xs), max(xs)
+    y_low, y_high = _padded(ys)
+    to_x = _scale(x_low, x_high, chart.left + 4, chart.right - 4)
+    to_y = _scale(y_low, y_high, chart.bottom, chart.top)
+    lines = []
+    for name, index, points in series:
+        ordered = sorted(points, key=lambda p: (p[0], p[2]))
+        marks = [Mark(to_x(x), to_y(y), version, label) for x, y, version, label in ordered]
+        lines.append(Line(name, index, marks, " ".join(f"{m.x},{m.y}" for m in marks)))
+    x_ticks, y_ticks = _ticks((x_low, x_high, to_x), (y_low, y_high, to_y))
+    return Chart(title, x_label, x_ticks, y_ticks, [], [], "", lines=lines, left_out=left_out)
 
 
 def storage_chart(title: str, rows: Sequence[tuple[int, int, int]]) -> Chart:

@@ -29,6 +29,7 @@ from ckptstore.service.api.pages.formatting import (
     when,
 )
 from ckptstore.service.api.pages.index import RunsIndex, runs_index
+from ckptstore.service.api.pages.numbers import NumberFormat
 from ckptstore.service.api.pages.runs import (
     PER_PAGE,
     Order,
@@ -74,6 +75,7 @@ SECTIONS = (
     ("Optimizer state", "optim/"),
     ("Scheduler", "scheduler/"),
     ("Extra", "extra/"),
+    ("Resume (generators, data loader)", "resume/"),
 )
 #: Rows one table shows at most; a page of a million tensors would be too big to be useful.
 MAX_ROWS = 5000
@@ -139,19 +141,33 @@ class VersionPage:
         tensors = any(section.count and section.prefix.startswith(part + "/") for section in self.sections)
         return tensors or part in self.manifest.state
 
-    def python_snippet(self) -> str:
-        """Python that loads this version into a model (and its optimizer and scheduler, if saved)."""
+    def python_snippet(self, server: str) -> str:
+        """Python that loads this version into a model (and its optimizer and scheduler, if saved)
+        from the store at ``server`` (this page's own URL as the request named it), ready to paste:
+        the token, if the server wants one, comes from ``CKPTSTORE_TOKEN``, never from the page."""
         version = self.info.version
         parts = [f'"{self.info.run_id}"', f"version={version}", "model=model"]  # run ids need no escaping
         parts += ["optim=optim"] if self.has("optim") else []
         parts += ["scheduler=scheduler"] if self.has("scheduler") else []
-        call = f"loaded = client.load({', '.join(parts)})"
-        return f"from ckptstore import client\n\n{call}\nprint(loaded.step, loaded.metrics)"
+        made = ", ".join(["model"] + [name for name in ("optim", "scheduler") if f"{name}={name}" in parts])
+        return (
+            "import os\n\n"
+            "from ckptstore import client\n\n"
+            f"# {made}: built as for training. The token, when the server has tokens: CKPTSTORE_TOKEN.\n"
+            f'store = client.Client("{self.server_url(server)}", token=os.environ.get("CKPTSTORE_TOKEN"))\n'
+            f"loaded = store.load({', '.join(parts)})\n"
+            "print(loaded.step, loaded.metrics)"
+        )
+
+    @staticmethod
+    def server_url(server: str) -> str:
+        """``server`` if it is a plain http(s) URL, else a placeholder (nothing else goes into a snippet)."""
+        return server if _SERVER.fullmatch(server) else "http://HOST:PORT"
 
     def cli_snippet(self, server: str) -> str:
         """Shell commands that show this version and write it out as a Hugging Face folder."""
         target = f"{self.info.run_id}@{self.info.version}"
-        server = server if _SERVER.fullmatch(server) else "http://HOST:PORT"  # only a plain URL goes in a shell line
+        server = self.server_url(server)  # only a plain URL goes in a shell line
         return (
             "# with CKPTSTORE_TOKEN set too when the server has tokens\n"
             f"export CKPTSTORE_URL={server}\n"
@@ -338,8 +354,14 @@ def pick_pair(a: str | None, b: str | None, ticked: list[str]) -> tuple[str, str
 
 
 def _value_row(path: str, before: Any, after: Any) -> ValueRow:
+    fmt = NumberFormat.of([before, after])  # both sides of a row written alike
     return ValueRow(
-        path, reading_json(before), reading_json(after), full_json(before), full_json(after), delta(before, after)
+        path,
+        reading_json(before, fmt),
+        reading_json(after, fmt),
+        full_json(before),
+        full_json(after),
+        delta(before, after, path, fmt),
     )
 
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import datetime, timezone
 from typing import Any
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
+
+from ckptstore.service.api.pages.numbers import NumberFormat
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 #: Significant digits of a number shown rounded.
@@ -39,6 +42,15 @@ def sized(nbytes: int) -> Markup:
     return Markup(f'<span title="{count:,} bytes">{human_size(count)}</span>')
 
 
+_BREAK_AFTER = re.compile(r"([_/.:-])(?=.)")
+
+
+def breakable(name: str) -> Markup:
+    """``name`` escaped, with a line-break opportunity (``<wbr>``) after each ``_ / . : -``, so a
+    long metric name in a column header wraps as ``tokens_`` / ``per_`` / ``second``."""
+    return Markup(_BREAK_AFTER.sub(r"\1<wbr>", str(escape(name))))
+
+
 def percent(share: float | None) -> str:
     """0.875 -> '87.5%'; None -> '—'."""
     return "—" if share is None else f"{share * 100:.1f}%"
@@ -49,11 +61,6 @@ def number(value: float | None) -> str:
     if value is None:
         return "—"
     return f"{value:,}" if isinstance(value, int) else f"{value:.{DIGITS}g}"
-
-
-def short(value: float) -> str:
-    """A number for an axis label: four significant digits."""
-    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
 
 
 def when(moment: datetime) -> str:
@@ -72,14 +79,49 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float) and math.isfinite(value):
-        return float(f"{value:.{DIGITS}g}")
+#: How the client writes what JSON has no word for (client/jsonstate.py): one-key marker objects.
+_MARKERS = {"__tuple__", "__float__", "__dict__", "__dtype__", "__device__", "__tensor__"}
+#: Names of values that count something: a change of one has no meaningful percentage.
+COUNTERS = frozenset({"step", "steps", "epoch", "global_step", "last_epoch", "_step_count", "iteration", "iter"})
+
+
+def _marker(value: Any) -> tuple[str, Any] | None:
+    if isinstance(value, dict) and len(value) == 1:
+        name, inner = next(iter(value.items()))
+        if name in _MARKERS:
+            return name, inner
+    return None
+
+
+def python_text(value: Any) -> str:
+    """A stored JSON value as Python would write it, each number to six significant digits:
+    ``{"__tuple__": [0.9, 0.999]}`` -> ``(0.9, 0.999)``, ``null`` -> ``None``, ``true`` -> ``True``."""
+    marked = _marker(value)
+    if marked is not None:
+        name, inner = marked
+        if name == "__tuple__" and isinstance(inner, list):
+            items = [python_text(item) for item in inner]
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        if name == "__float__":
+            return {"inf": "inf", "-inf": "-inf"}.get(str(inner), "NaN")
+        if name == "__dict__" and isinstance(inner, list):
+            pairs = [p for p in inner if isinstance(p, list) and len(p) == 2]
+            return "{" + ", ".join(f"{python_text(k)}: {python_text(v)}" for k, v in pairs) + "}"
+        if name == "__dtype__":
+            return f"torch.{inner}"
+        if name == "__device__":
+            return f"torch.device({json.dumps(inner, ensure_ascii=False)})"
+        return f"tensor {json.dumps(inner, ensure_ascii=False)}"
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, (int, float)):
+        return number(value) if math.isfinite(value) else NumberFormat()(value)
     if isinstance(value, list):
-        return [_rounded(item) for item in value]
+        return "[" + ", ".join(python_text(item) for item in value) + "]"
     if isinstance(value, dict):
-        return {key: _rounded(item) for key, item in value.items()}
-    return value
+        keys = sorted(str(key) for key in value)
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {python_text(value[k])}" for k in keys) + "}"
+    return json.dumps(value, ensure_ascii=False)
 
 
 def full_json(value: Any) -> str:
@@ -87,13 +129,14 @@ def full_json(value: Any) -> str:
     return "—" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def reading_json(value: Any) -> str:
-    """A JSON value for reading: numbers, also inside lists and objects, to six significant digits."""
+def reading_json(value: Any, fmt: NumberFormat | None = None) -> str:
+    """A JSON value for reading ('—' for absent): a number in ``fmt`` (the format of its row),
+    anything else as Python writes it (:func:`python_text`), tuples as tuples."""
     if value is None:
         return "—"
-    if is_number(value):
-        return number(value)
-    return json.dumps(_rounded(value), sort_keys=True, ensure_ascii=False)
+    if fmt is not None and is_number(value):
+        return fmt(value)
+    return python_text(value)
 
 
 def signed(value: float) -> str:
@@ -102,13 +145,30 @@ def signed(value: float) -> str:
     return ("+" if value > 0 else "−" if value < 0 else "±") + text
 
 
-def delta(before: Any, after: Any) -> tuple[str, str, str] | None:
-    """(change, its full value, relative change) of two numbers; None unless both are numbers.
+def relative_means_something(path: str, before: float, after: float) -> bool:
+    """Whether a percentage change says anything: not for whole-number types (counters, sizes),
+    counters by name (step, epoch), a zero start or a change of sign."""
+    if isinstance(before, int) or isinstance(after, int):
+        return False
+    if path.rsplit("/", 1)[-1].lower() in COUNTERS:
+        return False
+    return before != 0 and (before > 0) == (after > 0 or after == 0)
 
-    The relative change is over the magnitude of ``before``: '—' when ``before`` is 0.
+
+def delta(before: Any, after: Any, path: str = "", fmt: NumberFormat | None = None) -> tuple[str, str, str] | None:
+    """(change, its full value, relative change) of two numbers in ``fmt`` (by default the format
+    of the pair); None unless both are numbers.
+
+    The relative change is over the magnitude of ``before``, and '—' where a percentage means
+    nothing (:func:`relative_means_something`): a counter's change reads '+49', never '+490%'.
     """
     if not (is_number(before) and is_number(after)):
         return None
+    fmt = fmt or NumberFormat.of([before, after])
     change = after - before
-    relative = "—" if before == 0 else f"{change / abs(before) * 100:+,.1f}%".replace("-", "−")
-    return signed(change), repr(change), relative
+    relative = (
+        f"{change / abs(before) * 100:+,.1f}%".replace("-", "−")
+        if relative_means_something(path, before, after)
+        else "—"
+    )
+    return fmt.signed(change), repr(change), relative

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from ckptstore.service.api.pages.numbers import NumberFormat
 from ckptstore.service.api.pages.runs import Order, metric_name, query_url, run_url
 from ckptstore.service.errors import InvalidInputError
 from ckptstore.service.format.records import VersionInfo
@@ -100,6 +102,11 @@ class RunsIndex:
     sort: str
     order: Order
     metric: str | None
+
+    @cached_property
+    def metric_format(self) -> NumberFormat:
+        """One number format for the metric column, chosen from the values shown."""
+        return NumberFormat.of(row.metric_value for row in self.rows)
 
     def url(self, *, sort: str | None = None, order: Order | None = None) -> str:
         """This page's URL with the sort changed (defaults left out)."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Literal
 from urllib.parse import quote, urlencode
 
-from ckptstore.service.api.pages.charts import Chart, line_chart, storage_chart
+from ckptstore.service.api.pages.charts import Chart, Point, line_chart, storage_chart
+from ckptstore.service.api.pages.numbers import NumberFormat
 from ckptstore.service.catalog import listings
 from ckptstore.service.catalog.listings import VersionFilter
 from ckptstore.service.catalog.retention_rules import Policy, keep_reasons
@@ -209,6 +211,11 @@ class RunPage:
     charts: RunCharts = RunCharts()
     all_metrics: list[str] = field(default_factory=list)
 
+    @cached_property
+    def formats(self) -> dict[str, NumberFormat]:
+        """One number format per metric column, chosen from the values the page shows."""
+        return {name: NumberFormat.of(v.metrics.get(name) for v in self.rows) for name in self.metric_names}
+
     def url(self, *, page: int | None = None, sort: str | None = None, order: Order | None = None) -> str:
         """This page's URL with some parameters changed (defaults left out)."""
         page, sort, order = page or self.page, sort or self.sort, order or self.order
@@ -266,21 +273,59 @@ def retention_view(store: Store, run_id: str) -> RetentionView:
     return RetentionView(policy, {number: list(why) for number, why in reasons.items()})
 
 
-def _metric_chart(name: str, versions: list[VersionInfo]) -> Chart:
-    by_step = all(v.step is not None for v in versions)
-    points = [
+def metric_points(name: str, versions: list[VersionInfo], by_step: bool, prefix: str = "") -> list[Point]:
+    """The points of metric ``name`` over step (or version): (x, value, version, hover text), the
+    values in one format; ``prefix`` starts each hover text (a run's id on the compare page)."""
+    having = [v for v in versions if name in v.metrics]
+    fmt = NumberFormat.of(v.metrics[name] for v in having)
+    return [
         (
             float(v.step if by_step and v.step is not None else v.version),
             v.metrics[name],
             v.version,
-            f"v{v.version}"
+            f"{prefix}v{v.version}"
             + (f" · step {v.step:,}" if v.step is not None else "")
-            + f" · {name} {v.metrics[name]:.6g}",
+            + f" · {name} {fmt(v.metrics[name])}",
         )
-        for v in versions
-        if name in v.metrics
+        for v in having
     ]
-    return line_chart(name, points, "step" if by_step else "version")
+
+
+def _metric_chart(name: str, versions: list[VersionInfo]) -> Chart:
+    by_step = all(v.step is not None for v in versions)
+    return line_chart(name, metric_points(name, versions, by_step), "step" if by_step else "version")
+
+
+def sample_width(total: int, lowest: int, highest: int) -> int:
+    """The run of version numbers each chart point stands for: 1 up to :data:`CHART_POINTS` versions."""
+    return 1 if total <= CHART_POINTS else math.ceil((highest - lowest + 1) / CHART_POINTS)
+
+
+def chart_sample(
+    store: Store, run_id: str, where: VersionFilter, lowest: int, highest: int, width: int
+) -> list[VersionInfo]:
+    """The versions the charts draw, oldest first: all of them (up to :data:`CHART_POINTS` + 1),
+    or one per run of ``width`` version numbers and the newest, picked in the database."""
+    if width == 1:
+        return listings.sorted_versions(
+            db=store.db, run_id=run_id, where=where, descending=False, limit=CHART_POINTS + 1
+        )
+    return listings.sampled_versions(
+        db=store.db, run_id=run_id, where=where, lowest=lowest, highest=highest, width=width
+    )
+
+
+def metric_sample(
+    store: Store, run_id: str, where: VersionFilter, span: tuple[int, int, int], sample: list[VersionInfo], name: str
+) -> list[VersionInfo]:
+    """The versions of ``sample`` reporting ``name``; for a downsampled run whose sample misses
+    some, a sample of the versions that report it (bounded the same way)."""
+    total, lowest, highest = span
+    width = sample_width(total, lowest, highest)
+    having = [v for v in sample if name in v.metrics]
+    if width > 1 and len(having) < len(sample):  # a sparse metric: sample the versions that report it
+        having = chart_sample(store, run_id, replace(where, having=name), lowest, highest, width)
+    return having
 
 
 def run_charts(
@@ -290,29 +335,13 @@ def run_charts(
     total, lowest, highest = span
     if total == 0 or lowest is None or highest is None:
         return RunCharts()
-    width = 1 if total <= CHART_POINTS else math.ceil((highest - lowest + 1) / CHART_POINTS)
-    if width == 1:
-        sample = listings.sorted_versions(
-            db=store.db, run_id=run_id, where=where, descending=False, limit=CHART_POINTS + 1
-        )
-    else:
-        sample = listings.sampled_versions(
-            db=store.db, run_id=run_id, where=where, lowest=lowest, highest=highest, width=width
-        )
+    width = sample_width(total, lowest, highest)
+    sample = chart_sample(store, run_id, where, lowest, highest, width)
     names = sorted({name for v in (*sample, *rows) for name in v.metrics})
-    charts = []
-    for name in names[:MAX_CHARTS]:
-        having = [v for v in sample if name in v.metrics]
-        if width > 1 and len(having) < len(sample):  # a sparse metric: sample the versions that report it
-            having = listings.sampled_versions(
-                db=store.db,
-                run_id=run_id,
-                where=replace(where, having=name),
-                lowest=lowest,
-                highest=highest,
-                width=width,
-            )
-        charts.append(_metric_chart(name, having))
+    bounds = (total, lowest, highest)
+    charts = [
+        _metric_chart(name, metric_sample(store, run_id, where, bounds, sample, name)) for name in names[:MAX_CHARTS]
+    ]
     storage = storage_chart("storage per version", [(v.version, v.bytes_new, v.bytes_total) for v in sample])
     return RunCharts(charts, storage, total, len(sample), width, names[MAX_CHARTS:])
 

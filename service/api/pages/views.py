@@ -30,6 +30,7 @@ from ckptstore.service import __version__
 from ckptstore.service.api import redact
 from ckptstore.service.api.deps import QUERY_TOKEN_NAMES, StoreDep, StreamerDep
 from ckptstore.service.api.errors import public_message
+from ckptstore.service.api.pages import compare as pages_compare
 from ckptstore.service.api.pages import data as pages_data
 from ckptstore.service.api.pages import formatting as pages_format
 from ckptstore.service.api.pages.runs import plural
@@ -65,12 +66,14 @@ _env.filters.update(
     num=pages_format.number,
     when=pages_format.when,
     shape=pages_format.shape,
+    breakable=pages_format.breakable,
 )
 _env.globals.update(
     run_url=pages_data.run_url,
     version_url=pages_data.version_url,
     plural=plural,
     max_compared=MAX_COMPARED_BYTES,
+    max_compared_runs=pages_compare.MAX_RUNS,
     app_version=__version__,
 )
 templates = Jinja2Templates(env=_env)
@@ -271,6 +274,19 @@ async def diff_page(
         pages_data.diff_page, store, run_id, first, second, by_number=by_number, show_all=show_all, compare=values
     )
     return render(request, "diff.html", d=data)
+
+
+@router.get("/compare", dependencies=CanReadPages)
+async def compare_page(
+    request: Request,
+    store: StoreDep,
+    run: Annotated[list[str] | None, Query(description="a run to compare; two to eight of them")] = None,
+    show_all: Annotated[bool, Query(alias="all", description="also the values every run shares")] = False,
+) -> Response:
+    """Several runs: each metric as one chart with a line per run, and their newest versions' values."""
+    chosen = pages_compare.pick_runs(run or [])
+    data = await run_in_threadpool(pages_compare.compare_page, store, chosen, show_all=show_all)
+    return render(request, "compare.html", c=data)
 
 
 # -- login --------------------------------------------------------------------------------------

@@ -52,3 +52,31 @@ document.addEventListener("DOMContentLoaded", () => {
     caption.append(button);
   }
 });
+
+// Runs page: tick 2 to 8 runs, then Compare runs opens /compare?run=a&run=b…
+// Without this script the form still sends the ticked runs; the server refuses fewer than 2 or more than 8.
+document.addEventListener("DOMContentLoaded", () => {
+  const form = document.getElementById("compare-runs");
+  if (!form) return;
+  const button = document.getElementById("compare-runs-button");
+  const hint = document.getElementById("compare-runs-hint");
+  const most = 8;
+  const boxes = Array.from(form.querySelectorAll('input[type="checkbox"][name="run"]'));
+
+  function update() {
+    const picked = boxes.filter((box) => box.checked);
+    button.disabled = picked.length < 2;
+    for (const box of boxes) {
+      box.disabled = picked.length >= most && !box.checked;
+      box.closest("tr").classList.toggle("picked", box.checked);
+    }
+    if (picked.length < 2) {
+      hint.textContent = `Tick ${2 - picked.length} more run${picked.length === 1 ? "" : "s"} to compare (at most ${most}).`;
+    } else {
+      hint.textContent = `Compare ${picked.length} runs${picked.length >= most ? ` (${most} at most)` : ""}.`;
+    }
+  }
+
+  form.addEventListener("change", update);
+  update();
+});
