@@ -96,10 +96,10 @@ def read_peft_folder(directory: Path, open_safetensors: SafetensorsOpener) -> Im
             f"{directory} has {ADAPTER_CONFIG} but no {ADAPTER_FILE}"
             f"{found if exists(directory / PICKLED_ADAPTER_FILE) else ''}"
         )
-    found = open_safetensors(path)
-    names = model_names(found, config.get(MODULES_TO_SAVE) or ())
+    stored = open_safetensors(path)
+    names = model_names(stored, config.get(MODULES_TO_SAVE) or ())
     tensors: dict[str, torch.Tensor] = {}
-    for file_name, tensor in found.items():
+    for file_name, tensor in stored.items():
         name = names[file_name]
         if name is None:
             raise InvalidInputError(
