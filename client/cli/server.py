@@ -6,6 +6,7 @@ runs these two. Each imports the engine and the HTTP service only when it runs.
 
 from __future__ import annotations
 
+import errno
 from typing import Annotated
 
 import typer
@@ -44,10 +45,26 @@ def serve(
     except CheckpointError as exc:
         echo(error_line(str(exc)), err=True)
         raise typer.Exit(2) from exc
-    echo(f"ckptstore serving {mask_url(settings.resolved_database_url)} on http://{settings.host}:{settings.port}")
-    from ckptstore.service.api.server import run, server_config
+    from ckptstore.service.api.server import listening_socket, run, server_config
 
-    run(server_config(application if settings.workers == 1 else "ckptstore.service.api.server:app_from_env", settings))
+    address = _address(settings.host, settings.port)
+    try:
+        sock = listening_socket(settings.host, settings.port)
+    except OSError as exc:
+        in_use = exc.errno == errno.EADDRINUSE
+        why = "the address is in use (another process listens there: stop it, or choose another --port)"
+        echo(error_line(f"cannot serve on {address}: {why if in_use else exc.strerror or exc}"), err=True)
+        raise typer.Exit(1) from exc
+    # Said once the server has started on the bound socket (the port bound, should the settings
+    # ask for any free one), never before a bind that may fail.
+    address = _address(settings.host, sock.getsockname()[1])
+    line = f"ckptstore serving {mask_url(settings.resolved_database_url)} on {address}"
+    config = server_config(application if settings.workers == 1 else "ckptstore.service.api.server:app_from_env", settings)
+    run(config, sock, announce=lambda: echo(line))
+
+
+def _address(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 db_app = typer.Typer(help="Manage the metadata database schema.", no_args_is_help=True)

@@ -7,7 +7,9 @@ import ctypes
 import gc
 import logging
 import os
+import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -147,20 +149,67 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> ServerConfi
     return ServerConfig(app, **options)
 
 
-def run(config: ServerConfig) -> None:
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (as uvicorn binds one, ``SO_REUSEADDR``
+    set): from here on a client's connection waits in the kernel's queue until the server
+    accepts it, so the server may say where it serves.
+
+    Raises:
+        OSError: the address cannot be bound (``EADDRINUSE``: another process listens there).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)  # for the worker processes of several workers
+    return sock
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """uvicorn's server that, given its sockets, still logs where it runs once started (uvicorn
+    leaves that to ``bind_socket``), then calls ``announce``."""
+
+    def __init__(self, config: ServerConfig, announce: Callable[[], object] | None) -> None:
+        super().__init__(config=config)
+        self.announce = announce
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and sockets:
+            self._log_started_message(sockets)
+        if self.started and self.announce is not None:
+            self.announce()
+
+
+def run(
+    config: ServerConfig, sock: socket.socket | None = None, announce: Callable[[], object] | None = None
+) -> None:
     """Serve with ``config`` until stopped: in this process, or in ``config.workers`` processes
-    (what ``uvicorn.run`` does with the same Config); exits with status 3 if the server did not start."""
+    (what ``uvicorn.run`` does with the same Config), on ``sock`` when given (see
+    :func:`listening_socket`); ``announce`` is called once the server has started (with several
+    workers, once the socket listens). Exits with status 3 if the server did not start."""
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
     if config.workers == 1:
         config.load_app()
-    server = uvicorn.Server(config=config)
+    server = _AnnouncingServer(config, announce)
     try:
         if config.workers > 1:
-            Multiprocess(config, sockets=[config.bind_socket()]).run()
+            if sock is not None:  # as config.bind_socket() would have logged it
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, port)
+            if announce is not None:
+                announce()
+            Multiprocess(config, sockets=[sock if sock is not None else config.bind_socket()]).run()
         else:
-            server.run()
+            server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:
         pass
     finally:
