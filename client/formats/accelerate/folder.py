@@ -106,7 +106,7 @@ def read_accelerate_folder(directory: Path, weights: dict[str, torch.Tensor], *,
 
 def _numbered(names: list[str], kind: str, suffix: str) -> list[str]:
     """``kind.bin``, ``kind_1.bin``, ... present in ``names``, stopping at the first gap."""
-    found = []
+    found: list[str] = []
     while (name := kind + (f"_{len(found)}" if found else "") + suffix) in names:
         found.append(name)
     return found
