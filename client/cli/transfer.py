@@ -194,8 +194,8 @@ def import_(
             metavar="DIR_OR_FILE",
             exists=True,
             help="A .safetensors, .pt, .pth, .bin or Lightning .ckpt file; a folder with model.safetensors"
-            "[.index.json] or pytorch_model.bin; a Trainer checkpoint folder; a PEFT adapter folder; a DCP "
-            "checkpoint folder.",
+            "[.index.json] or pytorch_model.bin; a Trainer checkpoint folder; a PEFT adapter folder; an "
+            "Accelerate save_state folder; a DCP checkpoint folder (get_state_dict's, torchtitan's or torchtune's).",
         ),
     ],
     run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run to add the version to (created if new).")],

@@ -3,7 +3,9 @@
 - :mod:`.importing` / :mod:`.sources`: what an import stores from each format (safetensors,
   Hugging Face folders, ``torch.save`` files, Lightning, Trainer and DCP folders);
 - :mod:`.exporting` / :mod:`.export_formats`: a version written as Hugging Face safetensors,
-  a PEFT adapter folder or a DCP folder.
+  a PEFT adapter folder or a DCP folder;
+- :mod:`.accelerate`: Accelerate ``save_state`` folders, read whole and written back;
+  :mod:`.dcp_layouts`: the layouts torchtitan and torchtune give a DCP folder's state dict.
 
 Every byte an import reads comes from a file someone else made; the readers below treat it
 as untrusted input:
