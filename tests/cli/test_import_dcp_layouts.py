@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ckptstore.client.formats.dcp_layouts import flatten_optimizer, unflatten_optimizer
 from tests.cli.conftest import Cli
 
 K, N = 4, 9
@@ -247,3 +250,42 @@ def test_a_flattened_optimizer_naming_no_parameter_is_refused(cli: Cli, tmp_path
     result = cli("import", tmp_path / "bad", "bad")
     assert result.exit_code == 2
     assert "'gone.weight.exp_avg' names no parameter of the model's state_dict" in result.stderr
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal trees, tensors by dtype, shape and values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(2, 5),
+    order=st.randoms(use_true_random=False),
+    groups=st.integers(1, 3),
+    kind=st.sampled_from(["adamw", "sgd"]),
+)
+def test_unflattening_gives_back_torchs_own_nested_state(layers: int, order: Any, groups: int, kind: str) -> None:
+    """Layers of one shape, grouped and ordered at random (distinct settings per group): the flattened
+    dict torch writes unflattens to exactly what ``get_optimizer_state_dict`` gives, and back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(3, 3), nn.Tanh()) for _ in range(layers)])
+    params = list(model.parameters())
+    order.shuffle(params)
+    cuts = sorted(order.sample(range(1, len(params)), min(groups, len(params)) - 1))
+    parts = [params[a:b] for a, b in zip([0, *cuts], [*cuts, len(params)], strict=True)]
+    param_groups = [{"params": part, "lr": 0.01 * (i + 1)} for i, part in enumerate(parts)]
+    optim: torch.optim.Optimizer = (
+        torch.optim.AdamW(param_groups) if kind == "adamw" else torch.optim.SGD(param_groups, momentum=0.9)
+    )
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    flat = get_optimizer_state_dict(model, optim, options=FLAT)
+    nested = get_optimizer_state_dict(model, optim)
+    assert same(unflatten_optimizer(flat, list(model.state_dict()), "flat"), nested)
+    assert same(flatten_optimizer(nested), flat)
