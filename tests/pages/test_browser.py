@@ -139,7 +139,7 @@ def test_browse_sort_compare_and_open_a_version(served: str, watched: tuple[Page
     totals = {row[0]: row[1] for row in rows(page, "#totals")}
     assert totals == {"added": "3", "removed": "1", "changed": "3", "unchanged": "2"}
     assert {row[1] for row in rows(page, "#tensors")} >= {SCRIPT_KEY, ATTRIBUTE_KEY, "extra/rng"}
-    assert ["optim/param_groups/0/lr", "0.1", "0.05", "−0.05", "−50.0%"] in rows(page, "#values")
+    assert ["optim/param_groups/0/lr", "0.10", "0.05", "−0.05", "−50.0%"] in rows(page, "#values")
     page.screenshot(path=tmp_path / "diff.png", full_page=True)
 
     # The newer version's page: sections, shared marks, hostile keys shown as text.
