@@ -11,7 +11,8 @@ pick one notation for the whole column from the values it holds and write every 
   would hide the small ones: ``1.19898e-07``, ``2.56862e-04``.
 
 Zero is ``0`` in scientific notation (it has no exponent); NaN and infinities (a diverging run's
-metrics) are ``NaN``, ``inf`` and ``-inf`` and never choose the notation. Nothing here knows HTML.
+metrics) are ``NaN``, ``Infinity`` and ``-Infinity`` (as the JSON API writes them) and never
+choose the notation. Nothing here knows HTML.
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ class NumberFormat:
         return cls("fixed", max(_fixed_decimals(v) for v in nonzero))
 
     def __call__(self, value: Any) -> str:
-        """``value`` in this format; '—' for None, 'NaN' / 'inf' / '-inf' for the non-finite."""
+        """``value`` in this format; '—' for None, 'NaN' / 'Infinity' / '-Infinity' for the non-finite."""
         if value is None or not _is_real(value):
             return "—"
         if not math.isfinite(value):
-            return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")  # as the JSON API
         if self.kind == "integer":
             return f"{round(value):,}"
         if self.kind == "fixed":
