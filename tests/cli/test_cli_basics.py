@@ -19,7 +19,7 @@ from typer.testing import CliRunner, Result
 
 from ckptstore.client.cli import app
 from ckptstore.client.cli.common import ANSWER_SECONDS, REACH_SECONDS, open_client
-from ckptstore.client.http.retry import DEFAULT_RETRY_SECONDS
+from ckptstore.client.http.retry import DEFAULT_RETRY_SECONDS, FIRST_REACH_SECONDS
 from ckptstore.client.http.transport import HttpTransport
 
 if sys.version_info >= (3, 11):
@@ -145,10 +145,14 @@ def test_a_server_that_never_answers_is_one_error_line_well_before_a_minute(
 
 
 def test_only_the_command_line_gives_up_early(closed_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A training job's client keeps the patient defaults; the CLI's limits apply until the
-    # server first answers, the whole budget after (both lazy: nothing is sent here).
+    # A training job's client keeps the patient defaults once its server has answered (a
+    # server never reached is tried for FIRST_REACH_SECONDS) and waits long for answers; the
+    # CLI's limits apply until the server first answers, the whole budget after (both lazy:
+    # nothing is sent here).
     library = HttpTransport(f"http://127.0.0.1:{closed_port}")
-    assert library.retry_seconds == DEFAULT_RETRY_SECONDS and library.session._reaching is None
+    assert library.retry_seconds == DEFAULT_RETRY_SECONDS
+    assert library.session._reaching.seconds == FIRST_REACH_SECONDS  # type: ignore[union-attr]
+    assert library.session._metadata_timeout.read > ANSWER_SECONDS
     monkeypatch.setenv("CKPTSTORE_URL", f"http://127.0.0.1:{closed_port}")
     monkeypatch.delenv("CKPTSTORE_RETRY_SECONDS", raising=False)
     with open_client() as ckpt:
