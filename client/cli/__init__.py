@@ -19,12 +19,14 @@ import typer
 
 from ckptstore.client.cli import inspect, manage, retention, transfer
 from ckptstore.client.cli.common import echo
+from ckptstore.client.cli.help_names import PlainHelpGroup
 from ckptstore.client.cli.server import db_app, serve
 
 #: The distribution ``pyproject.toml`` names: ``--version`` prints its installed version.
 DISTRIBUTION = "ckptstore"
 
 app = typer.Typer(
+    cls=PlainHelpGroup,  # --help names values plainly (--keys PATTERN), never <list[str]>
     help="ckptstore: a checkpoint store for PyTorch training.",
     no_args_is_help=True,
     # Inherited by every command's context: ``ckptstore ls -h`` as well as ``ckptstore -h``.
