@@ -23,7 +23,7 @@ from ckptstore.service.errors import ConflictError, InvalidManifestError, Missin
 from ckptstore.service.format.bounds import INT64_MAX, MAX_VERSION
 from ckptstore.service.format.digest import tensor_digest
 from ckptstore.service.format.manifest import ManifestBody, TensorEntry, stamp
-from ckptstore.service.format.names import validate_commit_key, validate_run_id, validate_tag
+from ckptstore.service.format.names import metrics_to_json, validate_commit_key, validate_run_id, validate_tag
 from ckptstore.service.format.parts import assemble, head_json, split
 from ckptstore.service.format.records import VersionInfo
 
@@ -264,7 +264,7 @@ def commit_version(
         "parent": parent,
         "created_at": now,
         "step": body.step,
-        "metrics": dict(body.metrics),
+        "metrics": metrics_to_json(body.metrics),  # JSON: "NaN", never a bare NaN token
         "tensors_total": len(body.tensors),
         "tensors_new": len(new_digests),
         "bytes_total": bytes_total,

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from ckptstore.service.catalog.versions import require_run, resolve_ref
 from ckptstore.service.db import Database
 from ckptstore.service.db.models import Run, Tag, Version, table
+from ckptstore.service.format.names import NON_FINITE
 from ckptstore.service.format.records import RunInfo, VersionInfo, tags_by_version
 
 _VERSIONS = table(Version)
@@ -161,8 +162,8 @@ class VersionFilter:
     ``tag`` is a glob over the run's tag names (``*`` any text, ``?`` one character; case is
     ignored): a version is kept when a tag matching it points at the version. ``metric`` with
     ``low`` and ``high`` (inclusive, either may be None) keeps versions whose metric lies in the
-    range; a version without the metric is left out. ``having`` keeps versions that report that
-    metric at all.
+    range; a version without the metric, or with a NaN or infinite one, is left out. ``having``
+    keeps versions that report that metric at all, NaN included.
     """
 
     tag: str | None = None
@@ -179,7 +180,16 @@ def like_pattern(glob: str) -> str:
 
 
 def _metric(table: Any, name: str) -> Any:
-    return table.c.metrics[name].as_float()
+    """The metric as a number where it is finite; NULL where it is absent, NaN or infinite (the
+    column holds those as "NaN", "Infinity", "-Infinity"), so ranges leave them out and sorts put
+    them last, alike on SQLite and PostgreSQL."""
+    value = table.c.metrics[name]
+    return case((value.as_string().in_(list(NON_FINITE)), None), else_=value.as_float())
+
+
+def _reported(table: Any, name: str) -> Any:
+    """Whether a version reports the metric at all, whatever its value."""
+    return table.c.metrics[name].as_string().is_not(None)
 
 
 def _conditions(table: Any, run_id: str, where: VersionFilter) -> list[Any]:
@@ -197,7 +207,7 @@ def _conditions(table: Any, run_id: str, where: VersionFilter) -> list[Any]:
         if where.high is not None:
             conditions.append(value <= where.high)
     if where.having is not None:
-        conditions.append(_metric(table, where.having).is_not(None))
+        conditions.append(_reported(table, where.having))
     return conditions
 
 
@@ -240,7 +250,7 @@ def sorted_versions(
 
     The order is by ``metric`` when given, else by the :data:`SORTABLE` column ``sort``; ties go
     by version number in the same direction, and versions without a value (no step, no such
-    metric) come last, newest first.
+    metric, a NaN or infinite one) come last, newest first.
     """
     key = _metric(_VERSIONS, metric) if metric is not None else SORTABLE[sort]
     number = _VERSIONS.c.version

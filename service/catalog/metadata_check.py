@@ -39,7 +39,7 @@ from ckptstore.service.catalog.versions import resolve_ref
 from ckptstore.service.db import Database
 from ckptstore.service.db.models import ManifestPart, PartRef, Version, table
 from ckptstore.service.errors import CheckpointError
-from ckptstore.service.format.names import validate_run_id
+from ckptstore.service.format.names import metrics_to_json, validate_run_id
 from ckptstore.service.format.records import MetadataProblem
 
 _VERSIONS = table(Version)
@@ -145,7 +145,7 @@ def _from_manifest(text: str) -> tuple[dict[str, Any], str, int] | str:
         "parent": manifest.parent,
         "created_at": manifest.created_at,
         "step": manifest.step,
-        "metrics": dict(manifest.metrics),
+        "metrics": metrics_to_json(manifest.metrics),  # as the column holds them: NaN as "NaN"
         "tensors_total": len(manifest.tensors),
         "bytes_total": sum(sizes),
         "bytes_trainable": sum(n for n, e in zip(sizes, manifest.tensors, strict=True) if e.trainable),

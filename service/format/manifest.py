@@ -3,7 +3,9 @@
 ``ManifestBody`` is what a client sends to commit; the store adds the run id, version
 number, parent and creation time to make the stored, immutable ``Manifest``. Every model is
 strict: unknown fields, wrong types ("1" or 1.0 for an int), NaN/Infinity and oversized
-integers are rejected. ``docs/manifest.schema.json`` is generated from these classes.
+integers are rejected; only a metric may be NaN or infinite, written as the string "NaN",
+"Infinity" or "-Infinity" (:data:`service.format.names.MetricValue`).
+``docs/manifest.schema.json`` is generated from these classes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ckptstore.service.errors import InvalidManifestError
 from ckptstore.service.format.bounds import INT64_MAX
 from ckptstore.service.format.digest import DIGEST_PATTERN
 from ckptstore.service.format.dtypes import DTYPES, byte_length, element_count, shape_problem
-from ckptstore.service.format.names import MetricName, RunId
+from ckptstore.service.format.names import MetricName, MetricValue, RunId
 
 FORMAT_VERSION = "ckptstore.manifest/1"
 TENSOR_REF = "__tensor__"
@@ -180,7 +182,10 @@ class ManifestBody(_Strict):
     tensors: Annotated[list[TensorEntry], Field(max_length=MAX_TENSORS, fail_fast=True)]
     state: Annotated[dict[StateSection, JsonValue], Field(fail_fast=True)] = Field(default_factory=dict)
     step: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    metrics: Annotated[dict[MetricName, float], Field(max_length=256, fail_fast=True)] = Field(default_factory=dict)
+    #: Any float, NaN and the infinities included, which JSON writes as "NaN", "Infinity", "-Infinity".
+    metrics: Annotated[dict[MetricName, MetricValue], Field(max_length=256, fail_fast=True)] = Field(
+        default_factory=dict
+    )
     library: Annotated[
         dict[Annotated[str, StringConstraints(max_length=64)], ShortText], Field(max_length=32, fail_fast=True)
     ] = Field(default_factory=dict)

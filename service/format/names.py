@@ -1,15 +1,24 @@
-"""Strict patterns for every name a caller chooses: run ids, tags, metric names, refs.
+"""Strict patterns for every name a caller chooses: run ids, tags, metric names, refs; and the
+values a metric may hold.
 
 Names never become paths (storage keys derive from digests only), but they are shown in
 pages, logs and URLs, so they are kept to a small, printable alphabet.
+
+A metric is any float, NaN and the infinities included: a diverging run must still save the
+version that shows it diverged. JSON has no NaN, so wherever a metric is written as JSON (the
+manifest, the metadata database, the HTTP API) a non-finite value is the string ``"NaN"``,
+``"Infinity"`` or ``"-Infinity"`` (the spelling of Python's ``json`` and JSON5), and is read
+back as the float (:data:`MetricValue`). Nowhere else is a string or a bare ``NaN`` token a number.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from pydantic import StringConstraints
+from pydantic import BeforeValidator, Field, PlainSerializer, StringConstraints, ValidationInfo, WithJsonSchema
 
 from ckptstore.service.errors import InvalidNameError, NotFoundError
 from ckptstore.service.format.bounds import MAX_VERSION
@@ -25,6 +34,42 @@ LATEST = "latest"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 TagName = Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
 MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
+
+#: How JSON spells each non-finite metric value.
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def metric_to_json(value: float) -> float | str:
+    """A metric as JSON holds it: the float, or ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def metrics_to_json(metrics: Mapping[str, float]) -> dict[str, float | str]:
+    """Metrics as JSON holds them (:func:`metric_to_json` of each)."""
+    return {name: metric_to_json(value) for name, value in metrics.items()}
+
+
+def _metric_in(value: Any, info: ValidationInfo) -> Any:
+    """A metric from JSON's spelling: ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` become the float; a
+    non-finite number parsed from JSON text (a bare ``NaN`` token, which JSON does not have) is refused."""
+    if isinstance(value, str) and value in NON_FINITE:
+        return NON_FINITE[value]
+    if info.mode == "json" and isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("a non-finite metric is written as the string 'NaN', 'Infinity' or '-Infinity' in JSON")
+    return value
+
+
+#: A metric's value: any float, NaN and the infinities included, written to JSON as
+#: :func:`metric_to_json` spells it.
+MetricValue = Annotated[
+    float,
+    Field(allow_inf_nan=True),
+    BeforeValidator(_metric_in),
+    PlainSerializer(metric_to_json, return_type=float | str, when_used="json"),
+    WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}]}),
+]
 
 _RUN_ID_RE = re.compile(RUN_ID_PATTERN)
 _TAG_RE = re.compile(TAG_PATTERN)

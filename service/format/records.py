@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ckptstore.service.format.names import MetricValue
+
 
 class _Record(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -73,7 +75,7 @@ class VersionInfo(_Record):
     created_at: datetime
     tags: list[str]
     step: int | None
-    metrics: dict[str, float]
+    metrics: dict[str, MetricValue]
     tensors_total: int
     tensors_new: int
     bytes_total: int

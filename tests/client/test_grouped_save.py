@@ -3,7 +3,6 @@ bad manifests refused before any byte is stored."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,8 @@ def test_a_grouped_save_sends_each_distinct_tensor_once_and_loads_exactly(backen
 
 def test_a_grouped_save_with_a_bad_metric_stores_nothing(backend: Backend) -> None:
     backend.client.shard_bytes = SHARD
-    with pytest.raises(Exception, match="metric|finite|nan|NaN") as raised:
-        backend.client.save("bad", Wide(), metrics={"loss": math.nan})
+    with pytest.raises(Exception, match="metric|loss") as raised:
+        backend.client.save("bad", Wide(), metrics={"loss": "low"})  # type: ignore[dict-item]
     assert not isinstance(raised.value, AssertionError)
     assert list(backend.blobs.list_ids()) == []
 

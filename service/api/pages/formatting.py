@@ -15,6 +15,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from ckptstore.service.api.pages.numbers import NumberFormat
+from ckptstore.service.format.names import metric_to_json
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 #: Significant digits of a number shown rounded.
@@ -57,9 +58,12 @@ def percent(share: float | None) -> str:
 
 
 def number(value: float | None) -> str:
-    """A metric or step for a table cell: six significant digits, '—' when absent."""
+    """A metric or step for a table cell: six significant digits, '—' when absent, and a NaN or
+    infinite metric as the JSON API writes it ('NaN', 'Infinity', '-Infinity')."""
     if value is None:
         return "—"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(metric_to_json(value))  # a diverged run's loss reads as what it is
     return f"{value:,}" if isinstance(value, int) else f"{value:.{DIGITS}g}"
 
 
