@@ -328,7 +328,8 @@ class Client(Connection):
                 )
             if not isinstance(tensor, torch.Tensor):
                 raise StateEncodingError(f"{key}: a {type(tensor).__name__}, not a tensor")
-            flat.add(TensorRecord(key, tensor, "target", trainable=trainable or name in optimized))
+            grad = tensor.requires_grad if isinstance(tensor, torch.nn.Parameter) else None  # a file's own Parameter
+            flat.add(TensorRecord(key, tensor, "target", trainable=trainable or name in optimized, requires_grad=grad))
         if optim_state is not None:
             flatten_optimizer_state(flat, optim_state)
         if scheduler_state is not None:
@@ -449,6 +450,9 @@ class Client(Connection):
             selected = selection.selected_model_keys(manifest, patterns)
             result.state_dict, result.casts = restore.materialize_model(
                 reader, selected, target or torch.device("cpu"), dtype
+            )
+            restore.restore_requires_grad(
+                (result.state_dict[name], reader.entries[key]) for name, key in selected.items()
             )
             return
         plan = selection.plan_model_load(manifest, model, patterns)

@@ -37,6 +37,8 @@ class TensorRecord:
     placement: Placement
     param: str | None = None
     trainable: bool | None = None
+    #: A model parameter's ``requires_grad`` (None: not a parameter, or not known).
+    requires_grad: bool | None = None
 
 
 @dataclass
@@ -259,7 +261,16 @@ def flatten_model(flat: FlatState, model: torch.nn.Module, known: names.ModelNam
                 f"model/{name}: the model's state_dict holds a {type(value).__name__}, not a tensor "
                 "(custom extra state); save it through extra= instead"
             )
-        flat.add(TensorRecord(key, value, "target", trainable=bool(value.requires_grad)))
+        grad = bool(value.requires_grad)
+        flat.add(
+            TensorRecord(
+                key,
+                value,
+                "target",
+                trainable=grad,
+                requires_grad=grad if isinstance(value, torch.nn.Parameter) else None,
+            )
+        )
 
 
 def _optimizer_param_names(optim: torch.optim.Optimizer, param_names: dict[int, str]) -> list[list[str]]:

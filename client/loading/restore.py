@@ -9,7 +9,7 @@ mismatch before anything is written).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from contextlib import closing
 from typing import Any
 
@@ -147,7 +147,18 @@ def load_into_model(
     # Once the copies to devices are done: the digest cache may take a sample of each tensor.
     for target, digest in verified:
         loaded(target, digest)
+    restore_requires_grad((t, entry) for _name, _key, t, entry in pairs if isinstance(t, torch.nn.Parameter))
     return casts
+
+
+def restore_requires_grad(pairs: Iterable[tuple[torch.Tensor, TensorEntry]]) -> None:
+    """Give each tensor (a model's parameter, or a tensor a load without a model made) the
+    ``requires_grad`` its entry recorded; a tensor whose entry records none (a buffer, a version
+    saved before the flag was recorded, an import whose file did not say) keeps its own."""
+    for tensor, entry in pairs:
+        wanted = entry.requires_grad
+        if wanted is not None and tensor.requires_grad != wanted and (tensor.is_floating_point() or not wanted):
+            tensor.requires_grad_(wanted)
 
 
 def materialize_model(

@@ -250,6 +250,7 @@ def message(
             record.placement,
             record.param,
             record.trainable,
+            record.requires_grad,
             dtype_name(tensor, record.key),
             list(tensor.shape),
             device,
@@ -395,13 +396,13 @@ def _save(settings: SaveSettings, request: dict[str, Any], held: _Held) -> dict[
     tensors: list[torch.Tensor] = []
     known: list[str | None] = []
     devices: list[str] = []
-    for key, placement, param, trainable, dtype, shape, device, digest, offset in records:
+    for key, placement, param, trainable, requires_grad, dtype, shape, device, digest, offset in records:
         kind = NAME_TO_TORCH[dtype]
         if offset is None:  # known to the client's cache, not staged: only its digest is needed
             tensor = torch.empty(shape, dtype=kind, device="meta")
         else:
             tensor = views(host, [(kind, torch.Size(shape))], [offset])[0]
-        flat.records.append(TensorRecord(key, tensor, placement, param, trainable))
+        flat.records.append(TensorRecord(key, tensor, placement, param, trainable, requires_grad))
         tensors.append(tensor)
         known.append(digest)
         devices.append(device)

@@ -520,4 +520,5 @@ def _entry(record: TensorRecord, tensor: torch.Tensor, digest: str, device_type:
         "param": record.param,
         "device_type": device_type,
         "trainable": record.trainable,
+        "requires_grad": record.requires_grad,
     }

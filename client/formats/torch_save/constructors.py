@@ -144,6 +144,8 @@ class _TensorRecord(Built):
         self.expand_limit, self.where = expand_limit, where
         #: The dtype an untyped (byte) storage is read as (``_rebuild_tensor_v3``); None: the storage's own.
         self.dtype = dtype
+        #: ``requires_grad`` of the ``torch.nn.Parameter`` the pickle makes of this tensor; None: a plain tensor.
+        self.parameter: bool | None = None
 
     def result(self) -> Any:
         numel = 1
@@ -174,7 +176,12 @@ class _TensorRecord(Built):
         flat = self.storage.flat
         if dtype != flat.dtype:  # an untyped storage: its whole elements, read as the tensor's dtype
             flat = self.storage.aligned_for(size)[: elements * size].view(dtype)
-        return torch.as_strided(flat, self.size, self.stride, self.offset)
+        tensor = torch.as_strided(flat, self.size, self.stride, self.offset)
+        if self.parameter is None:
+            return tensor
+        if self.parameter and not (dtype.is_floating_point or dtype.is_complex):
+            return RefusedTensor(f"is a parameter of {dtype} that requires grad, which only floating tensors can")
+        return torch.nn.Parameter(tensor, requires_grad=self.parameter)  # a view still: no byte is copied
 
 
 class _NumpyArray(Built):
@@ -351,9 +358,11 @@ def _members(args: tuple[Any, ...]) -> list[Any] | tuple[Any, ...]:
 
 
 def _parameter(args: tuple[Any, ...]) -> Any:
-    data = _check_args(args, 1, "a parameter")[0]
-    if not isinstance(data, _TensorRecord):
-        raise InvalidInputError("a parameter that holds no tensor")
+    """``_rebuild_parameter(data, requires_grad, hooks)``: the tensor, to be made a Parameter with its flag."""
+    data, requires_grad = _check_args(args, 2, "a parameter")[:2]
+    if not isinstance(data, _TensorRecord) or data.parameter is not None or type(requires_grad) is not bool:
+        raise InvalidInputError("a parameter that holds no tensor of its own, or no requires_grad flag")
+    data.parameter = requires_grad
     return data
 
 
