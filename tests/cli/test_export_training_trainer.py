@@ -17,6 +17,7 @@ from transformers.trainer_utils import set_seed  # noqa: E402
 from ckptstore.client.integrations.transformers import CkptstoreCallback  # noqa: E402
 from tests.cli.conftest import Cli  # noqa: E402
 from tests.cli.test_import_trainer import assert_same_run, continuing  # noqa: E402
+from tests.client.test_lora import lora_llama  # noqa: E402
 from tests.integrations.hf_kit import Tokens, arguments, checkpoint_folder, losses, tiny_gpt2  # noqa: E402
 
 WRITTEN = ["config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"]
@@ -71,3 +72,26 @@ def test_a_version_without_a_trainer_state_is_refused_in_one_line(cli: Cli, tmp_
     result = cli("export", "plain", tmp_path / "out", "--format", "trainer")
     assert result.exit_code != 0
     assert "holds no TrainerState" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_peft_plug_in_version_exports_the_adapter_the_trainer_resumes(cli: Cli, tmp_path: Path) -> None:
+    set_seed(0)
+    args = arguments(tmp_path / "first")
+    callbacks = [CkptstoreCallback("lora", client=cli.client)]
+    full = transformers.Trainer(model=lora_llama(seed=0), args=args, train_dataset=Tokens(), callbacks=callbacks)
+    full.train()
+    out = tmp_path / "checkpoint-3"
+    cli.ok("export", f"lora@{cli.client.versions('lora')[0].version}", out, "--format", "trainer")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
+        "trainer_state.json",
+    ]  # fmt: skip
+    model = lora_llama(seed=0)  # the same base (the folder holds the adapter only), the adapter drawn anew
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_()
+    resumed = transformers.Trainer(model=model, args=arguments(tmp_path / "b"), train_dataset=Tokens())
+    resumed.train(resume_from_checkpoint=str(out))
+    assert resumed.state.global_step == 6
+    assert_same_run(resumed, full)

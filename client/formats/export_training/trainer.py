@@ -4,7 +4,9 @@
 The folder holds what the Trainer reads back:
 
 - ``model.safetensors`` (or shards and their index) and ``config.json`` when the version holds
-  the model's config, as ``ckptstore export`` writes them (:mod:`client.formats.exporting`);
+  the model's config, as ``ckptstore export`` writes them (:mod:`client.formats.exporting`); for a
+  PEFT model (the version holds its ``peft_config``), ``adapter_model.safetensors`` and
+  ``adapter_config.json`` instead, as the Trainer saves one (:func:`.export_formats.export_peft`);
 - ``optimizer.pt``: the optimizer's state_dict in torch's layout, numbered in the groups' order
   the version recorded (:mod:`.version_state`); ``scheduler.pt``: the scheduler's state_dict;
 - ``trainer_state.json``: the ``TrainerState`` the version holds (``CkptstoreCallback`` stores it,
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptstore.client.formats.export_formats import export_peft
 from ckptstore.client.formats.export_training.torch_file import write_torch_file
 from ckptstore.client.formats.export_training.version_state import VersionState, read_version
 from ckptstore.client.formats.exporting import ExportResult, export_version, write_text_atomically
@@ -127,7 +130,11 @@ def export_trainer(transport: Transport, run_id: str, ref: int | str, directory:
             "save with CkptstoreCallback or import a Trainer checkpoint folder, or export --format pt"
         )
     directory.mkdir(parents=True, exist_ok=True)
-    result = export_version(transport, run_id, state.manifest.version, directory)
+    version = state.manifest.version
+    if "peft_config" in state.extra or "peft_configs" in state.extra:  # the Trainer saves a PeftModel's adapter
+        result = export_peft(transport, run_id, version, directory)
+    else:
+        result = export_version(transport, run_id, version, directory)
     if state.optimizer is not None:
         write_torch_file(directory / OPTIMIZER_FILE, state.optimizer)
         result.files.append(OPTIMIZER_FILE)
