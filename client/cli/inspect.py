@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from ckptstore.client import keys
+from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.common import echo, echo_json, open_client, parse_target, reported, server_url, size, table
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.errors import NotFoundError
@@ -82,12 +83,12 @@ def _print_tensors(manifest: Manifest) -> None:
         grouped.setdefault(_section(entry.key)[0], []).append(entry)
     for title, entries in grouped.items():
         echo("")
-        echo(f"{shown(title)}: {len(entries)} tensors, {size(sum(e.nbytes for e in entries))}")
+        echo(f"{shown(title)}: {counted(len(entries), 'tensor')}, {size(sum(e.nbytes for e in entries))}")
         rows = [
             (
                 _section(e.key)[1],
                 e.dtype,
-                _shape(list(e.shape)) + (f" in {len(e.chunks)} chunks" if e.chunks else ""),
+                _shape(list(e.shape)) + (f" in {counted(len(e.chunks), 'chunk')}" if e.chunks else ""),
                 e.placement,
                 e.device_type,
                 _trainable(e),

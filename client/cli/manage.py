@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ckptstore.client.cli.counts import agree, counted
 from ckptstore.client.cli.common import UsageProblem, echo, echo_json, open_client, parse_target, reported, size
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.format.names import validate_run_id, validate_tag
@@ -130,23 +131,27 @@ def gc(
         return
     verb = "would sweep" if report.dry_run else "swept"
     echo(
-        f"{verb} {report.shards_swept} shards ({report.tensors_swept} tensors, {size(report.bytes_swept)}) "
+        f"{verb} {counted(report.shards_swept, 'shard')} ({counted(report.tensors_swept, 'tensor')}, "
+        f"{size(report.bytes_swept)}) "
         f"in {report.seconds:.2f} s"
     )
     echo(
-        f"kept {report.shards_kept} shards, {report.shards_in_grace} of them unreferenced but within "
+        f"kept {counted(report.shards_kept, 'shard')}, {report.shards_in_grace} of them unreferenced but within "
         f"the {grace.strip()} grace period"
     )
     _echo_rewrites(report, compress=compress, compact=compact_below is not None)
     if report.orphan_blobs:
-        what = f"{report.orphan_blobs} blobs ({size(report.orphan_bytes)}) have no shard record"
+        what = (
+            f"{counted(report.orphan_blobs, 'blob')} ({size(report.orphan_bytes)}) "
+            f"{agree(report.orphan_blobs, 'has', 'have')} no shard record"
+        )
         if report.orphans_swept:
             echo(f"{what}; deleted {report.orphans_swept}")
         else:
             echo(f"{what}; `ckptstore gc --orphans` deletes them while no save is uploading")
     if report.stale_uploads:
         what = (
-            f"{report.stale_uploads} unfinished uploads ({size(report.stale_upload_bytes)} in parts) "
+            f"{counted(report.stale_uploads, 'unfinished upload')} ({size(report.stale_upload_bytes)} in parts) "
             f"had nothing added for longer than the grace period"
         )
         if report.uploads_aborted:
@@ -157,7 +162,7 @@ def gc(
             echo(f"{what}; `ckptstore gc --orphans` aborts them")
     if report.staging_files_swept:
         echo(
-            f"{'would remove' if report.dry_run else 'removed'} {report.staging_files_swept} temporary files "
+            f"{'would remove' if report.dry_run else 'removed'} {counted(report.staging_files_swept, 'temporary file')} "
             f"({size(report.staging_bytes_swept)}) that killed saves left in the staging folders"
         )
     if report.dry_run:
@@ -170,12 +175,12 @@ def _echo_rewrites(report: GcReport, *, compress: bool, compact: bool) -> None:
         before, after = report.bytes_before_compression, report.bytes_after_compression
         share = f" ({after / before:.2f}x)" if before else ""
         echo(
-            f"{'would compress' if report.dry_run else 'compressed'} {report.tensors_compressed} tensors of "
-            f"{report.versions_compressed} versions ({report.tensors_as_deltas} as deltas): {size(before)} "
+            f"{'would compress' if report.dry_run else 'compressed'} {counted(report.tensors_compressed, 'tensor')} of "
+            f"{counted(report.versions_compressed, 'version')} ({report.tensors_as_deltas} as deltas): {size(before)} "
             f"stored in {size(after)}{share}; the raw copies go once the grace period has passed"
         )
     if compact:
         echo(
-            f"{'would compact' if report.dry_run else 'compacted'} {report.shards_compacted} shards: "
+            f"{'would compact' if report.dry_run else 'compacted'} {counted(report.shards_compacted, 'shard')}: "
             f"{size(report.bytes_compacted)} freed once the grace period has passed"
         )

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ckptstore.client.api import Client
+from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.common import echo
 from ckptstore.client.connection import default_home
 
@@ -61,6 +62,6 @@ def run() -> None:
             f"{'identical' if same else 'DIFFERENT'} weights; Adam's step on {step_device}"
         )
         versions = store.versions(RUN_ID)
-        echo(f"run {RUN_ID!r} now has {len(versions)} versions in {home}")
+        echo(f"run {RUN_ID!r} now has {counted(len(versions), 'version')} in {home}")
     if not same:
         raise SystemExit(1)

@@ -18,6 +18,11 @@ def _versions(numbers: list[int]) -> str:
     return ", ".join(str(n) for n in numbers)
 
 
+def _versions_named(numbers: list[int]) -> str:
+    """``version 3`` or ``versions 3, 4``."""
+    return f"{'version' if len(numbers) == 1 else 'versions'} {_versions(numbers)}"
+
+
 def _print(record: RetentionPolicy, removed: list[int] | None) -> None:
     echo(f"run:    {record.run_id}")
     echo(f"policy: {Policy.of(record).describe()}")
@@ -26,8 +31,7 @@ def _print(record: RetentionPolicy, removed: list[int] | None) -> None:
         if removed:
             echo("their shards stay stored until `ckptstore gc` reclaims them")
     elif record.would_remove:
-        listed = _versions(record.would_remove)
-        echo(f"not kept: versions {listed} (removed at the next commit, or now with --apply)")
+        echo(f"not kept: {_versions_named(record.would_remove)} (removed at the next commit, or now with --apply)")
     elif Policy.of(record).active:
         echo("not kept: none (the policy keeps every version as the run stands)")
 
@@ -82,8 +86,7 @@ def retention(
                 record = ckpt.retention(run_id)
             if apply:
                 if record.would_remove and not yes:
-                    listed = _versions(record.would_remove)
-                    question = f"Remove versions {listed} of run {run_id!r} now? This cannot be undone"
+                    question = f"Remove {_versions_named(record.would_remove)} of run {run_id!r} now? This cannot be undone"
                     typer.confirm(shown(question), abort=True)
                 removed = ckpt.apply_retention(run_id)
                 record = ckpt.retention(run_id)

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -113,7 +114,7 @@ def export(
             bar.close()
     written = shown(str(directory))
     echo(
-        f"exported {result.run_id}@{result.version} to {written}: {result.tensors} tensors, {size(result.bytes)} "
+        f"exported {result.run_id}@{result.version} to {written}: {counted(result.tensors, 'tensor')}, {size(result.bytes)} "
         f"in {result.seconds:.2f} s"
     )
     for name in result.files:
@@ -149,8 +150,8 @@ def _export_training(target: str, directory: Path, as_format: str, keys: list[st
             write = {"pt": pt.export_pt, "ckpt": lightning.export_ckpt, "trainer": trainer.export_trainer}[as_format]
             result = write(ckpt.transport, parsed.run_id, parsed.ref, directory)
     echo(
-        f"exported {result.run_id}@{result.version} to {shown(str(directory))} as {as_format}: {result.tensors} "
-        f"tensors, {size(result.bytes)} in {result.seconds:.2f} s"
+        f"exported {result.run_id}@{result.version} to {shown(str(directory))} as {as_format}: "
+        f"{counted(result.tensors, 'tensor')}, {size(result.bytes)} in {result.seconds:.2f} s"
     )
     for name in result.files:
         echo(f"  {shown(name)}")
@@ -182,7 +183,7 @@ def _export_other(target: str, directory: Path, as_format: str, config: Path | N
                 )
     written = shown(str(directory))
     echo(
-        f"exported {result.run_id}@{result.version} to {written} as {as_format}: {result.tensors} tensors, "
+        f"exported {result.run_id}@{result.version} to {written} as {as_format}: {counted(result.tensors, 'tensor')}, "
         f"{size(result.bytes)} in {result.seconds:.2f} s"
     )
 
@@ -242,7 +243,7 @@ def import_(
         echo_json({"run_id": result.run_id, "version": result.version, **report, "bytes": result.bytes_total})
         return
     echo(
-        f"imported {result.tensors_total} tensors ({size(result.bytes_total)}) from {shown(str(source))} as "
+        f"imported {counted(result.tensors_total, 'tensor')} ({size(result.bytes_total)}) from {shown(str(source))} as "
         f"{result.run_id}@{result.version}: {size(result.bytes_new)} new, {result.dedup_ratio:.1%} already stored, "
         f"in {result.seconds:.2f} s"
     )
@@ -253,9 +254,9 @@ def import_(
 def import_lines(report: dict) -> list[str]:
     """What an import stored and, by key, what it left out, for people: one line each, every name
     from the source as :func:`client.cli.shown.shown` writes it."""
-    stored = [f"model: {report['model_tensors']} tensors"]
+    stored = [f"model: {counted(report['model_tensors'], 'tensor')}"]
     if report["optimizer_parameters"] is not None:
-        stored.append(f"optimizer: state of {report['optimizer_parameters']} parameters")
+        stored.append(f"optimizer: state of {counted(report['optimizer_parameters'], 'parameter')}")
     if report["scheduler"]:
         stored.append("scheduler")
     if report["step"] is not None:
@@ -306,10 +307,10 @@ def verify(
             rows = [(f"{p.run_id}@{p.version or '?'}", p.key or "-", p.shard_id, p.problem) for p in report.problems]
             table(("VERSION", "KEY", "SHARD", "PROBLEM"), rows)
         echo(
-            f"verified {report.versions} versions: {report.tensors} tensors, {report.digests} distinct, "
+            f"verified {counted(report.versions, 'version')}: {counted(report.tensors, 'tensor')}, {report.digests} distinct, "
             f"{size(report.bytes)} re-read and re-hashed in {report.seconds:.2f} s"
         )
         echo(f"store: {where}")
     if report.problems:
-        echo(f"error: {len(report.problems)} problems found in stored tensors or metadata", err=True)
+        echo(f"error: {counted(len(report.problems), 'problem')} found in stored tensors or metadata", err=True)
         raise typer.Exit(EXIT_FAILED)

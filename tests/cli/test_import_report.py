@@ -22,7 +22,7 @@ def test_a_folder_reports_every_file_it_did_not_read(cli: Cli, tmp_path: Path) -
     assert reported["left_out"] == {"notes": UNREAD_FOLDER, "tokenizer.json": UNREAD_FILE}
     assert reported["model_tensors"] == 1 and reported["optimizer_parameters"] is None
     text = cli.ok("import", folder, "run")
-    assert "stored: model: 1 tensors" in text and "left out: tokenizer.json (not read" in text
+    assert "stored: model: 1 tensor" in text and "left out: tokenizer.json (not read" in text
 
 
 def test_a_sharded_folder_reads_every_shard_its_index_names(cli: Cli, tmp_path: Path) -> None:

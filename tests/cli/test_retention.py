@@ -37,7 +37,7 @@ def test_show_set_and_the_next_commit_applies(cli: Cli) -> None:
 def test_apply_asks_first_then_removes_now(cli: Cli) -> None:
     saved(cli, [4.0, 1.0, 2.0, 3.0], tags={1: "first"})
     declined = cli("retention", "run", "--keep-best", "1", "--metric", "loss", "--apply", input="n\n")
-    assert declined.exit_code == 1 and "Remove versions 3 of run 'run' now?" in declined.stdout
+    assert declined.exit_code == 1 and "Remove version 3 of run 'run' now?" in declined.stdout
     assert versions(cli) == [1, 2, 3, 4]
     policy = json.loads(cli.ok("retention", "run", "--json"))  # the policy was set before the question
     assert policy == {

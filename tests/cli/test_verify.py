@@ -58,7 +58,7 @@ def test_a_flipped_byte_fails_verify_naming_the_key_and_shard(any_cli: Cli, tmp_
     assert result.exit_code == 1
     (problem_line,) = [line for line in result.stdout.splitlines() if "model/body.0.weight" in line]
     assert problem_line.split()[:3] == ["run@1", "model/body.0.weight", shard_id] and "hash to" in problem_line
-    assert "verified 2 versions" in result.stdout and result.stderr.startswith("error: 1 problems found")
+    assert "verified 2 versions" in result.stdout and result.stderr.startswith("error: 1 problem found")
 
     report = json.loads(any_cli("verify", "run@2", "--json").stdout)
     assert report["ok"] is False and len(report["problems"]) == 1
@@ -99,4 +99,4 @@ def test_verify_of_an_unknown_version_is_an_error(cli: Cli) -> None:
     result = cli("verify", "run@7")
     assert result.exit_code == 1 and result.stderr.strip() == "error: run 'run' has no version 7"
     assert cli("verify", "run@").exit_code == 2
-    assert cli.ok("verify", "run").startswith("verified 1 versions")
+    assert cli.ok("verify", "run").startswith("verified 1 version: ")
