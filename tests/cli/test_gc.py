@@ -55,7 +55,7 @@ def test_gc_after_deleting_a_version_reclaims_its_shards_and_the_rest_loads_bit_
     ckpt.load("run", "best", model=loaded)
     expected = second.state_dict()
     assert all(tensors_equal(value, expected[key]) for key, value in loaded.state_dict().items())
-    assert any_cli.ok("verify").startswith("verified 1 versions")
+    assert any_cli.ok("verify").startswith("verified 1 version: ")
     again = json.loads(any_cli.ok("gc", "--grace", "0", "--json"))
     assert (again["shards_swept"], again["orphan_blobs"]) == (0, 0)
 
@@ -79,7 +79,9 @@ def test_a_collection_before_a_saves_commit_keeps_what_the_save_was_told_is_stor
     result = ckpt.save("run", model)
 
     assert swept == [0] and result.version == 2  # one commit, nothing taken
-    assert (result.tensors_new, result.bytes_stored) == (0, 0)  # nothing sent again
+    assert (result.bytes_sent, result.bytes_stored) == (0, 0)  # nothing sent again
+    # What it added is what its record says: the deleted version referenced its tensors no more.
+    assert result.tensors_new == ckpt.versions("run")[-1].tensors_new
     loaded = TinyNet(seed=5)
     ckpt.load("run", model=loaded)
     assert all(tensors_equal(value, model.state_dict()[key]) for key, value in loaded.state_dict().items())
@@ -137,10 +139,10 @@ def test_gc_reports_orphan_blobs_and_deletes_them_when_asked(cli: Cli) -> None:
     store.blobs.put_file("ab" * 32, orphan)  # type: ignore[attr-defined]
 
     text = cli.ok("gc")
-    assert "swept 0 shards" in text and "1 blobs (100 B) have no shard record" in text and "--orphans" in text
+    assert "swept 0 shards" in text and "1 blob (100 B) has no shard record" in text and "--orphans" in text
     assert "deleted 1" in cli.ok("gc", "--orphans")
     assert "no shard record" not in cli.ok("gc")
-    assert cli.ok("verify").startswith("verified 1 versions")
+    assert cli.ok("verify").startswith("verified 1 version: ")
 
 
 def test_gc_compacts_a_shard_whose_live_bytes_fell_below_the_threshold(any_cli: Cli) -> None:
@@ -169,4 +171,4 @@ def test_gc_compacts_a_shard_whose_live_bytes_fell_below_the_threshold(any_cli: 
     ckpt.load("run", "best", model=loaded)
     expected = second.state_dict()
     assert all(tensors_equal(value, expected[key]) for key, value in loaded.state_dict().items())
-    assert any_cli.ok("verify").startswith("verified 1 versions")
+    assert any_cli.ok("verify").startswith("verified 1 version: ")
