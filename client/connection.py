@@ -176,10 +176,10 @@ class Connection:
         first re-encodes, smallest first, the tensors each version older than the grace period
         added: byte-grouped and compressed, or as a compressed delta against the same tensor
         of an earlier version stored whole (its keyframe); loads decode them, and the raw shards
-        go once the grace period has passed; on a terminal a bar counts the bytes visited (a
-        server's collection shows none). A server asks for an admin token.
+        go once the grace period has passed; on a terminal a bar counts the bytes visited, out
+        of a total counted first, with the time left (a server's collection shows none). A server asks for an admin token.
         """
-        from ckptstore.client.progress import byte_bar  # here: only a compressing collection shows a bar
+        from ckptstore.client.progress import byte_bar, counter  # here: only a compressing collection shows a bar
 
         self._settle()
         here = compress and not getattr(self.transport, "remote", False)
@@ -190,7 +190,7 @@ class Connection:
                 orphans=orphans,
                 compact_below=compact_below,
                 compress=compress,
-                on_bytes=bar.update if bar is not None else None,
+                on_bytes=counter(bar) if bar is not None else None,
             )
 
     # -- retention -----------------------------------------------------------------------

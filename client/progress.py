@@ -35,3 +35,25 @@ def byte_bar(total: int | Callable[[], int], description: str) -> tqdm:
         disable=not enabled,
         leave=False,
     )
+
+
+class BarCounter:
+    """A bar's count as a compressing collection's ``on_bytes``: told the total before the first
+    tensor (``expect``), so the bar shows how far it is and the time left."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    def __call__(self, nbytes: int) -> None:
+        """Count ``nbytes`` more."""
+        self.bar.update(nbytes)
+
+    def expect(self, total: int) -> None:
+        """Set the bar's total."""
+        self.bar.total = total
+        self.bar.refresh()
+
+
+def counter(bar: tqdm) -> BarCounter | None:
+    """:class:`BarCounter` for a shown bar; None for a hidden one (nothing is counted for it)."""
+    return None if bar.disable else BarCounter(bar)

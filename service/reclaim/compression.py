@@ -62,6 +62,7 @@ from ckptstore.service.format.safetensors_header import header_bytes
 from ckptstore.service.intake.direct_file import DirectFileWriter
 from ckptstore.service.intake.receiver import staging_error
 from ckptstore.service.reclaim.compression_buffers import BufferPool, RecentTensors
+from ckptstore.service.reclaim.compression_total import tell_total
 from ckptstore.service.reclaim.encoding_choice import choose
 
 #: Tensors smaller than this stay raw: the gain is small and every encoded tensor costs a load a decode.
@@ -410,12 +411,14 @@ def compress(
 ) -> Compression:
     """Re-encode the tensors of every version committed before ``cutoff`` and not yet visited
     (see the module docstring); on a dry run, count what would be stored without writing.
-    ``on_bytes`` is told the raw bytes of each tensor visited, as it is done; ``direct_writes``
+    ``on_bytes`` is told the raw bytes of each tensor visited, as it is done (and first the
+    total, when it has an ``expect`` method: :mod:`service.reclaim.compression_total`); ``direct_writes``
     writes the new shards around the page cache (:mod:`service.intake.direct_file`)."""
     if max_deltas < 0:
         raise ValueError(f"max_deltas {max_deltas} must be at least 0")
     report = Compression()
     recent = RecentTensors(BufferPool(), dry_run=dry_run)
+    tell_total(db, cutoff, MIN_BYTES, on_bytes)  # a bar with a total shows the time left
     after: tuple[str, int] = ("", 0)
     while True:
         with db.transaction() as session:
