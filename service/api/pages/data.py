@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ckptstore.service.api.http.streaming import PIECE_BYTES
-from ckptstore.service.api.pages import tensor_values
+from ckptstore.service.api.pages import snippets, tensor_values
 from ckptstore.service.api.pages.formatting import (
     delta,
     full_json,
@@ -79,7 +79,6 @@ SECTIONS = (
 )
 #: Rows one table shows at most; a page of a million tensors would be too big to be useful.
 MAX_ROWS = 5000
-_SERVER = re.compile(r"^https?://[A-Za-z0-9.\[\]:-]{1,200}(/[A-Za-z0-9._~/-]{0,200})?$")
 
 
 # -- one version --------------------------------------------------------------------------------
@@ -142,38 +141,15 @@ class VersionPage:
         return tensors or part in self.manifest.state
 
     def python_snippet(self, server: str) -> str:
-        """Python that loads this version into a model (and its optimizer and scheduler, if saved)
-        from the store at ``server`` (this page's own URL as the request named it), ready to paste:
-        the token, if the server wants one, comes from ``CKPTSTORE_TOKEN``, never from the page."""
-        version = self.info.version
-        parts = [f'"{self.info.run_id}"', f"version={version}", "model=model"]  # run ids need no escaping
-        parts += ["optim=optim"] if self.has("optim") else []
-        parts += ["scheduler=scheduler"] if self.has("scheduler") else []
-        made = ", ".join(["model"] + [name for name in ("optim", "scheduler") if f"{name}={name}" in parts])
-        return (
-            "import os\n\n"
-            "from ckptstore import client\n\n"
-            f"# {made}: built as for training. The token, when the server has tokens: CKPTSTORE_TOKEN.\n"
-            f'store = client.Client("{self.server_url(server)}", token=os.environ.get("CKPTSTORE_TOKEN"))\n'
-            f"loaded = store.load({', '.join(parts)})\n"
-            "print(loaded.step, loaded.metrics)"
+        """Python that loads this version from the store at ``server`` (:mod:`.snippets`)."""
+        info = self.info
+        return snippets.python_snippet(
+            server, info.run_id, info.version, optim=self.has("optim"), scheduler=self.has("scheduler")
         )
-
-    @staticmethod
-    def server_url(server: str) -> str:
-        """``server`` if it is a plain http(s) URL, else a placeholder (nothing else goes into a snippet)."""
-        return server if _SERVER.fullmatch(server) else "http://HOST:PORT"
 
     def cli_snippet(self, server: str) -> str:
-        """Shell commands that show this version and write it out as a Hugging Face folder."""
-        target = f"{self.info.run_id}@{self.info.version}"
-        server = self.server_url(server)  # only a plain URL goes in a shell line
-        return (
-            "# with CKPTSTORE_TOKEN set too when the server has tokens\n"
-            f"export CKPTSTORE_URL={server}\n"
-            f"ckptstore show {target}\n"
-            f"ckptstore export {target} ./{self.info.run_id}-v{self.info.version}"
-        )
+        """Shell commands that show this version and export it (:mod:`.snippets`)."""
+        return snippets.cli_snippet(server, self.info.run_id, self.info.version)
 
 
 def section_of(key: str) -> tuple[str, str]:
