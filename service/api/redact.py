@@ -5,8 +5,12 @@ access log records the request before anyone looks at it. So what reaches a log 
 
 - the access log's request target (:func:`loggable_target`) keeps the path, percent-decoded
   until it stops changing and cut at the first ``;`` (matrix parameters), ``?`` or ``#``, and
-  the query string's parameter names, each value replaced by ``***`` (a name longer than any
-  word, as long as a token can be, is masked too);
+  the query string's parameters (``diff?a=run@1&b=run@2``, ``page=2`` stay readable) with the
+  value replaced by ``***`` where it may bear a secret (:func:`_shown_value`): a secret-named
+  parameter's (token, key, auth, bearer, secret, pass, session, sig, signature, credential, in
+  any case, percent-decoded), a value holding such a word, an accepted token, or a run of
+  letters and digits as random as a token's, and any value longer than :data:`LONGEST_VALUE`
+  (a name longer than any word, as long as a token can be, is masked too, value and all);
 - every other log line (:func:`redact`) has the values of token-like parameters masked, the
   names matched after percent-decoding, in any case;
 - anywhere, a token this server accepts is replaced by ``***``, plain or percent-encoded;
@@ -23,7 +27,7 @@ import re
 from collections.abc import Iterable
 from urllib.parse import parse_qsl, quote, unquote, urlencode
 
-from ckptstore.service.secrets_mask import mask_urls
+from ckptstore.service.secrets_mask import is_secret_name, mask_urls
 
 MASK = "***"
 #: A query parameter name this long or longer may be a token (tokens have at least 16 characters).
@@ -32,6 +36,12 @@ MAX_NAMES = 16
 _NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
 _SECRET_NAME = r"[^=&;\s?#]*(?:token|key|auth|bearer|secret|pass|session|sig|credential)[^=&;\s?#]*"
 _SECRET_PARAM = re.compile(rf"(?i)((?:^|[?&;\s\x22\x27(])({_SECRET_NAME})=)[^&;\s\x22\x27]*")
+_SECRET_WORD = re.compile(r"(?i)token|key|auth|bearer|secret|pass|session|sig|credential")
+#: A query value longer than this is masked: no harmless parameter of the service needs more.
+LONGEST_VALUE = 128
+#: Letters-and-digits runs this long mixing both look like a token's randomness.
+RANDOM_RUN = 12
+_ALNUM_RUN = re.compile(rf"[A-Za-z0-9]{{{RANDOM_RUN},}}")
 _secrets: set[str] = set()
 LOGGERS = ("uvicorn.access", "uvicorn.error", "uvicorn.asgi", "ckptstore.api", "ckptstore.pages", "ckptstore.server")
 
@@ -86,17 +96,43 @@ def _shown_name(name: str) -> str:
     return plain
 
 
+def _random_run(text: str) -> bool:
+    """Whether ``text`` holds a run of letters and digits as a token's: at least
+    :data:`RANDOM_RUN` long, with both (``5e1d7c9a3b2f4e60``; not ``finetune``, not ``20240101``)."""
+    return any(
+        any(c.isdigit() for c in run) and any(c.isalpha() for c in run) for run in _ALNUM_RUN.findall(text)
+    )
+
+
+def _shown_value(name: str, value: str) -> str:
+    """A query value as the access log shows it: readable (percent-encoded again, so no control
+    character reaches the log) unless it may bear a secret (see the module's description)."""
+    plain = decoded(value)
+    if (
+        name == MASK
+        or _SECRET_PARAM.match(f"?{decoded(name)}=")
+        or is_secret_name(name)
+        or len(plain) > LONGEST_VALUE
+        or _SECRET_WORD.search(plain)
+        or _mask_secrets(plain) != plain
+        or _random_run(plain)
+    ):
+        return MASK
+    return quote(plain, safe="@:/-._~,+!*'()")
+
+
 def loggable_target(target: str) -> str:
     """An access-log request target (path and query): :func:`safe_path`, and the query's names
-    with every value masked (``/v1/runs?token=***&page=***``)."""
+    with the values that may bear a secret masked (``/v1/runs?token=***&page=2``)."""
     path, _, query = target.partition("?")
     shown = safe_path(path)
     if not query:
         return shown
-    names = [_shown_name(name) for name, _ in parse_qsl(query, keep_blank_values=True)][: MAX_NAMES + 1]
-    if len(names) > MAX_NAMES:
-        names[MAX_NAMES:] = ["…"]
-    return f"{shown}?{'&'.join(f'{name}={MASK}' if name != '…' else name for name in names)}"
+    pairs = parse_qsl(query, keep_blank_values=True)
+    kept = [f"{name}={_shown_value(name, value)}" for name, value in ((_shown_name(n), v) for n, v in pairs)]
+    if len(kept) > MAX_NAMES:
+        kept[MAX_NAMES:] = ["…"]
+    return f"{shown}?{'&'.join(kept)}"
 
 
 def redact(text: str, *, urls: bool = True) -> str:
