@@ -116,8 +116,8 @@ def test_run_page_lists_versions_newest_first_with_their_figures(client: TestCli
     assert header[7:] == ["Logical size", "New bytes stored", "Dedup saving", "Trainable", "Parent"]
     v2, v1 = table.rows()
     # One format per metric column: acc 0.125 and 0.5 both with three decimals.
-    assert v2[1:2] + v2[3:] == ["v2", "best", "20", "0.500", "1.5", "455 B", "183 B", "59.8%", "24.6%", "v1"]
-    assert v1[1:2] + v1[3:] == ["v1", "first", "10", "0.125", "2.5", "420 B", "420 B", "0.0%", "19.0%", "—"]
+    assert v2[1:2] + v2[3:] == ["v2", "best", "20", "0.500", "1.5", "455 B", "183 B", "59.8%", "30.4%", "v1"]
+    assert v1[1:2] + v1[3:] == ["v1", "first", "10", "0.125", "2.5", "420 B", "420 B", "0.0%", "23.8%", "—"]
     links = table.links()
     assert ("/runs/alpha/versions/2", "v2") in links and ("/runs/alpha/versions/1", "v1") in links
     boxes = doc.one("form", id="compare").all("input", type="checkbox")
@@ -241,8 +241,8 @@ def test_version_page_groups_tensors_and_marks_what_the_parent_shares(client: Te
     facts = doc.one("div", class_="facts").text
     for fact in ("Step 20", "Logical size 455 B", "New bytes stored 183 B", "Shared with parent 272 B"):
         assert fact in facts
-    # One denominator on every page: the logical size (455 B), as the run page's Trainable column.
-    assert "Model 368 B Trainable 112 B (24.6% of the logical size) Frozen 256 B" in facts
+    # One denominator on every page: the model's bytes (368 B), as the run page's Trainable column.
+    assert "Model 368 B Trainable 112 B (30.4% of the model) Frozen 256 B" in facts
     assert [dt.text for dt in doc.one("dl", id="metrics").all("dt")] == ["acc", "loss"]
     assert ("/runs/alpha/versions/1", "v1") in doc.one("dd", id="parent").links()
     assert ("/runs/alpha/versions/best", "best") in doc.one("h1").links()

@@ -133,8 +133,8 @@ def test_trainable_share_has_one_denominator_on_every_page(client: TestClient) -
     header = run.one("table", id="versions").header()
     cells = {row[1]: dict(zip(header, row, strict=True)) for row in run.one("table", id="versions").rows()}
     version = page(client, "/runs/alpha/versions/2")
-    assert cells["v2"]["Trainable"] == "24.6%"
-    assert version.one("dd", id="trainable").text == "112 B (24.6% of the logical size)"
+    assert cells["v2"]["Trainable"] == "30.4%"  # 112 B of the model's 368 B, not of the logical 455 B
+    assert version.one("dd", id="trainable").text == "112 B (30.4% of the model)"
 
 
 def test_downloads_are_named_by_tensor_key(client: TestClient) -> None:

@@ -29,6 +29,7 @@ from ckptstore.service.api.pages.formatting import (
     when,
 )
 from ckptstore.service.api.pages.index import RunsIndex, runs_index
+from ckptstore.service.api.pages.model_share import trainable_share
 from ckptstore.service.api.pages.numbers import NumberFormat
 from ckptstore.service.api.pages.runs import (
     PER_PAGE,
@@ -127,8 +128,8 @@ class VersionPage:
 
     @property
     def trainable_share(self) -> float | None:
-        """Trainable bytes over the version's logical bytes, as on the run page (None when empty)."""
-        return self.info.bytes_trainable / self.info.bytes_total if self.info.bytes_total else None
+        """Trainable bytes over the model's bytes, as on the run page (None with no model tensors)."""
+        return trainable_share(self.info.bytes_trainable, self.model_bytes)
 
     @property
     def matched(self) -> int:

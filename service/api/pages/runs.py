@@ -17,6 +17,7 @@ from typing import Literal
 from urllib.parse import quote, urlencode
 
 from ckptstore.service.api.pages.charts import Chart, Point, line_chart, storage_chart
+from ckptstore.service.api.pages.model_share import model_bytes, trainable_share
 from ckptstore.service.api.pages.numbers import NumberFormat
 from ckptstore.service.catalog import listings
 from ckptstore.service.catalog.listings import VersionFilter
@@ -210,6 +211,12 @@ class RunPage:
     filter: RunFilter = RunFilter()
     charts: RunCharts = RunCharts()
     all_metrics: list[str] = field(default_factory=list)
+    #: Each listed version's model bytes (see :mod:`service.api.pages.model_share`).
+    model_bytes: dict[int, int] = field(default_factory=dict)
+
+    def trainable_share(self, info: VersionInfo) -> float | None:
+        """``info``'s trainable bytes over its model's bytes (None with no model tensors)."""
+        return trainable_share(info.bytes_trainable, self.model_bytes.get(info.version, 0))
 
     @cached_property
     def formats(self) -> dict[str, NumberFormat]:
@@ -384,7 +391,8 @@ def run_page(
     names = sorted({name for v in rows for name in v.metrics})
     known = sorted({*names, *(c.title for c in charts.metrics), *charts.left_out, *filter_metric(chosen)})
     view = retention_view(store, run_id)
-    return RunPage(run_id, rows, names, total, page, pages, per_page, sort, order, view, chosen, charts, known)
+    models = {v.version: model_bytes(store, v) for v in rows}
+    return RunPage(run_id, rows, names, total, page, pages, per_page, sort, order, view, chosen, charts, known, models)
 
 
 def filter_metric(chosen: RunFilter) -> list[str]:
