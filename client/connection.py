@@ -177,7 +177,8 @@ class Connection:
         added: byte-grouped and compressed, or as a compressed delta against the same tensor
         of an earlier version stored whole (its keyframe); loads decode them, and the raw shards
         go once the grace period has passed; on a terminal a bar counts the bytes visited, out
-        of a total counted first, with the time left (a server's collection shows none). A server asks for an admin token.
+        of a total counted first, with the time left (a server's collection shows none). A
+        server asks for an admin token.
         """
         from ckptstore.client.progress import byte_bar, counter  # here: only a compressing collection shows a bar
 

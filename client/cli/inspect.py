@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from ckptstore.client import keys
-from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.common import echo, echo_json, open_client, parse_target, reported, server_url, size, table
+from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.errors import NotFoundError
 from ckptstore.service.format.names import validate_run_id

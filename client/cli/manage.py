@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ckptstore.client.cli.counts import agree, counted
 from ckptstore.client.cli.common import UsageProblem, echo, echo_json, open_client, parse_target, reported, size
+from ckptstore.client.cli.counts import agree, counted
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.format.names import validate_run_id, validate_tag
 from ckptstore.service.format.records import GcReport
@@ -162,8 +162,9 @@ def gc(
             echo(f"{what}; `ckptstore gc --orphans` aborts them")
     if report.staging_files_swept:
         echo(
-            f"{'would remove' if report.dry_run else 'removed'} {counted(report.staging_files_swept, 'temporary file')} "
-            f"({size(report.staging_bytes_swept)}) that killed saves left in the staging folders"
+            f"{'would remove' if report.dry_run else 'removed'} "
+            f"{counted(report.staging_files_swept, 'temporary file')} ({size(report.staging_bytes_swept)}) "
+            "that killed saves left in the staging folders"
         )
     if report.dry_run:
         echo("dry run: nothing was deleted")

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from ckptstore.client.api import Client
-from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.common import echo
+from ckptstore.client.cli.counts import counted
 from ckptstore.client.connection import default_home
 
 RUN_ID = "quickstart"

@@ -86,7 +86,9 @@ def retention(
                 record = ckpt.retention(run_id)
             if apply:
                 if record.would_remove and not yes:
-                    question = f"Remove {_versions_named(record.would_remove)} of run {run_id!r} now? This cannot be undone"
+                    question = (
+                        f"Remove {_versions_named(record.would_remove)} of run {run_id!r} now? This cannot be undone"
+                    )
                     typer.confirm(shown(question), abort=True)
                 removed = ckpt.apply_retention(run_id)
                 record = ckpt.retention(run_id)

@@ -59,7 +59,9 @@ def serve(
     # ask for any free one), never before a bind that may fail.
     address = _address(settings.host, sock.getsockname()[1])
     line = f"ckptstore serving {mask_url(settings.resolved_database_url)} on {address}"
-    config = server_config(application if settings.workers == 1 else "ckptstore.service.api.server:app_from_env", settings)
+    config = server_config(
+        application if settings.workers == 1 else "ckptstore.service.api.server:app_from_env", settings
+    )
     run(config, sock, announce=lambda: echo(line))
 
 

@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -28,6 +27,7 @@ from ckptstore.client.cli.common import (
     table,
     writing_into,
 )
+from ckptstore.client.cli.counts import counted
 from ckptstore.client.cli.shown import shown
 from ckptstore.service.format.names import validate_run_id
 
@@ -114,8 +114,8 @@ def export(
             bar.close()
     written = shown(str(directory))
     echo(
-        f"exported {result.run_id}@{result.version} to {written}: {counted(result.tensors, 'tensor')}, {size(result.bytes)} "
-        f"in {result.seconds:.2f} s"
+        f"exported {result.run_id}@{result.version} to {written}: {counted(result.tensors, 'tensor')}, "
+        f"{size(result.bytes)} in {result.seconds:.2f} s"
     )
     for name in result.files:
         echo(f"  {shown(name)}")
@@ -307,8 +307,8 @@ def verify(
             rows = [(f"{p.run_id}@{p.version or '?'}", p.key or "-", p.shard_id, p.problem) for p in report.problems]
             table(("VERSION", "KEY", "SHARD", "PROBLEM"), rows)
         echo(
-            f"verified {counted(report.versions, 'version')}: {counted(report.tensors, 'tensor')}, {report.digests} distinct, "
-            f"{size(report.bytes)} re-read and re-hashed in {report.seconds:.2f} s"
+            f"verified {counted(report.versions, 'version')}: {counted(report.tensors, 'tensor')}, "
+            f"{report.digests} distinct, {size(report.bytes)} re-read and re-hashed in {report.seconds:.2f} s"
         )
         echo(f"store: {where}")
     if report.problems:

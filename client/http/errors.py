@@ -19,7 +19,6 @@ from ckptstore.service.errors import (
     error_class_for_code,
 )
 
-
 #: What a refused token's error adds: where the client's token comes from (the token itself is never shown).
 TOKEN_HINT = "set CKPTSTORE_TOKEN to a token this server accepts (client.Client(url, token=...) from Python)"
 SCOPE_HINT = "set CKPTSTORE_TOKEN to a token of that scope (client.Client(url, token=...) from Python)"

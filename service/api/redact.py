@@ -99,9 +99,7 @@ def _shown_name(name: str) -> str:
 def _random_run(text: str) -> bool:
     """Whether ``text`` holds a run of letters and digits as a token's: at least
     :data:`RANDOM_RUN` long, with both (``5e1d7c9a3b2f4e60``; not ``finetune``, not ``20240101``)."""
-    return any(
-        any(c.isdigit() for c in run) and any(c.isalpha() for c in run) for run in _ALNUM_RUN.findall(text)
-    )
+    return any(any(c.isdigit() for c in run) and any(c.isalpha() for c in run) for run in _ALNUM_RUN.findall(text))
 
 
 def _shown_value(name: str, value: str) -> str:

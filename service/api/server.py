@@ -186,9 +186,7 @@ class _AnnouncingServer(uvicorn.Server):
             self.announce()
 
 
-def run(
-    config: ServerConfig, sock: socket.socket | None = None, announce: Callable[[], object] | None = None
-) -> None:
+def run(config: ServerConfig, sock: socket.socket | None = None, announce: Callable[[], object] | None = None) -> None:
     """Serve with ``config`` until stopped: in this process, or in ``config.workers`` processes
     (what ``uvicorn.run`` does with the same Config), on ``sock`` when given (see
     :func:`listening_socket`); ``announce`` is called once the server has started (with several
@@ -204,7 +202,9 @@ def run(
             if sock is not None:  # as config.bind_socket() would have logged it
                 host, port = sock.getsockname()[:2]
                 shown = f"[{host}]" if ":" in host else host
-                logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, port)
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, port
+                )
             if announce is not None:
                 announce()
             Multiprocess(config, sockets=[sock if sock is not None else config.bind_socket()]).run()

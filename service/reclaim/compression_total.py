@@ -61,11 +61,14 @@ def pending_bytes(db: Database, cutoff: datetime, min_bytes: int) -> int:
             digests.update(session.scalars(select(PartRef.digest).where(PartRef.part_id.in_(batch))))
         total = 0
         for batch_digests in lookup.batches(sorted(digests)):
-            total += session.scalar(
-                select(func.coalesce(func.sum(Tensor.nbytes), 0)).where(
-                    Tensor.digest.in_(batch_digests), Tensor.encoding.is_(None), Tensor.nbytes >= min_bytes
+            total += (
+                session.scalar(
+                    select(func.coalesce(func.sum(Tensor.nbytes), 0)).where(
+                        Tensor.digest.in_(batch_digests), Tensor.encoding.is_(None), Tensor.nbytes >= min_bytes
+                    )
                 )
-            ) or 0
+                or 0
+            )
     return int(total)
 
 

@@ -58,9 +58,7 @@ def test_an_accepted_token_under_any_name_is_masked() -> None:
     assert loggable_target(f"/v1/runs?x={accepted}&page=3") == f"/v1/runs?x={MASK}&page=3"
 
 
-@given(
-    st.lists(st.tuples(st.sampled_from(HARMLESS_NAMES), HARMLESS_VALUES), min_size=1, max_size=redact.MAX_NAMES)
-)
+@given(st.lists(st.tuples(st.sampled_from(HARMLESS_NAMES), HARMLESS_VALUES), min_size=1, max_size=redact.MAX_NAMES))
 def test_harmless_values_stay_readable(pairs: list[tuple[str, str]]) -> None:
     query = "&".join(f"{name}={value}" for name, value in pairs)
     assert loggable_target(f"/v1/runs/run-a/diff?{query}") == f"/v1/runs/run-a/diff?{query}"

@@ -33,9 +33,7 @@ def test_a_saves_new_bytes_are_its_versions_across_runs_that_share_tensors(ckpt:
             saved = ckpt.save(run, model, optim)
             record = ckpt.versions(run)[-1]
             assert record.version == saved.version
-            found.setdefault(run, []).append(
-                (saved.bytes_new, record.bytes_new, saved.tensors_new, record.tensors_new)
-            )
+            found.setdefault(run, []).append((saved.bytes_new, record.bytes_new, saved.tensors_new, record.tensors_new))
             sent.setdefault(run, []).append(saved.bytes_sent)
     for run, figures in found.items():
         for saved_bytes, record_bytes, saved_tensors, record_tensors in figures:
