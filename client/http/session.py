@@ -56,6 +56,9 @@ class HttpSession:
         #: The policy of requests sent before the server first answers (None: :attr:`policy`).
         self._reaching: RetryPolicy | None = None
         self._reached = False
+        #: Whether a long call sent before the server first answered is preceded by a health probe
+        #: (after :meth:`limit_waiting`, whose answer timeouts are short).
+        self._probe_first = False
         self._http = httpx.Client(
             base_url=self.route.url,
             headers=headers,
@@ -76,7 +79,8 @@ class HttpSession:
     def reach_within(self, seconds: float) -> None:
         """Until the server first answers, retry a request for at most ``seconds`` (not the
         policy's whole budget) and without a logged warning: a server that is not there is an
-        error within seconds, naming its URL; once it has answered, the whole budget applies."""
+        error within seconds, naming its URL; once it has answered, the whole budget applies.
+        Only failures to connect are at stake (nothing was sent), so no probe precedes a call."""
         self._reaching = replace(self.policy, seconds=min(self.policy.seconds, seconds), warn=False)
 
     def limit_waiting(self, *, reach_seconds: float | None, answer_seconds: float) -> None:
@@ -101,6 +105,7 @@ class HttpSession:
         if reach_seconds is not None:
             connect = min(CONNECT_SECONDS, max(reach_seconds, 0.1))
             self._reaching = replace(self.policy, seconds=min(self.policy.seconds, reach_seconds), warn=False)
+            self._probe_first = True
         self._metadata_timeout = httpx.Timeout(answer_seconds, connect=connect)
         self._http.timeout = httpx.Timeout(self._timeout_seconds, connect=connect)
 
@@ -170,7 +175,7 @@ class HttpSession:
         """One request under the policy (the reaching one until the server first answers); an error
         answer raised as its CheckpointError."""
         reaching = None if self._reached else self._reaching
-        if reaching is not None and not metadata:
+        if reaching is not None and self._probe_first and not metadata:
             # This call may rightly wait long for its answer (the server works, or bytes flow):
             # whether the server answers at all is asked first, with a call it answers at once.
             def probe() -> httpx.Response:
