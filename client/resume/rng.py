@@ -5,10 +5,16 @@ uint32 tensor plus JSON; torch's CPU generator and each CUDA device's are byte t
 (``torch.cuda.get_rng_state_all()``, one per device, when CUDA is available). The result goes
 into a version's ``resume`` section (:mod:`client.resume.section`), or a plug-in's ``extra``,
 and comes back through :func:`restore_rng`.
+
+:func:`to_json` and :func:`from_json` write the same state as plain JSON (torch's states as
+base64 text, the rest as numbers), as a version's ``resume`` section keeps it: a few kilobytes
+that differ at every save, so as tensors they would add new bytes and a shard to every version.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import random
 from typing import Any
 
@@ -63,5 +69,48 @@ def restore_rng(state: dict[str, Any]) -> None:
             else:
                 for index, device_state in enumerate(cuda[: torch.cuda.device_count()]):
                     torch.cuda.set_rng_state(device_state.cpu(), index)
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
         raise StateMismatchError(f"stored random number generator state is malformed: {exc!r}") from exc
+
+
+def _text(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+def _bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def to_json(state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`capture_rng`'s ``state`` as plain JSON values (:func:`from_json` reads it back)."""
+    version, internal, gauss = state["python"]
+    numpy = state["numpy"]
+    written: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {**numpy, "keys": [int(key) for key in numpy["keys"].tolist()]},
+        "torch": _text(state["torch"]),
+    }
+    if "cuda" in state:
+        written["cuda"] = [_text(device_state) for device_state in state["cuda"]]
+    return written
+
+
+def from_json(written: Any) -> dict[str, Any]:
+    """The state :func:`to_json` wrote, in :func:`capture_rng`'s layout (for :func:`restore_rng`).
+
+    Raises:
+        StateMismatchError: ``written`` is not what :func:`to_json` writes.
+    """
+    try:
+        python = written["python"]
+        numpy = written["numpy"]
+        state: dict[str, Any] = {
+            "python": (python["version"], tuple(python["state"]), python["gauss"]),
+            "numpy": {**numpy, "keys": torch.tensor(numpy["keys"], dtype=torch.int64)},
+            "torch": _bytes(written["torch"]),
+        }
+        if "cuda" in written:
+            state["cuda"] = [_bytes(text) for text in written["cuda"]]
+    except (KeyError, TypeError, ValueError, binascii.Error, RuntimeError, OverflowError) as exc:
+        raise StateMismatchError(f"stored random number generator state is malformed: {exc!r}") from exc
+    return state

@@ -2,12 +2,13 @@
 
 The section is JSON (tensors by key, under ``resume/``) of this shape::
 
-    {"rng": <capture_rng()>,                      # unless save(..., rng=False)
+    {"rng": <to_json(capture_rng())>,             # unless save(..., rng=False)
      "stateful": {"dataloader": <state_dict()>}}  # the objects passed to save()
 
 ``rng`` holds Python's ``random``, NumPy's global state, torch's CPU generator and every CUDA
 device's (:mod:`client.resume.rng`), recorded with every version :meth:`client.api.Client.save`
-writes. ``stateful`` holds the ``state_dict()`` of each object passed as ``dataloader=`` or in
+writes, as plain JSON (:func:`client.resume.rng.to_json`): no tensors, so a save of an unchanged
+model still adds no tensor bytes. ``stateful`` holds the ``state_dict()`` of each object passed as ``dataloader=`` or in
 ``stateful=`` (anything with ``state_dict`` and ``load_state_dict``, the protocol
 ``torch.distributed.checkpoint`` calls ``Stateful``: a torchdata ``StatefulDataLoader``, a
 sampler, a metric), by the name it was passed under.
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.client.resume.rng import capture_rng, restore_rng
+from ckptstore.client.resume.rng import capture_rng, from_json, restore_rng, to_json
 from ckptstore.client.state import FlatState, flatten_other
 from ckptstore.service.errors import InvalidInputError, StateMismatchError
 from ckptstore.service.format.manifest import Manifest, StateSection
@@ -62,7 +63,7 @@ def record(flat: FlatState, *, rng: bool, objects: Mapping[str, Any]) -> None:
     ``state_dict()``, taken now."""
     value: dict[str, Any] = {}
     if rng:
-        value["rng"] = capture_rng()
+        value["rng"] = to_json(capture_rng())  # JSON, not tensors: it differs at every save
     if objects:
         value["stateful"] = {name: obj.state_dict() for name, obj in objects.items()}
     if value:
@@ -132,4 +133,4 @@ def apply(restore: Restore, decoded: Any) -> None:
         obj.load_state_dict(stored[name])
         obj.state_dict()
     if restore.rng:
-        restore_rng(decoded["rng"])
+        restore_rng(from_json(decoded["rng"]))

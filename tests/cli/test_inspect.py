@@ -129,7 +129,7 @@ def test_show_json_has_the_version_and_the_manifest(cli: Cli) -> None:
     assert set(shown["version"]) == VERSION_FIELDS and shown["version"]["parent"] == 1
     manifest = shown["manifest"]
     assert manifest["run_id"] == "run" and manifest["version"] == 2 and manifest["step"] == 4
-    assert manifest["format"] == "ckptstore.manifest/1" and set(manifest["state"]) == {"optim", "scheduler"}
+    assert manifest["format"] == "ckptstore.manifest/1" and set(manifest["state"]) == {"optim", "scheduler", "resume"}
     keys = [t["key"] for t in manifest["tensors"]]
     assert "model/head.weight" in keys and "optim/state/body.0.weight/exp_avg" in keys
     assert shown["version"]["tensors_total"] == len(keys)

@@ -23,6 +23,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ckptstore import client
+from ckptstore.client.resume.rng import capture_rng, from_json, restore_rng, to_json
 from ckptstore.client.resume.section import SECTION
 from ckptstore.service.errors import InvalidInputError, StateMismatchError
 from tests.client.conftest import Backend
@@ -176,3 +177,21 @@ class Counter:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Take ``state``."""
         self.count = state["count"]
+
+
+def test_the_recorded_generators_are_plain_json_and_a_malformed_record_is_refused() -> None:
+    written = to_json(capture_rng())
+    assert json.loads(json.dumps(written)) == written  # no tensors, nothing but JSON
+    expected = draws()
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    restore_rng(from_json(written))
+    assert same(draws(), expected)
+    for broken in (
+        {**written, "torch": "not base64!"},
+        {**written, "torch": "AAAA"},  # three bytes: not a generator's state
+        {**written, "python": {"version": 3, "state": "x", "gauss": None}},
+        {**written, "numpy": {**written["numpy"], "keys": [1, 2, 3]}},
+        {k: v for k, v in written.items() if k != "numpy"},
+    ):
+        with pytest.raises(StateMismatchError, match="random number generator state is malformed"):
+            restore_rng(from_json(broken))
