@@ -8,8 +8,8 @@ The section is JSON (tensors by key, under ``resume/``) of this shape::
 ``rng`` holds Python's ``random``, NumPy's global state, torch's CPU generator and every CUDA
 device's (:mod:`client.resume.rng`), recorded with every version :meth:`client.api.Client.save`
 writes, as plain JSON (:func:`client.resume.rng.to_json`): no tensors, so a save of an unchanged
-model still adds no tensor bytes. ``stateful`` holds the ``state_dict()`` of each object passed as ``dataloader=`` or in
-``stateful=`` (anything with ``state_dict`` and ``load_state_dict``, the protocol
+model still adds no tensor bytes. ``stateful`` holds the ``state_dict()`` of each object passed
+as ``dataloader=`` or in ``stateful=`` (anything with ``state_dict`` and ``load_state_dict``, the protocol
 ``torch.distributed.checkpoint`` calls ``Stateful``: a torchdata ``StatefulDataLoader``, a
 sampler, a metric), by the name it was passed under.
 

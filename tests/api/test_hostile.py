@@ -463,7 +463,7 @@ BAD_COMMIT_BODIES: dict[str, bytes] = {
     "step-nan-string": _commit(step="NaN"),
     "step-1e400": _commit_raw(b'"step": 1e400'),
     "metric-nan": _commit_raw(b'"metrics": {"loss": NaN}'),
-    "metric-string": _commit(metrics={"loss": "NaN"}),
+    "metric-string": _commit(metrics={"loss": "nan"}),  # "NaN" is a metric; "nan" is no spelling of one
     "shape-strings": _commit_entry(shape=["16", "16"]),
     "shape-floats": _commit_entry(shape=[16.0, 16.0]),
     "shape-bools": _commit_entry(shape=[True, 16]),
