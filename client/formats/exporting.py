@@ -22,11 +22,11 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from contextlib import closing
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptstore.client import jsonstate
 from ckptstore.client.formats.hf.model_configs import CONFIG_FILES
@@ -104,33 +104,36 @@ def write_safetensors(
     header, placed = encode_header([(name, e.dtype, list(e.shape)) for name, e in layout], metadata)
     offsets = {entry.key: len(header) + slot.begin for (_, entry), slot in zip(layout, placed, strict=True)}
     total = len(header) + (placed[-1].end if placed else 0)
+    with written_atomically(path) as handle:
+        handle.write(header)
+        handle.truncate(total)
+        with closing(reader.read_many([entry.key for _, entry in layout])) as stream:
+            for key, tensor in stream:
+                handle.seek(offsets[key])
+                handle.write(byte_view(host_contiguous(tensor, key)))
+    return total
+
+
+@contextmanager
+def written_atomically(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through: ``.<name>.<uuid>.incomplete``, flushed, synced and
+    renamed into place when the block ends, removed if it raises (``path`` is never half-written)."""
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(header)
-            handle.truncate(total)
-            with closing(reader.read_many([entry.key for _, entry in layout])) as stream:
-                for key, tensor in stream:
-                    handle.seek(offsets[key])
-                    handle.write(byte_view(host_contiguous(tensor, key)))
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    return total
 
 
 def write_text_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    with written_atomically(path) as handle:
+        handle.write(text.encode("utf-8"))
 
 
 def model_entries(manifest: Manifest, patterns: Sequence[str] | None = None) -> list[tuple[str, TensorEntry]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.client.formats.export_training.torch_file import write_torch_file
-from ckptstore.client.formats.export_training.version_state import VersionState, read_version
+from ckptstore.client.formats.export_training.version_state import VersionState, file_result, read_version
 from ckptstore.client.formats.exporting import ExportResult
 from ckptstore.client.formats.lightning_ckpt import VERSION_KEY, WEIGHTS_KEY
 from ckptstore.client.store_protocol import Transport
@@ -88,12 +88,4 @@ def export_ckpt(transport: Transport, run_id: str, ref: int | str, path: Path) -
     checkpoint = lightning_checkpoint(state)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_torch_file(path, checkpoint)
-    return ExportResult(
-        run_id=state.manifest.run_id,
-        version=state.manifest.version,
-        directory=path.parent,
-        files=[path.name],
-        tensors=state.tensors,
-        bytes=state.nbytes,
-        seconds=time.perf_counter() - started,
-    )
+    return file_result(state, path, started)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.client.formats.export_training.torch_file import write_torch_file
-from ckptstore.client.formats.export_training.version_state import VersionState, read_version
+from ckptstore.client.formats.export_training.version_state import VersionState, file_result, read_version
 from ckptstore.client.formats.exporting import ExportResult
 from ckptstore.client.formats.torch_dicts import MODEL_KEYS, OPTIMIZER_KEYS, SCHEDULER_KEYS, STEP_KEYS
 from ckptstore.client.store_protocol import Transport
@@ -69,12 +69,4 @@ def export_pt(transport: Transport, run_id: str, ref: int | str, path: Path) -> 
     state = read_version(transport, run_id, ref)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_torch_file(path, training_dict(state))
-    return ExportResult(
-        run_id=state.manifest.run_id,
-        version=state.manifest.version,
-        directory=path.parent,
-        files=[path.name],
-        tensors=state.tensors,
-        bytes=state.nbytes,
-        seconds=time.perf_counter() - started,
-    )
+    return file_result(state, path, started)

@@ -14,13 +14,12 @@ Each file is written as ``.<name>.<uuid>.incomplete``, flushed and renamed into 
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckptstore.client.formats.exporting import written_atomically
 from ckptstore.service.errors import StateEncodingError
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -64,14 +63,6 @@ def write_torch_file(path: Path, value: Any, *, numpy_arrays: bool = False) -> i
         StateEncodingError: ``value`` holds something other than plain data (nothing is written).
     """
     check_plain(value, numpy_arrays=numpy_arrays)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.incomplete")
-    try:
-        with open(temporary, "wb") as handle:
-            torch.save(value, handle)  # noqa: TID251 - the export's target format; plain data, checked above
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    with written_atomically(path) as handle:
+        torch.save(value, handle)  # noqa: TID251 - the export's target format; plain data, checked above
     return path.stat().st_size

@@ -14,11 +14,14 @@ is refused (:class:`StateMismatchError`), never guessed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckptstore.client.formats.exporting import ExportResult
 from ckptstore.client.loading import restore, selection
 from ckptstore.client.loading.reader import TensorReader
 from ckptstore.client.state import is_positional
@@ -105,3 +108,16 @@ def positional_optimizer(decoded: dict[str, Any], where: str) -> dict[str, Any]:
         params = [p if type(p) is int else position[p] for p in group["params"]]
         numbered.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return {"state": dict(sorted(state.items())), "param_groups": numbered}
+
+
+def file_result(state: VersionState, path: Path, started: float) -> ExportResult:
+    """What an export of ``state`` as the one file ``path`` wrote, begun at ``started`` (``perf_counter``)."""
+    return ExportResult(
+        run_id=state.manifest.run_id,
+        version=state.manifest.version,
+        directory=path.parent,
+        files=[path.name],
+        tensors=state.tensors,
+        bytes=state.nbytes,
+        seconds=time.perf_counter() - started,
+    )
