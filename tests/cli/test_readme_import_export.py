@@ -12,9 +12,10 @@ import pytest
 from tests.cli.conftest import Cli
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-#: Lines naming sources a reader brings (a Trainer run, a LoRA run); tests/cli/test_import_formats.py
-#: and test_export_formats.py run those paths on real ones.
-BROUGHT = ("out/checkpoint-500", "my-lora")
+#: Lines naming sources a reader brings (a Trainer run, a LoRA run, an Accelerate run, a training
+#: run); tests/cli/test_import_formats.py, test_export_formats.py, test_import_accelerate.py and
+#: test_export_training_*.py run those paths on real ones.
+BROUGHT = ("out/checkpoint-500", "my-lora", "my-acc-run", "my-run ", "my-finetune")
 
 
 def _blocks(page: str, heading: str, language: str) -> list[str]:
