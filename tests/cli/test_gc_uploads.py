@@ -29,9 +29,9 @@ def test_gc_orphans_aborts_unfinished_uploads_past_the_grace_period(any_cli: Cli
     assert (in_grace["stale_uploads"], in_grace["uploads_aborted"]) == (0, 0)
     dry = json.loads(any_cli.ok("gc", "--orphans", "--grace", "0", "--dry-run", "--json"))
     assert (dry["stale_uploads"], dry["stale_upload_bytes"], dry["uploads_aborted"]) == (1, 1500, 0)
-    assert "1 unfinished uploads (1.5 KiB in parts)" in any_cli.ok("gc", "--orphans", "--grace", "0", "--dry-run")
+    assert "1 unfinished upload (1.5 KiB in parts)" in any_cli.ok("gc", "--orphans", "--grace", "0", "--dry-run")
     hint = any_cli.ok("gc", "--grace", "0")
-    assert "1 unfinished uploads" in hint and "`ckptstore gc --orphans` aborts them" in hint
+    assert "1 unfinished upload " in hint and "`ckptstore gc --orphans` aborts them" in hint
     assert set(unfinished_uploads(s3, bucket)) == {ours, theirs}
 
     done = json.loads(any_cli.ok("gc", "--orphans", "--grace", "0", "--json"))
