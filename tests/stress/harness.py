@@ -219,19 +219,19 @@ class ModeRun:
         self.checker.acknowledged[version] = (step, str(saved["sha"]))
         if saved["sent"] != saved["missing"] or saved["sent_count"] != saved["missing_count"]:
             self.violation(f"version {version}: the shards sent hold other tensors than the store said it lacks")
-        if saved["sent_count"] != saved["tensors_new"] or saved["sent_bytes"] != saved["bytes_new"]:
-            self.violation(f"version {version}: sent {saved['sent_bytes']} bytes, the save says {saved['bytes_new']}")
+        if saved["sent_bytes"] != saved["bytes_sent"]:
+            self.violation(f"version {version}: sent {saved['sent_bytes']} bytes, the save says {saved['bytes_sent']}")
         if expected is None:
             return
         self.report.resave_checks += 1
-        self.report.resave_bytes_new += int(saved["bytes_new"])
+        self.report.resave_bytes_sent += int(saved["bytes_sent"])
         self.report.resave_bytes_expected += expected.bytes_missing
         self.report.resave_bytes_reused += expected.bytes_reused
         if step != expected.step:
             self.violation(f"the job started at step {expected.step} but first saved step {step}")
-        if saved["missing"] != expected.missing_hash or saved["bytes_new"] != expected.bytes_missing:
+        if saved["missing"] != expected.missing_hash or saved["bytes_sent"] != expected.bytes_missing:
             self.violation(
-                f"re-save of step {step} sent {saved['bytes_new']} bytes ({saved['missing_count']} tensors); "
+                f"re-save of step {step} sent {saved['bytes_sent']} bytes ({saved['missing_count']} tensors); "
                 f"the store lacked {expected.bytes_missing} bytes ({len(expected.missing)} tensors)"
             )
 
@@ -313,13 +313,13 @@ class ModeRun:
             transport.put_shard = recorded
             result = ckpt.save(RUN, StressNet(self.seed, expected.step), step=expected.step)
             self.report.resave_checks += 1
-            self.report.resave_bytes_new += result.bytes_new
+            self.report.resave_bytes_sent += result.bytes_sent
             self.report.resave_bytes_expected += expected.bytes_missing
             self.report.resave_bytes_reused += expected.bytes_reused
-            if result.bytes_new != expected.bytes_missing or digest_set_hash(d for d, _ in sent) != digest_set_hash(
+            if result.bytes_sent != expected.bytes_missing or digest_set_hash(d for d, _ in sent) != digest_set_hash(
                 expected.missing
             ):
-                self.violation(f"final re-save sent {len(sent)} tensors, {result.bytes_new} bytes; expected {expected}")
+                self.violation(f"final re-save sent {len(sent)} tensors, {result.bytes_sent} bytes; expected {expected}")
             if sum(n for _, n in sent) != expected.bytes_missing or len(sent) != len(expected.missing):
                 self.violation("final re-save sent a tensor twice or one the store had")
             self.checker.acknowledged[result.version] = (expected.step, self.checker.sha(expected.step))

@@ -37,7 +37,7 @@ class ModeReport:
     orphan_blobs_seen: int = 0
     orphan_blobs_end: int = 0
     resave_checks: int = 0
-    resave_bytes_new: int = 0
+    resave_bytes_sent: int = 0
     resave_bytes_expected: int = 0
     resave_bytes_reused: int = 0
     seconds: float = 0.0
@@ -60,7 +60,7 @@ def format_reports(reports: list[ModeReport]) -> str:
             "ORPHANS SEEN",
             "ORPHANS END",
             "RESAVES",
-            "RESAVE NEW",
+            "RESAVE SENT",
             "EXPECTED",
             "REUSED",
             "VIOLATIONS",
@@ -82,7 +82,7 @@ def format_reports(reports: list[ModeReport]) -> str:
                 str(r.orphan_blobs_seen),
                 str(r.orphan_blobs_end),
                 str(r.resave_checks),
-                _mib(r.resave_bytes_new),
+                _mib(r.resave_bytes_sent),
                 _mib(r.resave_bytes_expected),
                 _mib(r.resave_bytes_reused),
                 str(len(r.violations)),

@@ -147,8 +147,7 @@ def run_job(job: dict[str, Any]) -> int:
                     "version": result.version,
                     "step": step,
                     "sha": state_sha(model.state_dict()),
-                    "bytes_new": result.bytes_new,
-                    "tensors_new": result.tensors_new,
+                    "bytes_sent": result.bytes_sent,
                     **recorder.report(),
                 }
                 say("saved " + json.dumps(report))
