@@ -319,7 +319,9 @@ class ModeRun:
             if result.bytes_sent != expected.bytes_missing or digest_set_hash(d for d, _ in sent) != digest_set_hash(
                 expected.missing
             ):
-                self.violation(f"final re-save sent {len(sent)} tensors, {result.bytes_sent} bytes; expected {expected}")
+                self.violation(
+                    f"final re-save sent {len(sent)} tensors, {result.bytes_sent} bytes; expected {expected}"
+                )
             if sum(n for _, n in sent) != expected.bytes_missing or len(sent) != len(expected.missing):
                 self.violation("final re-save sent a tensor twice or one the store had")
             self.checker.acknowledged[result.version] = (expected.step, self.checker.sha(expected.step))
