@@ -171,6 +171,19 @@ def _not_finite(points: Sequence[Point]) -> list[str]:
     return [f"v{p[2]} {metric_to_json(p[1])}" for p in sorted(points, key=lambda p: p[2]) if not math.isfinite(p[1])]
 
 
+def _axes(
+    chart: Chart, points: Sequence[Point]
+) -> tuple[Callable[[float], float], Callable[[float], float], list[Tick], list[Tick]]:
+    """``(to_x, to_y, x_ticks, y_ticks)`` of axes covering ``points`` (finite, at least one) on ``chart``."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x_low, x_high = min(xs), max(xs)
+    y_low, y_high = _padded(ys)
+    to_x = _scale(x_low, x_high, chart.left + 4, chart.right - 4)
+    to_y = _scale(y_low, y_high, chart.bottom, chart.top)
+    x_ticks, y_ticks = _ticks((x_low, x_high, to_x), (y_low, y_high, to_y))
+    return to_x, to_y, x_ticks, y_ticks
+
+
 def line_chart(title: str, points: Sequence[Point], x_label: str) -> Chart:
     """A line through ``points`` ((x, y, version, hover text)), ordered by x then version; points
     whose value is NaN or infinite are not drawn but listed in ``left_out``."""
@@ -179,13 +192,8 @@ def line_chart(title: str, points: Sequence[Point], x_label: str) -> Chart:
     chart = Chart(title, x_label, [], [], [], [], "", left_out=left_out)
     if not ordered:
         return chart
-    xs, ys = [p[0] for p in ordered], [p[1] for p in ordered]
-    x_low, x_high = min(xs), max(xs)
-    y_low, y_high = _padded(ys)
-    to_x = _scale(x_low, x_high, chart.left + 4, chart.right - 4)
-    to_y = _scale(y_low, y_high, chart.bottom, chart.top)
+    to_x, to_y, x_ticks, y_ticks = _axes(chart, ordered)
     marks = [Mark(to_x(x), to_y(y), version, label) for x, y, version, label in ordered]
-    x_ticks, y_ticks = _ticks((x_low, x_high, to_x), (y_low, y_high, to_y))
     line = " ".join(f"{m.x},{m.y}" for m in marks)
     return Chart(title, x_label, x_ticks, y_ticks, marks, [], line, left_out=left_out)
 
@@ -200,17 +208,12 @@ def series_chart(title: str, series: Sequence[tuple[str, int, Sequence[Point]]],
     every = [p for _, _, points in series for p in points]
     if not every:
         return chart
-    xs, ys = [p[0] for p in every], [p[1] for p in every]
-    x_low, x_high = min(xs), max(xs)
-    y_low, y_high = _padded(ys)
-    to_x = _scale(x_low, x_high, chart.left + 4, chart.right - 4)
-    to_y = _scale(y_low, y_high, chart.bottom, chart.top)
+    to_x, to_y, x_ticks, y_ticks = _axes(chart, every)
     lines = []
     for name, index, points in series:
         ordered = sorted(points, key=lambda p: (p[0], p[2]))
         marks = [Mark(to_x(x), to_y(y), version, label) for x, y, version, label in ordered]
         lines.append(Line(name, index, marks, " ".join(f"{m.x},{m.y}" for m in marks)))
-    x_ticks, y_ticks = _ticks((x_low, x_high, to_x), (y_low, y_high, to_y))
     return Chart(title, x_label, x_ticks, y_ticks, [], [], "", lines=lines, left_out=left_out)
 
 
